@@ -1,0 +1,40 @@
+"""The one exception type for user-caused configuration problems."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong: names the dotted field, the value and what is allowed.
+
+    The CLI prints ``str(error)`` as a single line and exits with code 2, so the message must
+    stand on its own: ``train.batch_size = 0: expected an integer >= 1``.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str, hint: str = "") -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        self.hint = hint
+        message = f"{field} = {value!r}: expected {allowed}"
+        if hint:
+            message += f" ({hint})"
+        super().__init__(message)
+
+
+def closest_name(name: str, choices: Iterable[str]) -> str | None:
+    """The valid name closest to a misspelt one, or None when nothing is close."""
+    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def unknown_key_error(field: str, choices: Iterable[str]) -> ConfigError:
+    """ConfigError for an unknown key, suggesting the closest valid key of its section."""
+    choices = sorted(choices)
+    key = field.rsplit(".", 1)[-1]
+    suggestion = closest_name(key, choices)
+    hint = f"did you mean {suggestion!r}?" if suggestion else ""
+    return ConfigError(field, "<unknown key>", "one of " + ", ".join(choices), hint)

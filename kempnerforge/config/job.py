@@ -1,0 +1,103 @@
+"""JobConfig: every section of one run, and the rules that span sections."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.config.data import DataConfig
+from kempnerforge.config.distributed import DistributedConfig
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.eval import EvalConfig
+from kempnerforge.config.metrics import MetricsConfig
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.optimizer import OptimizerConfig
+from kempnerforge.config.profiling import ProfilingConfig
+from kempnerforge.config.scheduler import SchedulerConfig
+from kempnerforge.config.train import TrainConfig
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    @property
+    def is_vlm(self) -> bool:
+        """True for a vision-language job. No VLM sections exist yet, so always False."""
+        return False
+
+    @property
+    def run_dir(self) -> str:
+        return self.train.run_dir or os.path.join("runs", self.train.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    def validate(self, world_size: int) -> None:
+        """Check the rules that span sections or need the world size; raise ConfigError.
+
+        Section-local rules already ran in each section's __post_init__. The first broken
+        rule wins, so the order below is the order a user fixes things in.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        dist, model, train = self.distributed, self.model, self.train
+        if dist.pp > 1:
+            raise ConfigError(
+                "distributed.pp", dist.pp, "1", "pipeline parallelism is not available yet"
+            )
+        if dist.tp > 1:
+            raise ConfigError(
+                "distributed.tp", dist.tp, "1", "tensor parallelism is not available yet"
+            )
+        dp = dist.resolved_dp(world_size)
+        if dp * dist.tp * dist.pp != world_size:
+            raise ConfigError(
+                "distributed.dp_shard",
+                dist.dp_shard,
+                f"dp_shard * tp * pp == world size {world_size}",
+                f"tp = {dist.tp}, pp = {dist.pp}",
+            )
+        if world_size > 1:
+            raise ConfigError(
+                "distributed.dp_shard",
+                dp,
+                "a single process",
+                f"launched with world size {world_size}; multi-process data parallelism "
+                "is not available yet",
+            )
+        if model.is_moe:
+            raise ConfigError(
+                "model.num_experts", model.num_experts, "0", "MoE layers are not available yet"
+            )
+        if model.is_moe and dist.pp > 1:
+            raise ConfigError(
+                "distributed.pp", dist.pp, "1 for an MoE model", "MoE with PP is not supported"
+            )
+        if train.seq_len > model.max_seq_len:
+            raise ConfigError(
+                "train.seq_len", train.seq_len, f"<= model.max_seq_len = {model.max_seq_len}"
+            )
+        if self.scheduler.warmup_steps > train.max_steps:
+            raise ConfigError(
+                "scheduler.warmup_steps",
+                self.scheduler.warmup_steps,
+                f"<= train.max_steps = {train.max_steps}",
+            )
+        if self.profiling.enable and self.profiling.start_step > train.max_steps:
+            raise ConfigError(
+                "profiling.start_step",
+                self.profiling.start_step,
+                f"<= train.max_steps = {train.max_steps} when profiling.enable is true",
+            )

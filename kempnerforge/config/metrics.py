@@ -1,0 +1,21 @@
+"""[metrics]: what the run reports and how often."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kempnerforge.config.checks import check_choice, check_positive
+
+PROGRESS_MODES = ("auto", "bar", "plain", "off")
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = 10
+    """Write a metrics.jsonl row and a console line every N steps (and on the first step)."""
+    progress: str = "auto"
+    """'auto' (a live bar on a terminal, plain lines otherwise), 'bar', 'plain' or 'off'."""
+
+    def __post_init__(self) -> None:
+        check_positive("metrics.log_interval", self.log_interval)
+        check_choice("metrics.progress", self.progress, PROGRESS_MODES)

@@ -1,0 +1,24 @@
+"""[scheduler]: how the learning rate moves over the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kempnerforge.config.checks import check_at_least, check_in_range
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"
+    """Schedule after warmup, by registered name: 'cosine', 'linear', 'wsd' or 'constant'."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to the peak learning rate; at most train.max_steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine, linear and the WSD decay)."""
+    wsd_decay_fraction: float = 0.2
+    """WSD only: fraction of the post-warmup steps spent decaying at the end of the run."""
+
+    def __post_init__(self) -> None:
+        check_at_least("scheduler.warmup_steps", self.warmup_steps, 0)
+        check_in_range("scheduler.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_in_range("scheduler.wsd_decay_fraction", self.wsd_decay_fraction, 0.0, 1.0)

@@ -1,0 +1,72 @@
+"""[train]: what one run trains, for how long, and how each step is done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kempnerforge.config.checks import check_at_least, check_choice, check_positive
+from kempnerforge.config.errors import ConfigError
+
+LOSS_NAMES = ("cross_entropy",)
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    name: str = "debug"
+    """Run name; also the default run directory runs/<name>."""
+    run_dir: str = ""
+    """Directory for config.toml, metrics.jsonl and checkpoints/; empty means runs/<name>."""
+    batch_size: int = 8
+    """Micro-batch size per data-parallel rank, in sequences."""
+    seq_len: int = 256
+    """Tokens per training sequence; at most model.max_seq_len."""
+    max_steps: int = 1000
+    """Optimizer steps to train for; a resumed run continues up to this step."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    seed: int = 42
+    """Seeds model init, data order and every RNG (python, numpy, torch)."""
+    deterministic: bool = False
+    """Use deterministic kernels so that a CPU run repeats bitwise (slower on GPU)."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+    mixed_precision: str = "fp32"
+    """'fp32', or 'bf16' autocast for forward/backward (parameters and optimizer stay fp32)."""
+    compile: bool = False
+    """Compile the model with torch.compile before training."""
+    num_threads: int = 0
+    """CPU intra-op threads for torch; 0 keeps torch's default."""
+    loss_fn: str = "cross_entropy"
+    """Training loss, by name."""
+    z_loss_weight: float = 0.0
+    """Weight of the output z-loss, mean(logsumexp(logits)^2); 0 disables it."""
+    nan_consecutive_max: int = 5
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
+    hooks: list[str] = field(default_factory=list)
+    """Training hooks by import path, 'package.module:ClassName'; each is built with no arguments."""
+    sample_prompt: str = "def "
+    """At the end of a run, greedily continue this prompt and print it; empty disables it."""
+    sample_tokens: int = 120
+    """Number of tokens generated for the end-of-run sample."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError("train.name", self.name, "a non-empty name without '/'")
+        for name in ("batch_size", "seq_len", "max_steps", "grad_accum_steps"):
+            check_positive(f"train.{name}", getattr(self, name))
+        for name in ("grad_clip_norm", "z_loss_weight"):
+            check_at_least(f"train.{name}", getattr(self, name), 0.0)
+        check_at_least("train.num_threads", self.num_threads, 0)
+        check_at_least("train.nan_consecutive_max", self.nan_consecutive_max, 1)
+        check_at_least("train.sample_tokens", self.sample_tokens, 0)
+        check_choice("train.device", self.device, DEVICES)
+        check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
+        check_choice("train.loss_fn", self.loss_fn, LOSS_NAMES)
+        for hook in self.hooks:
+            module, _, attr = hook.partition(":")
+            if not module or not attr:
+                raise ConfigError("train.hooks", hook, "an import path 'package.module:ClassName'")
