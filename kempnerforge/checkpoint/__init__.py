@@ -1,0 +1,6 @@
+"""Checkpoints: atomic DCP saves, the `latest` pointer, retention, resume and RNG state."""
+
+from kempnerforge.checkpoint.manager import CheckpointError, CheckpointManager
+from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["CheckpointError", "CheckpointManager", "capture_rng_state", "restore_rng_state"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -9,20 +10,20 @@ from kempnerforge.config.errors import ConfigError, closest_name
 
 
 def check_at_least(field: str, value: float, minimum: float) -> None:
-    if value < minimum:
+    if not (math.isfinite(value) and value >= minimum):
         kind = "an integer" if isinstance(value, int) else "a number"
         raise ConfigError(field, value, f"{kind} >= {minimum}")
 
 
 def check_positive(field: str, value: float) -> None:
-    if not value > 0:
+    if not (math.isfinite(value) and value > 0):
         kind = "an integer" if isinstance(value, int) else "a number"
         raise ConfigError(field, value, f"{kind} > 0")
 
 
 def check_in_range(field: str, value: float, low: float, high: float) -> None:
     """Closed interval [low, high]."""
-    if not low <= value <= high:
+    if not (math.isfinite(value) and low <= value <= high):
         raise ConfigError(field, value, f"a number in [{low}, {high}]")
 
 

@@ -37,4 +37,7 @@ def unknown_key_error(field: str, choices: Iterable[str]) -> ConfigError:
     key = field.rsplit(".", 1)[-1]
     suggestion = closest_name(key, choices)
     hint = f"did you mean {suggestion!r}?" if suggestion else ""
-    return ConfigError(field, "<unknown key>", "one of " + ", ".join(choices), hint)
+    error = ConfigError(field, key, "a known key: " + ", ".join(choices), hint)
+    lead = f"{field}: unknown key" + (f", did you mean {suggestion!r}?" if suggestion else "")
+    error.args = (f"{lead} (known keys: {', '.join(choices)})",)
+    return error

@@ -53,6 +53,10 @@ class JobConfig:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         dist, model, train = self.distributed, self.model, self.train
+        if model.is_moe and dist.pp > 1:
+            raise ConfigError(
+                "distributed.pp", dist.pp, "1 for an MoE model", "MoE with PP is not supported"
+            )
         if dist.pp > 1:
             raise ConfigError(
                 "distributed.pp", dist.pp, "1", "pipeline parallelism is not available yet"
@@ -61,29 +65,34 @@ class JobConfig:
             raise ConfigError(
                 "distributed.tp", dist.tp, "1", "tensor parallelism is not available yet"
             )
+        if model.is_moe:
+            raise ConfigError(
+                "model.num_experts", model.num_experts, "0", "MoE layers are not available yet"
+            )
         dp = dist.resolved_dp(world_size)
         if dp * dist.tp * dist.pp != world_size:
             raise ConfigError(
                 "distributed.dp_shard",
                 dist.dp_shard,
-                f"dp_shard * tp * pp == world size {world_size}",
+                f"a value with dp_shard * tp * pp == world size {world_size}",
                 f"tp = {dist.tp}, pp = {dist.pp}",
             )
         if world_size > 1:
             raise ConfigError(
                 "distributed.dp_shard",
                 dp,
-                "a single process",
+                "1",
                 f"launched with world size {world_size}; multi-process data parallelism "
                 "is not available yet",
             )
-        if model.is_moe:
+        per_step = train.batch_size * train.grad_accum_steps * dp
+        if train.global_batch_size and train.global_batch_size != per_step:
             raise ConfigError(
-                "model.num_experts", model.num_experts, "0", "MoE layers are not available yet"
-            )
-        if model.is_moe and dist.pp > 1:
-            raise ConfigError(
-                "distributed.pp", dist.pp, "1 for an MoE model", "MoE with PP is not supported"
+                "train.global_batch_size",
+                train.global_batch_size,
+                f"batch_size * grad_accum_steps * dp = {train.batch_size} * "
+                f"{train.grad_accum_steps} * {dp} = {per_step}",
+                "change train.grad_accum_steps or train.batch_size to keep the global batch",
             )
         if train.seq_len > model.max_seq_len:
             raise ConfigError(

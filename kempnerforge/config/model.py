@@ -59,9 +59,7 @@ class ModelConfig:
         check_at_least("model.moe_aux_loss_weight", self.moe_aux_loss_weight, 0.0)
         check_at_least("model.moe_router_z_loss_weight", self.moe_router_z_loss_weight, 0.0)
         if self.dim % self.n_heads:
-            raise ConfigError(
-                "model.n_heads", self.n_heads, f"a divisor of model.dim = {self.dim}"
-            )
+            raise ConfigError("model.n_heads", self.n_heads, f"a divisor of model.dim = {self.dim}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 "model.n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads = {self.n_heads}"
@@ -76,15 +74,17 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
+        """Key/value heads in force (n_kv_heads, or n_heads when unset)."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head."""
         return self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
-        """SwiGLU hidden size: explicit, or the Llama rule 2/3 * 4 * dim * multiplier, rounded up."""
+        """SwiGLU hidden size: explicit, or Llama's 2/3 * 4 * dim * multiplier, rounded up."""
         if self.ffn_hidden_dim is not None:
             return self.ffn_hidden_dim
         hidden = int(2 * 4 * self.dim / 3 * self.ffn_multiplier)
@@ -92,4 +92,5 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
+        """True when blocks use mixture-of-experts feed-forward layers."""
         return self.num_experts > 0

@@ -26,6 +26,10 @@ class TrainConfig:
     """Optimizer steps to train for; a resumed run continues up to this step."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated into one optimizer step."""
+    global_batch_size: int = 0
+    """Optional guard, in sequences per optimizer step: when > 0 it must equal
+    batch_size * grad_accum_steps * data-parallel degree, so a relaunch at another world
+    size cannot silently change the batch. 0 skips the check."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     seed: int = 42
@@ -47,7 +51,7 @@ class TrainConfig:
     nan_consecutive_max: int = 5
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
     hooks: list[str] = field(default_factory=list)
-    """Training hooks by import path, 'package.module:ClassName'; each is built with no arguments."""
+    """Training hooks by import path, 'package.module:ClassName', each built with no arguments."""
     sample_prompt: str = "def "
     """At the end of a run, greedily continue this prompt and print it; empty disables it."""
     sample_tokens: int = 120
@@ -60,6 +64,7 @@ class TrainConfig:
             check_positive(f"train.{name}", getattr(self, name))
         for name in ("grad_clip_norm", "z_loss_weight"):
             check_at_least(f"train.{name}", getattr(self, name), 0.0)
+        check_at_least("train.global_batch_size", self.global_batch_size, 0)
         check_at_least("train.num_threads", self.num_threads, 0)
         check_at_least("train.nan_consecutive_max", self.nan_consecutive_max, 1)
         check_at_least("train.sample_tokens", self.sample_tokens, 0)

@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine: `make train` and `make test`.
+# Both create .venv on first use and are safe to re-run.
+
+PYTHON ?= python3
+VENV ?= .venv
+# The torch build to install when the venv has none. Installed first, on its own, so that
+# resolving the other dependencies never swaps in a different (e.g. multi-GB CUDA) build.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: train test lint install bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(BIN)/kempnerforge train configs/train/debug.toml
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) runs

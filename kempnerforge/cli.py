@@ -1,0 +1,94 @@
+"""The `kempnerforge` command: train and prepare-data.
+
+train: load config -> validate -> runtime -> build -> resume -> loop -> exit code.
+User-caused problems print one line and exit with a documented code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kempnerforge.checkpoint.manager import CheckpointError
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.data.errors import DataError
+from kempnerforge.resilience import exit_codes
+from kempnerforge.resilience.nan import NaNAbortError
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
+    from kempnerforge.metrics.logging import configure_logging
+    from kempnerforge.training.build import build_session, resume_session
+    from kempnerforge.training.loop import run_training_loop
+    from kempnerforge.training.sample import print_sample
+
+    config = load_config(args.config, overrides)
+    config.validate(world_size_from_env())
+    runtime = init_runtime(config.distributed, config.train.device)
+    configure_logging(runtime.rank)
+    try:
+        session = build_session(config, runtime)
+        with session.shutdown_handler, session.tracker:
+            step, tokens_seen = resume_session(session)
+            step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+        if session.shutdown_handler.requested:
+            return exit_codes.PREEMPTED
+        if runtime.is_main:
+            print(f"finished at step {step} ({tokens_seen:,} tokens); run dir: {config.run_dir}")
+            print_sample(session)
+        return exit_codes.FINISHED
+    finally:
+        teardown_runtime(runtime)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from kempnerforge.data.prepare import add_prepare_data_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="kempnerforge", description="Fault-tolerant training of foundation models."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train a model from a TOML config",
+        description="Train from CONFIG; any --section.field=value argument overrides the file.",
+    )
+    train.add_argument("config", help="path to a TOML config, e.g. configs/train/debug.toml")
+    prepare = commands.add_parser(
+        "prepare-data", help="tokenize text into a memory-mapped token file"
+    )
+    add_prepare_data_arguments(prepare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
+            if unknown:
+                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            return _train(args, extra)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from kempnerforge.data.prepare import run_prepare_data
+
+        return run_prepare_data(args)
+    except (ConfigError, DataError) as e:
+        print(f"kempnerforge: error: {e}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+    except CheckpointError as e:
+        print(f"kempnerforge: checkpoint error: {e}", file=sys.stderr)
+        return exit_codes.FAILED
+    except NaNAbortError as e:
+        print(f"kempnerforge: stopped: {e}", file=sys.stderr)
+        return exit_codes.NAN_ABORT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""MemoryMappedDataset: fixed-length training windows over a prepared tokens.bin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from kempnerforge.data.errors import DataError
+from kempnerforge.data.token_file import DTYPES, check_tokens_file, read_meta
+
+IGNORE_INDEX = -100
+
+
+class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
+    """Windows of ``seq_len + 1`` tokens at stride ``seq_len`` over a prepared directory.
+
+    Sample ``i`` covers tokens ``[i * seq_len, i * seq_len + seq_len + 1)``; consecutive windows
+    share one token, so every token but the first is a label exactly once. Each sample is a
+    dict of int64 tensors of shape ``(seq_len,)``:
+
+    - ``input_ids``: the window without its last token; ``labels``: without its first.
+    - ``doc_ids``: per input position, the document it belongs to, counted from 0 at the
+      window start; an EOS belongs to the document it ends.
+
+    With ``document_masking``, a label that starts a new document (its input is an EOS) is
+    IGNORE_INDEX, so nothing is predicted across a boundary, and ``doc_ids`` tells attention
+    where the documents are. Without it, ``doc_ids`` is all zeros: the window is one sequence.
+
+    The memory map is opened lazily and never pickled, so worker processes reopen it.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        seq_len: int,
+        document_masking: bool = True,
+        expected_tokenizer: str | None = None,
+        model_vocab_size: int | None = None,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.path = path
+        self.seq_len = seq_len
+        self.document_masking = document_masking
+        self.meta: dict[str, Any] = read_meta(path)
+        self._tokens_path = str(check_tokens_file(path, self.meta))
+        self._check_fits(expected_tokenizer, model_vocab_size)
+        self.num_tokens = int(self.meta["num_tokens"])
+        self.eos_id = int(self.meta["eos_id"])
+        self._dtype = DTYPES[self.meta["dtype"]]
+        self._num_windows = (self.num_tokens - 1) // seq_len
+        if self._num_windows < 1:
+            raise DataError(
+                f"{path}: {self.num_tokens} tokens, fewer than one window of seq_len + 1 = "
+                f"{seq_len + 1}; prepare more text or lower train.seq_len"
+            )
+        self._tokens: np.memmap | None = None
+
+    def _check_fits(self, expected_tokenizer: str | None, model_vocab_size: int | None) -> None:
+        prepared_with = self.meta["tokenizer"]
+        if expected_tokenizer is not None and prepared_with != expected_tokenizer:
+            raise DataError(
+                f"{self.path} was prepared with tokenizer {prepared_with!r}, but this job uses "
+                f"{expected_tokenizer!r}; set data.tokenizer to the one that prepared it or "
+                "run prepare-data again with this job's tokenizer"
+            )
+        vocab_size = int(self.meta["vocab_size"])
+        if model_vocab_size is not None and vocab_size > model_vocab_size:
+            raise DataError(
+                f"{self.path} holds ids of a {vocab_size}-token vocabulary, more than the "
+                f"model's vocab_size {model_vocab_size}; set model.vocab_size >= {vocab_size}"
+            )
+
+    def __len__(self) -> int:
+        return self._num_windows
+
+    def _memmap(self) -> np.memmap:
+        if self._tokens is None:
+            self._tokens = np.memmap(
+                self._tokens_path, dtype=self._dtype, mode="r", shape=(self.num_tokens,)
+            )
+        return self._tokens
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self._num_windows:
+            raise IndexError(f"window {index} out of range [0, {self._num_windows})")
+        start = index * self.seq_len
+        window = np.asarray(self._memmap()[start : start + self.seq_len + 1], dtype=np.int64)
+        input_ids = window[:-1]
+        labels = window[1:].copy()
+        doc_ids = np.zeros(self.seq_len, dtype=np.int64)
+        if self.document_masking:
+            ends_document = input_ids == self.eos_id
+            np.cumsum(ends_document[:-1], out=doc_ids[1:])
+            labels[ends_document] = IGNORE_INDEX
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "doc_ids": torch.from_numpy(doc_ids),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A memory map does not survive pickling to a worker; the worker reopens the file.
+        state = self.__dict__.copy()
+        state["_tokens"] = None
+        return state

@@ -1,0 +1,101 @@
+"""TrainDataLoader: a StatefulDataLoader that resumes exactly, also across worker counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class TrainDataLoader(StatefulDataLoader):
+    """StatefulDataLoader whose ``iter`` continues a started epoch instead of restarting it.
+
+    A plain one restarts the epoch when asked for a new iterator mid-epoch; a training loop
+    that drops its iterator (after swapping or reloading data) wants the next batch instead.
+    So a new iterator is built from this loader's own state_dict, which with workers also
+    accounts for batches they prefetched but nobody consumed.
+    """
+
+    def __iter__(self) -> _BaseDataLoaderIter:
+        iterator = self._iterator
+        if (
+            self.next_iter_state is None
+            and iterator is not None
+            and not self._initial_iter_for_state_dict
+            and not getattr(iterator, "_finished", True)
+            and getattr(iterator, "_num_yielded", 0) > 0
+        ):
+            self.load_state_dict(self.state_dict())
+        return super().__iter__()
+
+
+def build_train_loader(
+    dataset: Dataset[Any],
+    sampler: ShardedSampler,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+) -> TrainDataLoader:
+    """The training loader: whole batches only, deterministic given ``seed``."""
+    return TrainDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        # Seeds the workers' base seed; the order itself comes from the sampler.
+        generator=torch.Generator().manual_seed(seed),
+        # Snapshot at every batch, so a saved state is exact without replaying batches.
+        snapshot_every_n_steps=1,
+    )
+
+
+def state_num_workers(state: dict[str, Any]) -> int:
+    """Worker count of the loader that saved ``state``."""
+    if "_snapshot" in state:
+        return int(state["_snapshot"]["_main_snapshot"]["_num_workers"])
+    return 0
+
+
+def sampler_state_of(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The ShardedSampler state inside a saved StatefulDataLoader state, if it has one."""
+    main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
+    iter_state = main.get("_sampler_iter_state") or {}
+    return iter_state.get("sampler_state")
+
+
+def load_loader_state(
+    loader: TrainDataLoader, sampler: ShardedSampler, state: dict[str, Any]
+) -> None:
+    """Restore ``state`` into ``loader``, even one with another worker count.
+
+    With the same worker count the loader restores itself (exact); otherwise the sampler's
+    position is restored alone, which is exact too because the loader snapshots every batch.
+    """
+    if not state:
+        return
+    sampler_state = sampler_state_of(state)
+    if sampler_state is None:
+        raise ValueError("dataloader state holds no ShardedSampler state")
+    # Restored now, not only when the next iterator is built, so the epoch reads right at once.
+    sampler.load_state_dict(sampler_state)
+    saved_workers = state_num_workers(state)
+    if saved_workers == loader.num_workers:
+        loader.load_state_dict(state)
+        return
+    logger.info(
+        "dataloader workers changed from %d to %d: resuming from the sampler position",
+        saved_workers,
+        loader.num_workers,
+    )
+    loader.load_state_dict({})

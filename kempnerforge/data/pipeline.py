@@ -1,0 +1,149 @@
+"""DataPipeline: the tokenizer, training loader and held-out data of one job, built from [data]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from kempnerforge.config.data import DataConfig
+from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
+from kempnerforge.data.dataset import MemoryMappedDataset
+from kempnerforge.data.errors import DataError
+from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
+from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class DataPipeline:
+    """Everything the training loop reads data from.
+
+    ``dataloader`` is None when the job has no training data (an eval-only job); batches are
+    dicts of int64 ``(batch, seq_len)`` tensors ``input_ids``, ``labels`` and ``doc_ids``.
+    """
+
+    dataset: MemoryMappedDataset | None
+    sampler: ShardedSampler | None
+    dataloader: TrainDataLoader | None
+    eval_dataset: MemoryMappedDataset | None
+    tokenizer: Tokenizer
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def num_train_windows(self) -> int:
+        """Training windows in the whole dataset (all ranks); 0 without training data."""
+        return len(self.dataset) if self.dataset is not None else 0
+
+    @property
+    def epoch(self) -> int:
+        """The training epoch being read (0-based); 0 without training data."""
+        return self.sampler.epoch if self.sampler is not None else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataloader's position; the same on every data-parallel rank. {} without one."""
+        return self.dataloader.state_dict() if self.dataloader is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position, also one saved with another worker count or dp size.
+
+        Drop any live iterator afterwards: the next ``iter(dataloader)`` picks up there.
+        """
+        if self.dataloader is None or self.sampler is None or not state:
+            return
+        load_loader_state(self.dataloader, self.sampler, state)
+
+    def eval_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The first ``num_batches`` held-out batches of this rank, the same on every call.
+
+        Windows are read in order, wrapping around when the eval set is short. Global batch j
+        covers windows ``[j * B * dp_size, (j + 1) * B * dp_size)``; rank r reads its r-th
+        slice of B, so ranks never evaluate the same window twice in one global batch.
+        """
+        if self.eval_dataset is None:
+            raise DataError(
+                "no held-out data configured: set data.eval_path to a prepare-data directory "
+                "(or leave data.path empty to use the built-in corpus's held-out split)"
+            )
+        return self._eval_batches(self.eval_dataset, num_batches, batch_size)
+
+    def _eval_batches(
+        self, dataset: MemoryMappedDataset, num_batches: int, batch_size: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        for j in range(num_batches):
+            first = (j * self.dp_size + self.dp_rank) * batch_size
+            samples = [dataset[(first + k) % len(dataset)] for k in range(batch_size)]
+            yield default_collate(samples)
+
+
+def build_data_pipeline(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    model_vocab_size: int | None = None,
+    with_train: bool = True,
+) -> DataPipeline:
+    """Tokenizer, training loader and eval data for one data-parallel rank.
+
+    ``cfg.path`` empty means the built-in corpus (prepared on first use, then cached), whose
+    held-out split is the eval data unless ``cfg.eval_path`` names one. With ``cfg.path`` set
+    and ``cfg.eval_path`` empty there is no eval data. Every dataset is checked against the
+    tokenizer and ``model_vocab_size``.
+    """
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    train_dir, eval_dir = cfg.path, cfg.eval_path
+    if not cfg.path and (with_train or not cfg.eval_path):
+        builtin_train, builtin_eval = builtin_corpus(
+            cfg.cache_dir or default_cache_dir(), tokenizer, cfg.builtin_eval_fraction
+        )
+        train_dir, eval_dir = builtin_train, cfg.eval_path or builtin_eval
+
+    def open_dataset(path: str) -> MemoryMappedDataset:
+        return MemoryMappedDataset(
+            path,
+            seq_len,
+            document_masking=cfg.document_masking,
+            expected_tokenizer=tokenizer.identity,
+            model_vocab_size=model_vocab_size,
+        )
+
+    dataset = sampler = loader = None
+    if with_train:
+        dataset = open_dataset(train_dir)
+        sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
+        if sampler.samples_per_rank < batch_size:
+            raise DataError(
+                f"{train_dir}: {len(dataset)} windows of {seq_len + 1} tokens give each of "
+                f"{dp_size} data-parallel ranks {sampler.samples_per_rank}, fewer than one "
+                f"batch of {batch_size}; prepare more text or lower train.batch_size or "
+                "train.seq_len"
+            )
+        loader = build_train_loader(dataset, sampler, batch_size, cfg.num_workers, seed)
+        logger.info(
+            "training data %s: %s tokens, %s windows, %d batches per epoch per rank",
+            train_dir,
+            f"{dataset.num_tokens:,}",
+            f"{len(dataset):,}",
+            sampler.samples_per_rank // batch_size,
+        )
+    eval_dataset = open_dataset(eval_dir) if eval_dir else None
+    return DataPipeline(
+        dataset=dataset,
+        sampler=sampler,
+        dataloader=loader,
+        eval_dataset=eval_dataset,
+        tokenizer=tokenizer,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )

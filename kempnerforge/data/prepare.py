@@ -1,0 +1,257 @@
+"""prepare-data: tokenize text files into a prepared directory (tokens.bin + meta.json).
+
+Also splits off a held-out set by document, so train and eval never share a document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from kempnerforge.data.errors import DataError
+from kempnerforge.data.sources import discover_input_files, read_documents
+from kempnerforge.data.token_file import TokenFileWriter, read_meta
+from kempnerforge.data.tokenizer import Tokenizer, encode_to_arrays, load_tokenizer
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+# Documents are tokenized in batches of about this much text (a Hugging Face tokenizer runs a
+# batch on all cores); the batch is the most text ever held at once besides one document.
+_BATCH_CHARS = 1 << 20
+_BATCH_DOCS = 1024
+
+
+def is_eval_document(text_bytes: bytes, eval_fraction: float) -> bool:
+    """Whether a document belongs to the held-out split.
+
+    Decided by a hash of the text, so the split is the same on every run and machine, and a
+    document repeated in the corpus lands on one side only.
+    """
+    if eval_fraction <= 0.0:
+        return False
+    digest = hashlib.blake2b(text_bytes, digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64 < eval_fraction
+
+
+class _Progress:
+    """One stderr line, rewritten after each source file."""
+
+    def __init__(self, total_files: int, enabled: bool) -> None:
+        self.total_files = total_files
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self.files = 0
+        self.text_bytes = 0
+
+    def file_done(self, writers: list[TokenFileWriter]) -> None:
+        self.files += 1
+        if not self.enabled:
+            return
+        docs = sum(w.num_documents for w in writers)
+        tokens = sum(w.num_tokens for w in writers)
+        rate = self.text_bytes / 1e6 / max(time.monotonic() - self.start, 1e-9)
+        sys.stderr.write(
+            f"\rprepare-data: {self.files}/{self.total_files} files, {docs:,} documents, "
+            f"{tokens / 1e6:.1f}M tokens, {rate:.1f} MB/s "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def write_corpus(
+    sources: Iterable[tuple[str, Iterable[str]]],
+    num_sources: int,
+    output_dir: str,
+    tokenizer: Tokenizer,
+    *,
+    eval_fraction: float = 0.0,
+    eval_output_dir: str | None = None,
+    show_progress: bool = False,
+) -> dict[str, Any]:
+    """Tokenize ``(source name, documents)`` pairs into prepared directories.
+
+    Empty documents are skipped. Returns the train split's metadata; the eval split's is in
+    ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
+    is complete and non-empty.
+    """
+    _check_split_args(output_dir, eval_fraction, eval_output_dir)
+    progress = _Progress(num_sources, show_progress)
+    with ExitStack() as stack:
+        train = stack.enter_context(TokenFileWriter(output_dir, tokenizer))
+        writers = [train]
+        held_out = None
+        if eval_fraction > 0.0:
+            assert eval_output_dir is not None
+            held_out = stack.enter_context(TokenFileWriter(eval_output_dir, tokenizer))
+            writers.append(held_out)
+        try:
+            for _name, documents in sources:
+                for batch in _batches(documents, eval_fraction, progress):
+                    arrays = encode_to_arrays(tokenizer, [text for text, _ in batch])
+                    for (_, to_eval), tokens in zip(batch, arrays, strict=True):
+                        (held_out if to_eval and held_out else train).add_document(tokens)
+                progress.file_done(writers)
+        finally:
+            progress.close()
+        _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
+        if held_out is not None:
+            held_out.finish(num_sources)
+        meta = train.finish(num_sources)
+    logger.info(
+        "prepared %s tokens in %s documents into %s (%.1f s)",
+        f"{meta['num_tokens']:,}",
+        f"{meta['num_documents']:,}",
+        output_dir,
+        time.monotonic() - progress.start,
+    )
+    return meta
+
+
+def _batches(
+    documents: Iterable[str], eval_fraction: float, progress: _Progress
+) -> Iterator[list[tuple[str, bool]]]:
+    """Non-empty documents with their split, grouped for batched tokenization."""
+    batch: list[tuple[str, bool]] = []
+    chars = 0
+    for text in documents:
+        if not text:
+            continue
+        data = text.encode("utf-8")
+        progress.text_bytes += len(data)
+        batch.append((text, is_eval_document(data, eval_fraction)))
+        chars += len(text)
+        if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _check_split_args(output_dir: str, eval_fraction: float, eval_output_dir: str | None) -> None:
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"eval fraction {eval_fraction} for {output_dir}: expected 0 <= F < 1")
+    if eval_fraction > 0.0:
+        if not eval_output_dir:
+            raise DataError(
+                f"eval fraction {eval_fraction} for {output_dir} needs an eval output directory "
+                "(--eval-output DIR)"
+            )
+        if Path(eval_output_dir).resolve() == Path(output_dir).resolve():
+            raise DataError(f"{output_dir}: the eval output must be a different directory")
+
+
+def _check_not_empty(
+    train: TokenFileWriter,
+    held_out: TokenFileWriter | None,
+    output_dir: str,
+    eval_output_dir: str | None,
+    eval_fraction: float,
+) -> None:
+    total = train.num_documents + (held_out.num_documents if held_out else 0)
+    if total == 0:
+        raise DataError(
+            f"{output_dir}: the inputs hold no text (zero tokens); check the files and the "
+            "jsonl text field"
+        )
+    if train.num_documents == 0:
+        raise DataError(
+            f"{output_dir}: all {total} documents went to the eval split; lower the eval fraction"
+        )
+    if held_out is not None and held_out.num_documents == 0:
+        raise DataError(
+            f"{eval_output_dir}: eval fraction {eval_fraction} selected none of {total} "
+            "documents; raise the fraction or add documents"
+        )
+
+
+def prepare_data(
+    inputs: list[str],
+    output_dir: str,
+    tokenizer: Tokenizer,
+    text_field: str = "text",
+    show_progress: bool = False,
+    eval_fraction: float = 0.0,
+    eval_output_dir: str | None = None,
+) -> dict[str, Any]:
+    """Tokenize .txt / .jsonl files (optionally .gz; directories walked) into ``output_dir``.
+
+    Each .txt file is one document, each .jsonl line one document taken from ``text_field``;
+    every document is followed by EOS. With ``eval_fraction`` > 0 about that fraction of the
+    documents goes to ``eval_output_dir`` instead. Returns the train split's metadata.
+    """
+    files = discover_input_files(inputs)
+    sources = ((str(f), read_documents(f, text_field)) for f in files)
+    return write_corpus(
+        sources,
+        len(files),
+        output_dir,
+        tokenizer,
+        eval_fraction=eval_fraction,
+        eval_output_dir=eval_output_dir,
+        show_progress=show_progress,
+    )
+
+
+def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kempnerforge prepare-data`."""
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE_OR_DIR",
+        help=".txt / .jsonl files (optionally .gz) or directories searched recursively",
+    )
+    parser.add_argument("--output", required=True, metavar="DIR", help="prepared directory")
+    parser.add_argument(
+        "--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json"
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="jsonl field holding the document text"
+    )
+    parser.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="fraction of documents held out into --eval-output (default 0: none)",
+    )
+    parser.add_argument("--eval-output", default=None, metavar="DIR", help="held-out directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def run_prepare_data(args: argparse.Namespace) -> int:
+    """Run `kempnerforge prepare-data`; DataError and ConfigError propagate to the CLI."""
+    if args.eval_output and args.eval_fraction <= 0.0:
+        raise DataError(f"--eval-output {args.eval_output} needs --eval-fraction F > 0")
+    meta = prepare_data(
+        args.input,
+        args.output,
+        load_tokenizer(args.tokenizer),
+        text_field=args.text_field,
+        show_progress=not args.no_progress and sys.stderr.isatty(),
+        eval_fraction=args.eval_fraction,
+        eval_output_dir=args.eval_output,
+    )
+    summary = (
+        f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
+        f"({meta['dtype']}) into {args.output}"
+    )
+    if args.eval_fraction > 0.0:
+        held_out = read_meta(args.eval_output)
+        summary += (
+            f"; held out {held_out['num_tokens']:,} tokens in "
+            f"{held_out['num_documents']:,} documents into {args.eval_output}"
+        )
+    print(summary)
+    return 0

@@ -1,0 +1,190 @@
+"""The prepared-data format: tokens.bin (raw little-endian ids) plus meta.json, and its writer.
+
+A prepared directory is complete exactly when meta.json exists: the writer renames tokens.bin
+into place first and meta.json last, so a crash never leaves a half file under a final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from kempnerforge.data.errors import DataError
+from kempnerforge.data.tokenizer import Tokenizer
+
+TOKENS_FILE = "tokens.bin"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+META_KEYS = (
+    "format_version",
+    "dtype",
+    "vocab_size",
+    "num_tokens",
+    "num_documents",
+    "tokenizer",
+    "eos_id",
+    "bos_id",
+    "content_sha256",
+    "sources",
+)
+_FLUSH_TOKENS = 1 << 22  # 4M tokens buffered between writes: 8-16 MB
+
+
+def dtype_name_for_vocab(vocab_size: int) -> str:
+    """The narrowest stored dtype that holds every id below ``vocab_size``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+class TokenFileWriter:
+    """Streams documents into ``output_dir/tokens.bin``, each followed by EOS.
+
+    Use as a context manager: leaving it by an exception removes the temporary file and leaves
+    whatever was under the final names before untouched; ``finish`` publishes the result.
+    """
+
+    def __init__(self, output_dir: str, tokenizer: Tokenizer) -> None:
+        self.output_dir = Path(output_dir)
+        self.tokenizer = tokenizer
+        self.dtype_name = dtype_name_for_vocab(tokenizer.vocab_size)
+        self._dtype = DTYPES[self.dtype_name]
+        self._eos = np.array([tokenizer.eos_id], dtype=self._dtype)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp_tokens = self.output_dir / f".{TOKENS_FILE}.tmp-{os.getpid()}"
+        self._file = open(self._tmp_tokens, "wb")  # noqa: SIM115 (closed by finish or abort)
+        self._sha = hashlib.sha256()
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
+        self.num_tokens = 0
+        self.num_documents = 0
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        """Append one document's ids and its EOS."""
+        self._buffer.append(tokens)
+        self._buffer.append(self._eos)
+        self._buffered += len(tokens) + 1
+        self.num_documents += 1
+        if self._buffered >= _FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        ids = np.concatenate(self._buffer)
+        if ids.size and int(ids.max()) >= self.tokenizer.vocab_size:
+            # A cast would wrap such an id silently into a different token.
+            raise ValueError(
+                f"tokenizer {self.tokenizer.identity} produced id {int(ids.max())} "
+                f">= its vocab_size {self.tokenizer.vocab_size}"
+            )
+        data = ids.astype(self._dtype, copy=False).tobytes()
+        self._file.write(data)
+        self._sha.update(data)
+        self.num_tokens += self._buffered
+        self._buffer.clear()
+        self._buffered = 0
+
+    def finish(self, num_sources: int) -> dict[str, Any]:
+        """Publish tokens.bin and meta.json; returns the metadata written."""
+        self._flush()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "dtype": self.dtype_name,
+            "vocab_size": self.tokenizer.vocab_size,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "tokenizer": self.tokenizer.identity,
+            "eos_id": self.tokenizer.eos_id,
+            "bos_id": self.tokenizer.bos_id,
+            "content_sha256": self._sha.hexdigest(),
+            "sources": num_sources,
+        }
+        meta_path = self.output_dir / META_FILE
+        # Drop the old meta.json first: new tokens beside old metadata must never look complete.
+        meta_path.unlink(missing_ok=True)
+        os.replace(self._tmp_tokens, self.output_dir / TOKENS_FILE)
+        tmp_meta = self.output_dir / f".{META_FILE}.tmp-{os.getpid()}"
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp_meta, meta_path)
+        return meta
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (safe to call more than once)."""
+        if not self._file.closed:
+            self._file.close()
+        self._tmp_tokens.unlink(missing_ok=True)
+
+    def __enter__(self) -> TokenFileWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def read_meta(data_dir: str) -> dict[str, Any]:
+    """meta.json of a prepared directory, checked for the keys and values this format needs."""
+    path = Path(data_dir) / META_FILE
+    hint = "run `kempnerforge prepare-data --input ... --output DIR` and point at DIR"
+    if not path.is_file():
+        what = "is not a directory" if not Path(data_dir).is_dir() else f"has no {META_FILE}"
+        raise DataError(f"{data_dir} {what}: it is not a prepared data directory; {hint}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: cannot be read as JSON ({exc}); {hint} again") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected a JSON object; {hint} again")
+    missing = [key for key in META_KEYS if key not in meta]
+    if missing:
+        raise DataError(f"{path}: missing {', '.join(missing)}; {hint} again")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DataError(
+            f"{path}: format_version {meta['format_version']!r}, this version reads "
+            f"{FORMAT_VERSION}; {hint} again"
+        )
+    if meta["dtype"] not in DTYPES:
+        raise DataError(
+            f"{path}: dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}; {hint} again"
+        )
+    return meta
+
+
+def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> Path:
+    """Path of tokens.bin after checking its size matches meta.json's count and dtype."""
+    path = Path(data_dir) / TOKENS_FILE
+    if not path.is_file():
+        raise DataError(f"{path} is missing although meta.json exists; run prepare-data again")
+    itemsize = DTYPES[meta["dtype"]].itemsize
+    expected = int(meta["num_tokens"]) * itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise DataError(
+            f"{path} is {actual} bytes but meta.json says {meta['num_tokens']} tokens of "
+            f"{meta['dtype']} = {expected} bytes: the file is truncated or the dtype is wrong; "
+            "run prepare-data again"
+        )
+    return path
+
+
+def is_complete(data_dir: str) -> bool:
+    """Whether ``data_dir`` holds a finished, size-consistent prepared corpus."""
+    try:
+        check_tokens_file(data_dir, read_meta(data_dir))
+    except DataError:
+        return False
+    return True

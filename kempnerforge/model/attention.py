@@ -1,0 +1,82 @@
+"""Grouped-query causal self-attention, with optional packed-document masking."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.rope import apply_rope
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask (batch, 1, seq, seq): True where query i may attend to key j.
+
+    A key is visible when it is not in the future and belongs to the same document as the
+    query, so packed documents never see each other. The diagonal is always True, so no row is
+    fully masked. Built once per forward and shared by every layer.
+    """
+    seq_len = doc_ids.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with n_kv_heads <= n_heads key/value heads (GQA), RoPE on q and k.
+
+    Query head h reads key/value head h // (n_heads / n_kv_heads). Head counts are read from
+    the projected shapes, not the config, so a tensor-parallel shard (fewer local heads) runs
+    the same code.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        """Channels per head; RoPE rotates them in two halves."""
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        """Query projection."""
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        """Key projection (kv_heads heads)."""
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        """Value projection (kv_heads heads)."""
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        """Output projection into the residual stream; its init is depth-scaled."""
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Normal init: std for wq, wk, wv and out_std for the residual-writing wo."""
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend causally over x (batch, seq, dim); mask (from document_causal_mask) if given.
+
+        Without a mask SDPA runs with is_causal=True, which admits the flash kernels, and
+        handles GQA itself (enable_gqa). With a mask the key/value heads are repeated first:
+        the memory-efficient kernels that take a mask do not accept grouped heads in every
+        PyTorch build, and a silent fall-back to the math kernel would materialize every
+        (seq, seq) score matrix.
+        """
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        n_rep = q.shape[1] // k.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+        else:
+            if n_rep > 1:
+                k = k.repeat_interleave(n_rep, dim=1)
+                v = v.repeat_interleave(n_rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))

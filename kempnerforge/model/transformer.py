@@ -1,0 +1,165 @@
+"""The decoder-only Transformer (Llama-3 layout) and its parameter and FLOP accounting."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.attention import Attention, document_causal_mask
+from kempnerforge.model.mlp import SwiGLU
+from kempnerforge.model.norm import RMSNorm
+from kempnerforge.model.rope import rope_tables
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        """Normalizes the attention input."""
+        self.attention = Attention(cfg)
+        """Grouped-query causal self-attention."""
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        """Normalizes the feed-forward input."""
+        self.feed_forward = SwiGLU(cfg.dim, cfg.hidden_dim)
+        """SwiGLU feed-forward."""
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Initialize both sublayers; out_std goes to the projections that write the residual."""
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token embedding, n_layers pre-norm blocks, final RMSNorm and a bias-free output head.
+
+    With cfg.tie_embeddings the head's weight is the embedding's weight (one Parameter). The
+    RoPE tables are non-persistent fp32 buffers: they follow .to(device) but stay out of the
+    state dict. init_weights() recomputes them and re-ties the head, so a model built on the
+    meta device and materialized with to_empty() is complete after one init_weights() call.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.is_moe:
+            raise ConfigError(
+                "model.num_experts", cfg.num_experts, "0", "MoE layers are not available yet"
+            )
+        self.cfg = cfg
+        """The shape this model was built from."""
+        # Build on meta and materialize once: the default inits of nn.Linear / nn.Embedding
+        # would cost time and draw from the RNG, only to be overwritten by init_weights(). So
+        # the weights depend on the seed alone, exactly as after meta + to_empty + init_weights.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self._build(cfg)
+        self.to_empty(device=device)
+        self.init_weights()
+
+    def _build(self, cfg: ModelConfig) -> None:
+        """Create the submodules and RoPE buffers, uninitialized; the head is tied later."""
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        """Token id -> residual-stream vector."""
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        """The Transformer blocks, applied in order."""
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        """Final normalization before the output head."""
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        """Residual stream -> vocabulary logits; its weight is tok_embeddings' when tied."""
+        half = cfg.head_dim // 2
+        self.rope_cos: torch.Tensor
+        """RoPE cosines, (max_seq_len, head_dim // 2), fp32; not checkpointed."""
+        self.rope_sin: torch.Tensor
+        """RoPE sines, (max_seq_len, head_dim // 2), fp32; not checkpointed."""
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw all weights from the global torch RNG and recompute the RoPE tables.
+
+        Embedding and every Linear: normal(0, init_std), in module order, so the same seed gives
+        the same weights however the model was materialized. The two projections that write into
+        the residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers),
+        so the residual's variance at init does not grow with depth. Norm gains are 1.
+        """
+        cfg = self.cfg
+        # to_empty() gives each module its own tensor, which silently unties the head.
+        if cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=cfg.init_std)
+        for layer in self.layers:
+            layer.init_weights(cfg.init_std, out_std)
+        self.norm.reset_parameters()
+        if not cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=cfg.init_std)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab_size) for input_ids (batch, seq), seq <= max_seq_len.
+
+        doc_ids (batch, seq), if given, numbers the packed documents of each row; tokens then
+        attend only to earlier tokens of their own document. Without it the whole row is one
+        causal sequence. No host syncs: nothing here reads a tensor value into Python.
+        """
+        seq_len = input_ids.shape[1]
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        mask = None if doc_ids is None else document_causal_mask(doc_ids)
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        return self.output(self.norm(h))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Count parameters, a tied embedding/head matrix once.
+
+        exclude_embedding drops the input embedding table, which is a lookup and costs no
+        FLOPs. A tied matrix is kept, because it is still the output head's matmul; so for a
+        tied model both counts are equal.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.cfg.tie_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at seq_len: 6 * N + 12 * n_layers * dim * seq_len.
+
+        N is num_params(exclude_embedding=True): every weight that takes part in a matmul,
+        output head included. A forward pass costs 2 FLOPs per multiply-add, so 2 * N for the
+        weights, and backward costs twice the forward (grads w.r.t. inputs and weights), hence
+        6 * N. Attention adds, per layer and token, QK^T and AV at seq_len * dim multiply-adds
+        each: 2 * 2 * seq_len * dim forward, times 3 for forward plus backward. The causal
+        mask's skipped half is not subtracted, matching the usual MFU convention.
+        """
+        n = self.num_params(exclude_embedding=True)
+        return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.dim * seq_len
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """Construct the Transformer for cfg on the current default device, initialized.
+
+    Call it under `with torch.device("meta"):` to get shapes without memory; then
+    to_empty(device=...) and init_weights() make it real.
+    """
+    return Transformer(cfg)

@@ -1,0 +1,169 @@
+"""Training hooks: user code the loop calls at fixed events, named by import path."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kempnerforge.config.errors import ConfigError, closest_name
+from kempnerforge.metrics.logging import get_logger
+
+if TYPE_CHECKING:
+    from kempnerforge.config.job import JobConfig
+
+logger = get_logger(__name__)
+
+MAX_HOOK_FAILURES = 3
+"""A hook that raises this many times in one run is disabled for the rest of it."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a hook sees after an optimizer step (scalars are host floats, already synced)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_seen: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+class TrainingHook:
+    """Base class for hooks; override the events you need, the rest do nothing.
+
+    Hooks observe, never steer: they may read the model and optimizer, log, write files or
+    send alerts, but must not change parameters, optimizer state, the step or the data; the
+    loop does not read anything back from them. An exception raised by a hook is reported
+    and training goes on (see HookRunner). A hook is built with no arguments, so settings
+    are constructor defaults or read from the environment.
+    """
+
+    def on_train_begin(self, config: JobConfig) -> None:
+        """Before the first step (also after a resume); `config` is the validated job."""
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        """After every optimizer step that was taken (skipped NaN steps are not reported)."""
+
+    def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
+        """After an evaluation at `step`, with the logged metrics (eval_loss, eval_ppl, ...)."""
+
+    def on_checkpoint_save(self, step: int, path: str) -> None:
+        """After the checkpoint of `step` was saved; `path` is that checkpoint's directory."""
+
+    def on_train_end(self, step: int, tokens_seen: int) -> None:
+        """After the last step, with the final step and token count."""
+
+
+class HookRunner:
+    """Calls every hook, in order, at each event; a failing hook cannot stop training.
+
+    An exception (not a KeyboardInterrupt or SystemExit) is logged at ERROR with the
+    hook's class, the event, the step and the traceback, and the remaining hooks still run.
+    After MAX_HOOK_FAILURES failures in total a hook is disabled with a warning.
+    """
+
+    def __init__(self, hooks: list[TrainingHook] | None = None) -> None:
+        self._hooks = list(hooks or [])
+        self._failures = [0] * len(self._hooks)
+
+    @property
+    def hooks(self) -> list[TrainingHook]:
+        """The hooks still enabled, in call order."""
+        return [
+            h for h, n in zip(self._hooks, self._failures, strict=True) if n < MAX_HOOK_FAILURES
+        ]
+
+    def add(self, hook: TrainingHook) -> None:
+        """Register one more hook, dispatched after the ones already held."""
+        self._hooks.append(hook)
+        self._failures.append(0)
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def on_train_begin(self, config: JobConfig) -> None:
+        self._dispatch("on_train_begin", None, config)
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        self._dispatch("on_step_end", ctx.step, ctx)
+
+    def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
+        self._dispatch("on_eval_end", step, step, metrics)
+
+    def on_checkpoint_save(self, step: int, path: str) -> None:
+        self._dispatch("on_checkpoint_save", step, step, path)
+
+    def on_train_end(self, step: int, tokens_seen: int) -> None:
+        self._dispatch("on_train_end", step, step, tokens_seen)
+
+    def _dispatch(self, event: str, step: int | None, *args: Any) -> None:
+        for i, hook in enumerate(self._hooks):
+            if self._failures[i] >= MAX_HOOK_FAILURES:
+                continue
+            try:
+                getattr(hook, event)(*args)
+            except Exception:
+                self._failures[i] += 1
+                name = type(hook).__qualname__
+                where = "before the first step" if step is None else f"at step {step}"
+                logger.error("hook %s failed in %s %s", name, event, where, exc_info=True)
+                if self._failures[i] >= MAX_HOOK_FAILURES:
+                    logger.warning(
+                        "hook %s disabled after %d failures; training continues without it",
+                        name,
+                        MAX_HOOK_FAILURES,
+                    )
+
+
+_ALLOWED = "an import path 'package.module:ClassName' naming a TrainingHook subclass"
+
+
+def load_hooks(paths: list[str]) -> list[TrainingHook]:
+    """Import each 'package.module:ClassName' and build it with no arguments.
+
+    Raises ConfigError("train.hooks", path, ...) when the module cannot be imported, the
+    name is missing from it, it is not a TrainingHook subclass, or building it fails.
+    """
+    return [_load_hook(path) for path in paths]
+
+
+def _load_hook(path: str) -> TrainingHook:
+    module_name, _, attr_path = path.partition(":")
+    if not module_name or not attr_path:
+        raise ConfigError("train.hooks", path, _ALLOWED, "expected exactly one ':'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        hint = f"cannot import {module_name!r}: {type(e).__name__}: {e}"
+        missing = e.name if isinstance(e, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            hint += "; is its directory on PYTHONPATH?"
+        raise ConfigError("train.hooks", path, _ALLOWED, hint) from e
+
+    obj: Any = module
+    owner = module_name
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            hint = f"no attribute {attr!r} in {owner!r}"
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            suggestion = closest_name(attr, names)
+            if suggestion:
+                hint += f"; did you mean {suggestion!r}?"
+            raise ConfigError("train.hooks", path, _ALLOWED, hint)
+        obj = getattr(obj, attr)
+        owner = f"{owner}.{attr}"
+
+    if not (isinstance(obj, type) and issubclass(obj, TrainingHook)):
+        what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+        hint = f"{attr_path} is not a TrainingHook subclass (it is a {what})"
+        raise ConfigError("train.hooks", path, _ALLOWED, hint)
+    try:
+        return obj()
+    except Exception as e:
+        hint = f"{attr_path}() failed: {type(e).__name__}: {e}; hooks are built with no arguments"
+        raise ConfigError("train.hooks", path, _ALLOWED, hint) from e

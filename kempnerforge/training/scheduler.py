@@ -1,0 +1,69 @@
+"""build_scheduler: linear warmup, then a named decay shape, as a state_dict-able LambdaLR."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kempnerforge.config.registry import Registry
+from kempnerforge.config.scheduler import SchedulerConfig
+
+# A decay shape maps progress p in [0, 1] through the post-warmup steps to an LR factor.
+DecayShape = Callable[[float, SchedulerConfig], float]
+SCHEDULES: Registry[DecayShape] = Registry("scheduler.name")
+
+
+@SCHEDULES.register("cosine")
+def cosine(progress: float, cfg: SchedulerConfig) -> float:
+    r = cfg.min_lr_ratio
+    return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@SCHEDULES.register("linear")
+def linear(progress: float, cfg: SchedulerConfig) -> float:
+    return 1 - (1 - cfg.min_lr_ratio) * progress
+
+
+@SCHEDULES.register("constant")
+def constant(progress: float, cfg: SchedulerConfig) -> float:
+    return 1.0
+
+
+@SCHEDULES.register("wsd")
+def warmup_stable_decay(progress: float, cfg: SchedulerConfig) -> float:
+    """Flat at the peak, then linear decay to min_lr_ratio over the last wsd_decay_fraction."""
+    stable = 1 - cfg.wsd_decay_fraction
+    if progress <= stable or cfg.wsd_decay_fraction == 0:
+        return 1.0
+    decay_progress = (progress - stable) / cfg.wsd_decay_fraction
+    return 1 - (1 - cfg.min_lr_ratio) * decay_progress
+
+
+def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int) -> float:
+    """LR multiplier used for optimizer step ``step + 1`` (``step`` steps already taken).
+
+    Warmup ramps linearly so the first step already trains (factor 1/warmup), reaching the
+    peak after warmup_steps steps; the decay shape then runs from progress 0 to 1 at
+    max_steps.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = max(max_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    return SCHEDULES.get(cfg.name)(progress, cfg)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose state (last_epoch, base_lrs) is all a resume needs.
+
+    The factor function is rebuilt from the config, so resuming with a longer max_steps
+    reshapes the remaining schedule rather than replaying the old one.
+    """
+    SCHEDULES.get(cfg.name)  # unknown names fail here, at build time, not at step 1
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg, max_steps)
+    )

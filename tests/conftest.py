@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny job config over a token file generated in tmp_path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kempnerforge.config.loader import load_config
+from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.tokenizer import ByteTokenizer
+
+TINY_MODEL = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=2",
+    "--model.multiple_of=16",
+    "--model.max_seq_len=64",
+]
+
+
+def synthetic_documents(num_docs: int, seed: int = 0) -> list[str]:
+    """Small, learnable documents: repeated words with a little variety."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]
+    return [
+        " ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) + "\n"
+        for _ in range(num_docs)
+    ]
+
+
+@pytest.fixture(scope="session")
+def token_dirs(tmp_path_factory) -> tuple[str, str]:
+    """(train_dir, eval_dir) prepared with the byte tokenizer from synthetic documents."""
+    root = tmp_path_factory.mktemp("tokens")
+    source = root / "docs.jsonl"
+    import json
+
+    with open(source, "w") as f:
+        for text in synthetic_documents(400):
+            f.write(json.dumps({"text": text}) + "\n")
+    train, evald = str(root / "train"), str(root / "eval")
+    prepare_data([str(source)], train, ByteTokenizer(), eval_fraction=0.1, eval_output_dir=evald)
+    return train, evald
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path, token_dirs) -> list[str]:
+    train, evald = token_dirs
+    return [
+        *TINY_MODEL,
+        "--train.batch_size=4",
+        "--train.seq_len=32",
+        "--train.max_steps=6",
+        "--train.sample_prompt=",
+        f"--train.run_dir={tmp_path / 'run'}",
+        "--scheduler.warmup_steps=2",
+        "--metrics.progress=off",
+        "--metrics.log_interval=1",
+        "--checkpoint.interval=0",
+        f"--data.path={train}",
+        f"--data.eval_path={evald}",
+    ]
+
+
+@pytest.fixture
+def tiny_job_config(tiny_overrides):
+    return load_config(None, tiny_overrides)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Two cores are shared by everything: keep each test to one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

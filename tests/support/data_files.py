@@ -1,0 +1,61 @@
+"""Data test inputs built in tmp_path: a Hugging Face tokenizer.json, jsonl files, token dirs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kempnerforge.data.token_file import TokenFileWriter
+from kempnerforge.data.tokenizer import ByteTokenizer, Tokenizer
+
+HF_TRAINING_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "the quick brown fox jumps over the lazy dog",
+    "h\u00e9llo w\u00f6rld, \u65e5\u672c\u8a9e and emoji \U0001f600",
+]
+
+
+def make_hf_tokenizer(
+    path: Path, specials: Sequence[str] = ("<|endoftext|>", "<pad>", "<s>")
+) -> str:
+    """Train a small byte-level BPE tokenizer and save it as a tokenizer.json."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(HF_TRAINING_TEXT, trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return str(path)
+
+
+def write_jsonl(path: Path, texts: Sequence[str], field: str = "text") -> Path:
+    """One JSON object per line (gzip-compressed when the name ends in .gz)."""
+    lines = "".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts))
+    data = lines.encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
+    return path
+
+
+def write_token_dir(
+    path: Path, documents: Sequence[Sequence[int]], tokenizer: Tokenizer | None = None
+) -> str:
+    """A prepared directory holding exactly these documents (each followed by EOS)."""
+    with TokenFileWriter(str(path), tokenizer or ByteTokenizer()) as writer:
+        for doc in documents:
+            writer.add_document(np.asarray(doc, dtype=np.int64))
+        writer.finish(num_sources=1)
+    return str(path)

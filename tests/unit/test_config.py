@@ -1,0 +1,233 @@
+"""Config loading: TOML + overrides, coercion, each validation rule, message shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.job import JobConfig
+from kempnerforge.config.loader import dump_config, load_config, parse_override, save_config
+from kempnerforge.config.reference import config_reference_markdown, field_docs
+
+
+def write(tmp_path, text: str, name: str = "job.toml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_defaults_load_without_a_file():
+    assert load_config(None) == JobConfig()
+
+
+def test_toml_file_and_overrides_layer_in_order(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        [train]
+        max_steps = 50
+        batch_size = 4
+        [optimizer]
+        lr = 1e-3
+        """,
+    )
+    config = load_config(path, ["--train.max_steps=20", "--optimizer.betas=[0.8,0.9]"])
+    assert config.train.max_steps == 20
+    assert config.train.batch_size == 4
+    assert config.optimizer.lr == 1e-3
+    assert config.optimizer.betas == [0.8, 0.9]
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "expected"),
+    [
+        ("--train.max_steps=20", "train.max_steps", 20),
+        ("--optimizer.lr=3e-4", "optimizer.lr", 3e-4),
+        ("--optimizer.lr=1", "optimizer.lr", 1.0),
+        ('--train.hooks=["a.b:C"]', "train.hooks", ["a.b:C"]),
+        ("--train.hooks=[]", "train.hooks", []),
+        ("--train.deterministic=true", "train.deterministic", True),
+        ("--train.deterministic", "train.deterministic", True),
+        ("--train.deterministic=false", "train.deterministic", False),
+        ("--train.name=run1", "train.name", "run1"),
+        ("--train.name=123", "train.name", "123"),
+        ('--train.name="quoted"', "train.name", "quoted"),
+        ("--model.n_kv_heads=2", "model.n_kv_heads", 2),
+        ("--model.n_kv_heads=none", "model.n_kv_heads", None),
+        ("--data.path=/tmp/x y", "data.path", "/tmp/x y"),
+    ],
+)
+def test_override_coerced_to_declared_type(override, field, expected):
+    section, name = field.split(".")
+    value = getattr(getattr(load_config(None, [override]), section), name)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_parse_override_reads_toml_values():
+    assert parse_override("--a.b=[1, 2]")[0] == "a.b"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--train.max_steps=abc", "train.max_steps = 'abc': expected an integer"),
+        ("--train.max_steps=1.5", "train.max_steps = 1.5: expected an integer"),
+        ("--train.max_steps=0", "train.max_steps = 0: expected an integer > 0"),
+        ("--optimizer.lr=fast", "optimizer.lr = 'fast': expected a number"),
+        ("--optimizer.lr=inf", "optimizer.lr = inf: expected a number > 0"),
+        ("--optimizer.lr=nan", "optimizer.lr = nan: expected a number > 0"),
+        ("--train.deterministic=maybe", "train.deterministic = 'maybe': expected true or false"),
+        ("--train.hooks=x", "train.hooks = 'x': expected a list of strings"),
+        ("--model.n_kv_heads=3", "model.n_kv_heads = 3: expected a divisor of model.n_heads = 4"),
+        ("--model.n_heads=3", "model.n_heads = 3: expected a divisor of model.dim = 256"),
+        ("--optimizer.betas=[0.9]", "optimizer.betas = [0.9]: expected two numbers in [0, 1)"),
+        ("--scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio = 2.0: expected a number in"),
+        ("--train.device=tpu", "train.device = 'tpu': expected one of 'auto', 'cpu', 'cuda'"),
+        ("--train.hooks=['nocolon']", "train.hooks = 'nocolon': expected an import path"),
+        ("--scheduler.name=cosin", None),  # registry names are checked at build time
+    ],
+)
+def test_bad_values_raise_config_error_naming_field(override, message):
+    if message is None:
+        load_config(None, [override])
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(message)
+
+
+def test_unknown_key_suggests_closest_name():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--train.max_stepz=3"])
+    assert str(info.value).startswith("train.max_stepz: unknown key, did you mean 'max_steps'?")
+
+
+def test_unknown_section_in_file_is_rejected(tmp_path):
+    path = write(tmp_path, "[trian]\nmax_steps = 3\n")
+    with pytest.raises(ConfigError, match="trian: unknown key, did you mean 'train'"):
+        load_config(path)
+
+
+def test_malformed_override_and_missing_file():
+    with pytest.raises(ConfigError, match="--section.field=value"):
+        load_config(None, ["--nodot=1"])
+    with pytest.raises(ConfigError, match="an existing TOML file"):
+        load_config("/nonexistent/job.toml")
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    path = write(tmp_path, "[train\n")
+    with pytest.raises(ConfigError, match="job.toml"):
+        load_config(path)
+
+
+def test_include_merges_presets_under_the_file(tmp_path):
+    write(tmp_path, "[model]\ndim = 128\nn_heads = 2\n", name="preset.toml")
+    path = write(tmp_path, 'include = ["preset.toml"]\n[model]\nn_heads = 4\n')
+    config = load_config(path)
+    assert (config.model.dim, config.model.n_heads) == (128, 4)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    config = load_config(
+        None, ["--model.n_kv_heads=2", "--train.hooks=['m:H']", "--optimizer.lr=1e-3"]
+    )
+    path = str(tmp_path / "config.toml")
+    save_config(config, path)
+    assert load_config(path) == config
+    defaults = JobConfig()
+    save_config(defaults, path)
+    assert load_config(path) == defaults
+
+
+def test_dump_leaves_out_none_fields():
+    assert "n_kv_heads" not in dump_config(JobConfig())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        (["--train.seq_len=4096"], 1, "train.seq_len = 4096: expected <= model.max_seq_len"),
+        (["--scheduler.warmup_steps=2000"], 1, "scheduler.warmup_steps = 2000: expected <="),
+        (["--distributed.pp=2"], 2, "distributed.pp = 2: expected 1"),
+        (["--distributed.tp=2"], 2, "distributed.tp = 2: expected 1"),
+        (["--model.num_experts=4"], 1, "model.num_experts = 4: expected 0"),
+        (
+            ["--model.num_experts=4", "--distributed.pp=2"],
+            2,
+            "distributed.pp = 2: expected 1 for an MoE model",
+        ),
+        (["--distributed.dp_shard=3"], 2, "distributed.dp_shard = 3: expected a value with"),
+        ([], 2, "distributed.dp_shard = 2: expected 1"),
+        (
+            ["--train.global_batch_size=10"],
+            1,
+            "train.global_batch_size = 10: expected batch_size * grad_accum_steps * dp",
+        ),
+        (
+            ["--profiling.enable=true", "--profiling.start_step=2000", "--profiling.end_step=2001"],
+            1,
+            "profiling.start_step = 2000: expected <= train.max_steps",
+        ),
+    ],
+)
+def test_validate_cross_section_rules(overrides, world_size, message):
+    config = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        config.validate(world_size)
+    assert str(info.value).startswith(message)
+
+
+def test_validate_accepts_defaults_and_a_matching_global_batch():
+    load_config(None).validate(1)
+    load_config(None, ["--train.global_batch_size=16", "--train.grad_accum_steps=2"]).validate(1)
+
+
+def test_every_field_has_an_attribute_docstring():
+    for section in dataclasses.fields(JobConfig):
+        cls = section.default_factory  # type: ignore[misc]
+        missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_docs_config_reference_matches_the_code():
+    committed = (pathlib.Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    assert committed == config_reference_markdown(), (
+        "docs/config.md is stale: python -m kempnerforge.config.reference > docs/config.md"
+    )
+
+
+_field_names = [
+    f"{section.name}.{f.name}"
+    for section in dataclasses.fields(JobConfig)
+    for f in dataclasses.fields(section.default_factory())  # type: ignore[misc]
+]
+_values = st.one_of(
+    st.integers(-5, 10_000).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["true", "false", "none", "[]", "[1,2]", "['a:b']", '"x"', "{a=1}", ""]),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.one_of(st.sampled_from(_field_names), st.text(max_size=10)), _values),
+        max_size=4,
+    )
+)
+def test_fuzzed_overrides_only_ever_raise_config_error(pairs):
+    overrides = [f"--{name}={value}" for name, value in pairs]
+    try:
+        config = load_config(None, overrides)
+        config.validate(1)
+    except ConfigError:
+        pass

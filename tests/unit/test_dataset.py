@@ -1,0 +1,162 @@
+"""MemoryMappedDataset: windows, document ids and label masking, and refusing bad files."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
+from kempnerforge.data.errors import DataError
+from tests.support.data_files import write_token_dir
+
+EOS = 257  # ByteTokenizer's
+
+
+@pytest.fixture
+def counting_dir(tmp_path) -> str:
+    """One document of ids 0..20 (then EOS): 22 tokens."""
+    return write_token_dir(tmp_path / "count", [list(range(21))])
+
+
+def test_windows_shift_labels_by_one_at_stride_seq_len(counting_dir):
+    ds = MemoryMappedDataset(counting_dir, seq_len=4, document_masking=False)
+    tokens = [*range(21), EOS]
+    assert len(ds) == (22 - 1) // 4 == 5
+    for i in range(len(ds)):
+        sample = ds[i]
+        window = tokens[i * 4 : i * 4 + 5]
+        assert sample["input_ids"].tolist() == window[:-1]
+        assert sample["labels"].tolist() == window[1:]
+        for value in sample.values():
+            assert value.dtype == torch.int64 and value.shape == (4,)
+    # Every token but the first is a label exactly once, up to the dropped tail.
+    labels = torch.cat([ds[i]["labels"] for i in range(len(ds))]).tolist()
+    assert labels == tokens[1:21]
+
+
+def test_window_count_when_tokens_fill_windows_exactly(tmp_path):
+    path = write_token_dir(tmp_path / "d", [list(range(8))])  # 9 tokens = 2 windows of 4 + 1
+    ds = MemoryMappedDataset(path, seq_len=4)
+    assert len(ds) == 2
+    assert ds[1]["labels"].tolist()[-1] == EOS
+
+
+def test_out_of_range_index_raises_index_error(counting_dir):
+    ds = MemoryMappedDataset(counting_dir, seq_len=4)
+    with pytest.raises(IndexError):
+        ds[5]
+    with pytest.raises(IndexError):
+        ds[-1]
+
+
+def test_doc_ids_and_label_masking_at_document_boundaries(tmp_path):
+    path = write_token_dir(tmp_path / "d", [[1, 2], [3], [4, 5, 6]])
+    # tokens: 1 2 EOS 3 EOS 4 5 6 EOS
+    sample = MemoryMappedDataset(path, seq_len=8)[0]
+    assert sample["input_ids"].tolist() == [1, 2, EOS, 3, EOS, 4, 5, 6]
+    assert sample["doc_ids"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    # After an EOS comes another document: that label is not predicted.
+    assert sample["labels"].tolist() == [2, EOS, IGNORE_INDEX, EOS, IGNORE_INDEX, 5, 6, EOS]
+
+
+def test_doc_ids_restart_at_each_window(tmp_path):
+    path = write_token_dir(tmp_path / "d", [[1, 2, 3], [4, 5, 6, 7]])
+    # tokens: 1 2 3 EOS 4 5 6 7 EOS; second window starts at 4 (a new document)
+    ds = MemoryMappedDataset(path, seq_len=4)
+    assert ds[0]["doc_ids"].tolist() == [0, 0, 0, 0]
+    # The window's last input is an EOS: its label opens the next document, so it is masked.
+    assert ds[0]["labels"].tolist() == [2, 3, EOS, IGNORE_INDEX]
+    assert ds[1]["input_ids"].tolist() == [4, 5, 6, 7]
+    assert ds[1]["doc_ids"].tolist() == [0, 0, 0, 0]
+
+
+def test_without_document_masking_the_window_is_one_sequence(tmp_path):
+    path = write_token_dir(tmp_path / "d", [[1, 2], [3]])
+    sample = MemoryMappedDataset(path, seq_len=4, document_masking=False)[0]
+    assert sample["labels"].tolist() == [2, EOS, 3, EOS]
+    assert sample["doc_ids"].tolist() == [0, 0, 0, 0]
+
+
+def test_fewer_tokens_than_one_window_is_a_data_error(tmp_path):
+    path = write_token_dir(tmp_path / "short", [[1, 2]])  # 3 tokens
+    with pytest.raises(DataError, match=r"short: 3 tokens, fewer than one window .* = 4"):
+        MemoryMappedDataset(path, seq_len=3)
+    assert len(MemoryMappedDataset(path, seq_len=2)) == 1
+
+
+def test_truncated_tokens_file_names_it_with_both_sizes(counting_dir):
+    tokens = f"{counting_dir}/tokens.bin"
+    with open(tokens, "r+b") as f:
+        f.truncate(30)
+    with pytest.raises(DataError, match=r"tokens\.bin is 30 bytes but .* 22 tokens of uint16 = 44"):
+        MemoryMappedDataset(counting_dir, seq_len=4)
+
+
+def test_wrong_dtype_in_meta_is_a_data_error(counting_dir):
+    meta_path = Path(counting_dir) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["dtype"] = "uint32"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"is 44 bytes but .* 22 tokens of uint32 = 88 bytes"):
+        MemoryMappedDataset(counting_dir, seq_len=4)
+    meta["dtype"] = "float32"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"meta\.json: dtype 'float32' is not one of"):
+        MemoryMappedDataset(counting_dir, seq_len=4)
+
+
+def test_missing_or_unreadable_meta_names_the_directory(tmp_path, counting_dir):
+    with pytest.raises(DataError, match=r"empty has no meta\.json: .*prepare-data"):
+        (tmp_path / "empty").mkdir()
+        MemoryMappedDataset(str(tmp_path / "empty"), seq_len=4)
+    with pytest.raises(DataError, match=r"nowhere is not a directory"):
+        MemoryMappedDataset(str(tmp_path / "nowhere"), seq_len=4)
+    (Path(counting_dir) / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"meta\.json: cannot be read as JSON"):
+        MemoryMappedDataset(counting_dir, seq_len=4)
+    (Path(counting_dir) / "meta.json").write_text('{"dtype": "uint16"}')
+    with pytest.raises(DataError, match=r"meta\.json: missing format_version, vocab_size"):
+        MemoryMappedDataset(counting_dir, seq_len=4)
+
+
+def test_missing_tokens_file_is_a_data_error(counting_dir):
+    (Path(counting_dir) / "tokens.bin").unlink()
+    with pytest.raises(DataError, match=r"tokens\.bin is missing"):
+        MemoryMappedDataset(counting_dir, seq_len=4)
+
+
+def test_tokenizer_mismatch_says_which_tokenizer_prepared_it(counting_dir):
+    with pytest.raises(DataError, match=r"prepared with tokenizer 'byte', but this job uses 'hf:"):
+        MemoryMappedDataset(counting_dir, seq_len=4, expected_tokenizer="hf:0123456789abcdef")
+    MemoryMappedDataset(counting_dir, seq_len=4, expected_tokenizer="byte")
+
+
+def test_vocabulary_larger_than_the_model_is_a_data_error(counting_dir):
+    with pytest.raises(DataError, match=r"259-token vocabulary, more than .* vocab_size 256"):
+        MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=256)
+    MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=259)
+
+
+def test_pickles_without_the_memory_map(counting_dir):
+    ds = MemoryMappedDataset(counting_dir, seq_len=4)
+    first = ds[3]
+    assert isinstance(ds._tokens, np.memmap)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._tokens is None  # reopened lazily in the worker
+    assert all(torch.equal(clone[3][k], first[k]) for k in first)
+    assert clone.meta == ds.meta and len(clone) == len(ds)
+
+
+def test_uint32_files_are_read_with_their_dtype(tmp_path):
+    class Wide:
+        vocab_size, bos_id, eos_id, pad_id, identity = 70_000, 1, 69_999, 2, "wide"
+
+    path = write_token_dir(tmp_path / "w", [[65_000, 66_000, 3]], tokenizer=Wide())
+    sample = MemoryMappedDataset(path, seq_len=3)[0]
+    assert sample["input_ids"].tolist() == [65_000, 66_000, 3]
+    assert sample["labels"].tolist() == [66_000, 3, 69_999]
