@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from kempnerforge.checkpoint.manager import CheckpointError
@@ -66,6 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # torchdata's StatefulDataLoader calls an API this torch deprecates; nothing to act on.
+    warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     try:

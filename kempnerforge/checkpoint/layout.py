@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from kempnerforge.checkpoint.rng import capture_rng_state
+
 FORMAT_VERSION = 1
 MARKER = "complete.json"
 LATEST = "latest"
@@ -22,10 +24,57 @@ DCP_METADATA = ".metadata"
 STEP_DIR = re.compile(r"step_(\d+)")
 LEFTOVER_DIR = re.compile(r"step_(\d+)\.(tmp|old|trash)")
 """A save in progress (.tmp), a copy being replaced (.old), a deletion in progress (.trash)."""
+_RESERVED_KEYS = ("scheduler", "optimizer_initialized")
 
 
 def train_state_name(rank: int) -> str:
     return f"train_state_rank{rank}.pt"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    return bool(STEP_DIR.fullmatch(name) or LEFTOVER_DIR.fullmatch(name))
+
+
+def step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    """The ``step_<N>`` directories under `directory`, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()
+    ]
+    return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def read_latest(directory: Path) -> str | None:
+    """The directory name `latest` holds, or None when there is no `latest`."""
+    try:
+        return (directory / LATEST).read_text().strip() or None
+    except (FileNotFoundError, IsADirectoryError):  # a directory: not our pointer format
+        return None
+
+
+def write_latest(directory: Path, name: str) -> None:
+    write_atomic(directory / LATEST, name + "\n")
+
+
+def build_train_state(
+    step: int, scheduler_state: dict[str, Any], train_state: dict[str, Any]
+) -> dict[str, Any]:
+    """The caller's train state plus step, scheduler and (when absent) RNG, checked plain."""
+    for key in _RESERVED_KEYS:
+        if key in train_state:
+            raise ValueError(f"train_state[{key!r}] is reserved for the checkpoint manager")
+    if train_state.get("step", step) != step:
+        raise ValueError(f"train_state['step'] = {train_state['step']} but saving step {step}")
+    state = {"tokens_seen": 0, "dataloader": None, "extra": {}, **train_state}
+    state["step"] = step
+    state["scheduler"] = scheduler_state
+    if "rng" not in state:
+        state["rng"] = capture_rng_state()
+    check_plain(state)
+    return state
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -27,32 +27,33 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kempnerforge.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST,
     LEFTOVER_DIR,
-    STEP_DIR,
-    check_plain,
+    build_train_state,
     checkpoint_problems,
     fsync_dir,
     inspect_checkpoint,
+    is_checkpoint_name,
+    read_latest,
     read_marker,
+    step_dirs,
     train_state_name,
-    write_atomic,
+    write_latest,
     write_marker,
     write_torch,
 )
-from kempnerforge.checkpoint.rng import capture_rng_state
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 
-_RESERVED_KEYS = ("scheduler", "optimizer_initialized")
 _T = TypeVar("_T")
 
 
@@ -129,7 +130,9 @@ class CheckpointManager:
         started = time.monotonic()
         name = f"step_{step}"
         tmp = self.directory / f"{name}.tmp"
-        state = self._on_every_rank(lambda: _train_state(step, scheduler, train_state))
+        state = self._on_every_rank(
+            lambda: build_train_state(step, scheduler.state_dict(), train_state)
+        )
         self._on_rank0(lambda: self._prepare(tmp))
         # get_state_dict initializes an optimizer that has never stepped by taking a
         # zero-LR step; undo that so saving at step 0 does not change the run.
@@ -139,7 +142,7 @@ class CheckpointManager:
             optimizer.state.clear()
         state["optimizer_initialized"] = not fresh
         with self._quiet_single_process():
-            dcp.save(
+            dcp_save(
                 {"model": model_sd, "optimizer": optim_sd},
                 checkpoint_id=str(tmp),
                 process_group=self.process_group,
@@ -170,7 +173,7 @@ class CheckpointManager:
     def _prepare(self, tmp: Path) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._settle()
-        latest = self._read_latest()
+        latest = read_latest(self.directory)
         for path in self.directory.iterdir():
             if LEFTOVER_DIR.fullmatch(path.name) and path.name != latest:
                 logger.info("removing %s, left by an interrupted save", path)
@@ -194,24 +197,24 @@ class CheckpointManager:
         final, tmp, old = (self.directory / f"{name}{s}" for s in ("", ".tmp", ".old"))
         if read_marker(tmp) is not None:
             if final.exists():
-                if self._read_latest() in (final.name, old.name):
-                    self._write_latest(tmp.name)
+                if read_latest(self.directory) in (final.name, old.name):
+                    write_latest(self.directory, tmp.name)
                 if old.exists():
                     shutil.rmtree(old)
                 os.replace(final, old)
                 fsync_dir(self.directory)
-            if self._read_latest() == tmp.name and read_marker(old) is not None:
-                self._write_latest(old.name)
+            if read_latest(self.directory) == tmp.name and read_marker(old) is not None:
+                write_latest(self.directory, old.name)
             os.replace(tmp, final)
             fsync_dir(self.directory)
         if read_marker(final) is not None:
-            self._write_latest(final.name)
+            write_latest(self.directory, final.name)
             if old.exists():
                 shutil.rmtree(old)
 
     def _settle(self) -> None:
         """Finish a publish that a crash left with ``latest`` on a .tmp or .old copy."""
-        match = LEFTOVER_DIR.fullmatch(self._read_latest() or "")
+        match = LEFTOVER_DIR.fullmatch(read_latest(self.directory) or "")
         if match:
             self._publish(f"step_{match.group(1)}")
 
@@ -219,8 +222,8 @@ class CheckpointManager:
         keep = self.cfg.keep_last_n
         if keep == 0:
             return
-        latest = self._read_latest()
-        complete = [p for _, p in self._step_dirs() if self.is_complete(p)]
+        latest = read_latest(self.directory)
+        complete = [p for _, p in step_dirs(self.directory) if self.is_complete(p)]
         for path in complete[keep:]:
             if path.name == latest:
                 continue
@@ -252,26 +255,28 @@ class CheckpointManager:
             _raise_if_incomplete(path)
             return str(path)
         skipped: list[str] = []
-        latest = self._read_latest()
+        latest = read_latest(self.directory)
         if latest is not None:
             path = self.directory / latest
-            problems = checkpoint_problems(path) if _is_checkpoint_name(latest) else ["no step"]
+            problems = (
+                checkpoint_problems(path) if is_checkpoint_name(latest) else ["not a step name"]
+            )
             if not problems:
                 return str(path)
             skipped.append(f"{path} named by '{LATEST}' ({problems[0]})")
-        step_dirs = self._step_dirs()
-        for _, path in step_dirs:
+        candidates = step_dirs(self.directory)
+        for _, path in candidates:
             if path.name == latest:
                 continue
             problems = checkpoint_problems(path)
             if not problems:
-                reason = "; ".join(skipped) or f"there is no '{LATEST}' file"
+                reason = f"skipped {'; '.join(skipped)}" if skipped else f"no '{LATEST}' file"
                 logger.warning(
-                    "resuming from %s, the newest complete checkpoint; skipped %s", path, reason
+                    "resuming from %s, the newest complete checkpoint (%s)", path, reason
                 )
                 return str(path)
             skipped.append(f"{path} ({problems[0]})")
-        if step_dirs:
+        if candidates:
             # Broken checkpoints are not "nothing": starting over would silently drop them.
             raise CheckpointError(
                 self.directory,
@@ -289,26 +294,6 @@ class CheckpointManager:
         ``.metadata`` loads through an allow-list and no file it references is short.
         """
         return not checkpoint_problems(Path(path))
-
-    def _step_dirs(self) -> list[tuple[int, Path]]:
-        """The ``step_<N>`` directories, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [
-            (int(m.group(1)), p)
-            for p in self.directory.iterdir()
-            if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()
-        ]
-        return sorted(found, key=lambda item: item[0], reverse=True)
-
-    def _read_latest(self) -> str | None:
-        try:
-            return (self.directory / LATEST).read_text().strip() or None
-        except FileNotFoundError:
-            return None
-
-    def _write_latest(self, name: str) -> None:
-        write_atomic(self.directory / LATEST, name + "\n")
 
     def load(
         self,
@@ -386,7 +371,7 @@ class CheckpointManager:
         to_load = {"model": model_sd, "optimizer": optim_sd}
         try:
             with self._quiet_single_process():
-                dcp.load(
+                dcp_load(
                     to_load,
                     checkpoint_id=str(root),
                     process_group=self.process_group,
@@ -448,26 +433,6 @@ class CheckpointManager:
             if self._no_dist:
                 warnings.filterwarnings("ignore", message=r".*assuming the intent is to .*")
             yield
-
-
-def _train_state(step: int, scheduler: Any, train_state: dict[str, Any]) -> dict[str, Any]:
-    """The caller's train state plus step, scheduler and (when absent) RNG, checked plain."""
-    for key in _RESERVED_KEYS:
-        if key in train_state:
-            raise ValueError(f"train_state[{key!r}] is reserved for the checkpoint manager")
-    if train_state.get("step", step) != step:
-        raise ValueError(f"train_state['step'] = {train_state['step']} but saving step {step}")
-    state = {"tokens_seen": 0, "dataloader": None, "extra": {}, **train_state}
-    state["step"] = step
-    state["scheduler"] = scheduler.state_dict()
-    if "rng" not in state:
-        state["rng"] = capture_rng_state()
-    check_plain(state)
-    return state
-
-
-def _is_checkpoint_name(name: str) -> bool:
-    return bool(STEP_DIR.fullmatch(name) or LEFTOVER_DIR.fullmatch(name))
 
 
 def _raise_if_incomplete(path: Path) -> Metadata:

@@ -359,3 +359,63 @@ def test_wait_returns_at_once(tmp_path):
     manager = _manager(tmp_path)
     _save(manager, 1)
     manager.wait()
+
+
+def _world_size_worker(rank: int, root: str, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        cfg = CheckpointConfig(resume_from=str(Path(root) / "ws1" / "step_3"))
+        grown = CheckpointManager(cfg, str(Path(root) / "ws1"), rank=rank, world_size=2)
+        model, optimizer, scheduler = _build(seed=7)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        path = grown.find_resume_path()
+        state = grown.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+        # Rank 1 did not exist in the saving run: it gets rank 0's train state.
+        assert state["who"] == 0 and state["step"] == 3
+        expected = torch.load(Path(root) / "ws1_params.pt", weights_only=True)
+        for name, param in model.named_parameters():
+            assert torch.equal(param.full_tensor(), expected[name]), name
+        _train(model, optimizer, scheduler, range(3, 5))
+        manager = CheckpointManager(
+            CheckpointConfig(), str(Path(root) / "ws2"), rank=rank, world_size=2
+        )
+        manager.save(
+            5,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_state={"who": rank, "tokens_seen": 50},
+        )
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(full, Path(root) / "ws2_params.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_loads_at_another_world_size(tmp_path, log):
+    import torch.multiprocessing as mp
+
+    manager = CheckpointManager(CheckpointConfig(), str(tmp_path / "ws1"))
+    parts = _build()
+    _train(*parts, range(3))
+    torch.save(dict(parts[0].named_parameters()), tmp_path / "ws1_params.pt")
+    _save(manager, 3, parts, who=0)
+    mp.spawn(_world_size_worker, args=(str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
+    # Back to one process: the sharded world-size-2 checkpoint reshards into a plain model.
+    shrunk = CheckpointManager(CheckpointConfig(), str(tmp_path / "ws2"))
+    fresh = _build(seed=3)
+    state = _load(shrunk, shrunk.find_resume_path(), fresh)
+    assert state["who"] == 0 and state["step"] == 5
+    expected = torch.load(tmp_path / "ws2_params.pt", weights_only=True)
+    for name, param in fresh[0].named_parameters():
+        assert torch.equal(param, expected[name]), name
+    assert len(fresh[1].state) == 4 and "saved by 2 ranks and this run has 1" in log.text

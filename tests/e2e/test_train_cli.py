@@ -1,0 +1,123 @@
+"""End to end: `kempnerforge train configs/train/debug.toml` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).parents[2]
+DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+
+
+def kempnerforge(*args: str, env_extra: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kempnerforge", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def run(*args: str, cache: pathlib.Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    proc = kempnerforge(*args, env_extra={"KEMPNERFORGE_CACHE": str(cache)})
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def train_rows(run_dir: pathlib.Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r and "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_debug_run_trains_then_resumes_from_latest(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    common = [
+        f"--train.run_dir={run_dir}",
+        "--metrics.log_interval=1",
+        "--metrics.progress=plain",
+        "--train.sample_tokens=20",
+    ]
+    first = run("train", DEBUG, "--train.max_steps=30", *common, cache=cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for key in ("loss", "grad_norm", "lr", "tokens_seen", "tokens_per_sec", "step_time_s"):
+        assert key in rows[0]
+    assert sum(r["loss"] for r in rows[-5:]) / 5 < sum(r["loss"] for r in rows[:5]) / 5 - 1.0
+    assert (run_dir / "config.toml").is_file()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_30"
+    assert (run_dir / "checkpoints" / "step_30" / "complete.json").is_file()
+    assert "sample (greedy" in first.stdout and "def test_" in first.stdout
+
+    second = run("train", DEBUG, "--train.max_steps=40", *common, cache=cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))  # 31..40 appended, nothing redone
+    assert rows[30]["tokens_seen"] == 31 * 8 * 256
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_40"
+
+
+def test_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path, cache):
+    result = run("train", DEBUG, "--train.max_stepz=3", f"--train.run_dir={tmp_path}", cache=cache)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("kempnerforge: error: train.max_stepz: unknown key")
+    assert "did you mean 'max_steps'?" in lines[0]
+
+
+def test_missing_data_path_exits_2_naming_the_directory(tmp_path, cache):
+    missing = tmp_path / "nothing-here"
+    result = run(
+        "train", DEBUG, f"--data.path={missing}", f"--train.run_dir={tmp_path}", cache=cache
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert str(missing) in result.stderr
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    proc = kempnerforge(
+        "train",
+        DEBUG,
+        "--train.max_steps=10000",
+        f"--train.run_dir={run_dir}",
+        "--metrics.log_interval=1",
+        "--metrics.progress=off",
+        "--checkpoint.interval=0",
+        env_extra={"KEMPNERFORGE_CACHE": str(cache)},
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(train_rows(run_dir)) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.removeprefix("step_"))
+    assert step >= 3
+    assert train_rows(run_dir)[-1]["step"] == step
+    assert "shutdown requested by SIGTERM" in err
