@@ -49,7 +49,12 @@ class TrainConfig:
     z_loss_weight: float = 0.0
     """Weight of the output z-loss, mean(logsumexp(logits)^2); 0 disables it."""
     nan_consecutive_max: int = 5
-    """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
+    """After this many consecutive steps with a non-finite loss or gradient norm, roll back
+    to the last complete checkpoint (or stop when nan_max_rollbacks is used up)."""
+    nan_max_rollbacks: int = 3
+    """Rollbacks allowed per run before a NaN streak stops it (exit code 3); 0 stops at once."""
+    nan_rollback_lr_scale: float = 1.0
+    """Multiply the learning rate by this after each rollback (e.g. 0.5); 1 keeps it."""
     hooks: list[str] = field(default_factory=list)
     """Training hooks by import path, 'package.module:ClassName', each built with no arguments."""
     sample_prompt: str = "def "
@@ -67,6 +72,8 @@ class TrainConfig:
         check_at_least("train.global_batch_size", self.global_batch_size, 0)
         check_at_least("train.num_threads", self.num_threads, 0)
         check_at_least("train.nan_consecutive_max", self.nan_consecutive_max, 1)
+        check_at_least("train.nan_max_rollbacks", self.nan_max_rollbacks, 0)
+        check_positive("train.nan_rollback_lr_scale", self.nan_rollback_lr_scale)
         check_at_least("train.sample_tokens", self.sample_tokens, 0)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)

@@ -32,7 +32,7 @@ from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.hooks import HookRunner, StepContext
 from kempnerforge.training.loss import IGNORE_INDEX
-from kempnerforge.training.state import capture_train_state
+from kempnerforge.training.state import capture_train_state, math_fingerprint
 
 logger = get_logger(__name__)
 
@@ -197,30 +197,30 @@ def _global_count(count: int, session: TrainingSession) -> int:
     return int(total.item())
 
 
-def text_step(session: TrainingSession, step: int) -> StepResult:
-    """Standard step (no PP, text-only), with optional per-dataset mixture metrics.
+Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _accumulate(
+    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]], forward: Forward
+) -> tuple[float, int]:
+    """Forward and backward every micro-batch; return (mean loss, supervised tokens).
 
     The loss is normalised by the supervised tokens of the whole step (every micro-batch,
     every data-parallel rank), so each token weighs the same however the micro-batches
     split them. Labels are counted on the host before any forward, which costs no device
-    sync. ``step`` is unused by dense models.
+    sync; the loss is read back once, at the end.
     """
     tc, mc, model = session.config.train, session.config.model, session.model
-    device = session.runtime.device
-    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
     local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-    denom = max(_global_count(local_tokens, session), 1)
+    num_tokens = _global_count(local_tokens, session)
     # DDP/FSDP average gradients over ranks; multiply back so the result is a global sum.
-    scale = session.runtime.dp_size / denom
-    mask_docs = session.config.data.document_masking
-    loss_sum = torch.zeros((), device=device)
+    scale = session.runtime.dp_size / max(num_tokens, 1)
+    loss_sum = torch.zeros((), device=session.runtime.device)
     for micro, cpu_batch in enumerate(micro_batches):
-        batch = _to_device(cpu_batch, device)
-        with maybe_no_sync(model, micro, tc.grad_accum_steps):
+        batch = _to_device(cpu_batch, session.runtime.device)
+        with maybe_no_sync(model, micro, len(micro_batches)):
             with _autocast(session):
-                doc_ids = batch.get("doc_ids") if mask_docs else None
-                logits = model(batch["input_ids"], doc_ids=doc_ids)
-                loss = session.loss_fn(logits, batch["labels"])
+                loss = session.loss_fn(forward(batch), batch["labels"])
             objective = loss * scale
             if mc.is_moe:
                 # Aux terms are per-micro-batch means: average them over the micro-batches.
@@ -228,17 +228,26 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
                 objective = add_moe_losses(objective * accum, model, mc) / accum
             objective.backward()
         loss_sum += loss.detach()
-    grad_norm = clip_grads(model, tc.grad_clip_norm)
-    loss_total = float(loss_sum)
     if session.runtime.is_distributed:
-        loss_total = float(_global_sum(loss_sum, session))
-    return StepResult(loss=loss_total / denom, grad_norm=grad_norm)
+        dist.all_reduce(loss_sum)
+    return float(loss_sum) / max(num_tokens, 1), num_tokens
 
 
-def _global_sum(value: torch.Tensor, session: TrainingSession) -> torch.Tensor:
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value
+def text_step(session: TrainingSession, step: int) -> StepResult:
+    """Standard step (no PP, text-only), with optional per-dataset mixture metrics.
+
+    Token-weighted over the whole step (see _accumulate). ``step`` is unused by dense
+    models.
+    """
+    model, tc = session.model, session.config.train
+    mask_docs = session.config.data.document_masking
+    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["input_ids"], doc_ids=batch.get("doc_ids") if mask_docs else None)
+
+    loss, _ = _accumulate(session, micro_batches, forward)
+    return StepResult(loss=loss, grad_norm=clip_grads(model, tc.grad_clip_norm))
 
 
 def vlm_step(session: TrainingSession, step: int) -> StepResult:
@@ -247,33 +256,17 @@ def vlm_step(session: TrainingSession, step: int) -> StepResult:
     The model is called as ``model(pixel_values, input_ids)`` and returns logits over the
     text positions, aligned with ``labels``.
     """
-    tc, mc, model = session.config.train, session.config.model, session.model
+    model, tc = session.model, session.config.train
     if not session.batches.has_data:
         raise RuntimeError("a VLM step needs a dataloader of image-text batches")
-    device = session.runtime.device
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
-    local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-    text_tokens = _global_count(local_tokens, session)
-    scale = session.runtime.dp_size / max(text_tokens, 1)
-    loss_sum = torch.zeros((), device=device)
-    for micro, cpu_batch in enumerate(micro_batches):
-        batch = _to_device(cpu_batch, device)
-        with maybe_no_sync(model, micro, tc.grad_accum_steps):
-            with _autocast(session):
-                logits = model(batch["pixel_values"], batch["input_ids"])
-                loss = session.loss_fn(logits, batch["labels"])
-            objective = loss * scale
-            if mc.is_moe:
-                accum = tc.grad_accum_steps
-                objective = add_moe_losses(objective * accum, model, mc) / accum
-            objective.backward()
-        loss_sum += loss.detach()
-    grad_norm = clip_grads(model, tc.grad_clip_norm)
-    loss_total = (
-        float(_global_sum(loss_sum, session)) if session.runtime.is_distributed else float(loss_sum)
-    )
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["pixel_values"], batch["input_ids"])
+
+    loss, text_tokens = _accumulate(session, micro_batches, forward)
     return StepResult(
-        loss=loss_total / max(text_tokens, 1), grad_norm=grad_norm, text_tokens=text_tokens
+        loss=loss, grad_norm=clip_grads(model, tc.grad_clip_norm), text_tokens=text_tokens
     )
 
 
@@ -331,23 +324,6 @@ def checkpoint_extra(config: JobConfig, step: int, phases: PhaseState) -> dict:
         "math": math_fingerprint(config),
     }
     return extra
-
-
-def math_fingerprint(config: JobConfig) -> dict[str, Any]:
-    """Config values whose change would alter the optimisation, for the resume guard."""
-    model, train = config.model, config.train
-    return {
-        "model.dim": model.dim,
-        "model.n_layers": model.n_layers,
-        "model.n_heads": model.n_heads,
-        "model.n_kv_heads": model.kv_heads,
-        "model.vocab_size": model.vocab_size,
-        "model.tie_embeddings": model.tie_embeddings,
-        "model.hidden_dim": model.hidden_dim,
-        "train.seq_len": train.seq_len,
-        "train.batch_size": train.batch_size,
-        "train.grad_accum_steps": train.grad_accum_steps,
-    }
 
 
 def _save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
+    from kempnerforge.config.job import JobConfig
     from kempnerforge.training.loop import TrainingSession
 
 
@@ -38,3 +39,20 @@ def restore_train_state(session: TrainingSession, state: dict[str, Any]) -> tupl
         session.phases.load_state_dict(phases)
     restore_rng_state(state["rng"])
     return int(state["step"]), int(state["tokens_seen"])
+
+
+def math_fingerprint(config: JobConfig) -> dict[str, Any]:
+    """Config values whose change would alter the optimisation, for the resume guard."""
+    model, train = config.model, config.train
+    return {
+        "model.dim": model.dim,
+        "model.n_layers": model.n_layers,
+        "model.n_heads": model.n_heads,
+        "model.n_kv_heads": model.kv_heads,
+        "model.vocab_size": model.vocab_size,
+        "model.tie_embeddings": model.tie_embeddings,
+        "model.hidden_dim": model.hidden_dim,
+        "train.seq_len": train.seq_len,
+        "train.batch_size": train.batch_size,
+        "train.grad_accum_steps": train.grad_accum_steps,
+    }
