@@ -7,6 +7,8 @@ User-caused problems print one line and exit with a documented code, never a tra
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -16,6 +18,7 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.data.errors import DataError
 from kempnerforge.resilience import exit_codes
 from kempnerforge.resilience.nan import NaNAbortError
+from kempnerforge.resilience.run_lock import RunLockError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -23,6 +26,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.config.loader import load_config
     from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
     from kempnerforge.metrics.logging import configure_logging
+    from kempnerforge.resilience.run_lock import RunLock
     from kempnerforge.training.build import build_session, resume_session
     from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.sample import print_sample
@@ -31,19 +35,36 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     config.validate(world_size_from_env())
     runtime = init_runtime(config.distributed, config.train.device)
     configure_logging(runtime.rank)
+    lock = RunLock(config.run_dir) if runtime.is_main else contextlib.nullcontext()
     try:
-        session = build_session(config, runtime)
-        with session.shutdown_handler, session.tracker:
-            step, tokens_seen = resume_session(session)
-            step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
-        if session.shutdown_handler.requested:
-            return exit_codes.PREEMPTED
-        if runtime.is_main:
-            print(f"finished at step {step} ({tokens_seen:,} tokens); run dir: {config.run_dir}")
-            print_sample(session)
-        return exit_codes.FINISHED
+        with lock:
+            session = build_session(config, runtime)
+            # The handler stays installed until the run is over; then a stopped run ignores
+            # further stop signals, so a late second signal during teardown cannot turn
+            # the requeue exit code into a kill.
+            with session.shutdown_handler:
+                with session.tracker:
+                    step, tokens_seen = resume_session(session)
+                    step, tokens_seen = run_training_loop(
+                        session, step=step, tokens_seen=tokens_seen
+                    )
+                preempted = session.shutdown_handler.requested
+                if not preempted and runtime.is_main:
+                    print(
+                        f"finished at step {step} ({tokens_seen:,} tokens); run: {config.run_dir}"
+                    )
+                    print_sample(session)
+            if preempted:
+                _ignore_stop_signals()
+                return exit_codes.PREEMPTED
+            return exit_codes.FINISHED
     finally:
         teardown_runtime(runtime)
+
+
+def _ignore_stop_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -82,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kempnerforge.data.prepare import run_prepare_data
 
         return run_prepare_data(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, RunLockError) as e:
         print(f"kempnerforge: error: {e}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
     except CheckpointError as e:

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic DCP saves, the `latest` pointer, retention, resume and RNG state."""
+"""Checkpoints: atomic DCP saves (sync or async), the `latest` pointer, retention, resume, RNG."""
 
 from kempnerforge.checkpoint.manager import CheckpointError, CheckpointManager
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import io
 import json
 import os
 import pickle
@@ -88,9 +89,17 @@ def write_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def write_torch(path: Path, obj: Any) -> None:
+def torch_bytes(obj: Any) -> bytes:
+    """`obj` as the bytes ``torch.save`` writes: a snapshot later changes cannot alter."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it (the directory entry is the caller's fsync_dir)."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

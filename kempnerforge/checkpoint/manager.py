@@ -1,4 +1,4 @@
-"""CheckpointManager: atomic DCP checkpoints, the `latest` pointer, retention and resume.
+"""CheckpointManager: atomic DCP checkpoints (sync or async), `latest`, retention, resume.
 
 On disk, under the checkpoint directory::
 
@@ -12,6 +12,18 @@ On disk, under the checkpoint directory::
 A save fills ``step_<N>.tmp/``, writes the marker, renames the directory to ``step_<N>/``
 and only then moves ``latest``, so a crash at any point leaves ``latest`` on a complete
 checkpoint. Rank 0 does every rename and deletion; the other ranks wait for it.
+
+With checkpoint.async_mode = 'async', save() copies the model and optimizer state, starts
+the DCP write in the background and returns. The commit (marker, rename, ``latest``,
+retention) waits until the files are durable and happens in the next save(), wait(),
+load(), load_weights() or find_resume_path(), or in a poll() that finds the write done.
+At most one save is in flight. A failed background write is raised by that call as a
+CheckpointError, with the previous checkpoint and ``latest`` untouched.
+
+Fault injection, for tests only and off by default: ``KEMPNERFORGE_FAULT_SAVE_DELAY_S``
+(float seconds) sleeps between a save's DCP files and its marker (in the background
+when async), and ``KEMPNERFORGE_FAULT_SAVE_DELAY_FROM_STEP`` (int, default 0) delays only
+saves of that step or later; see ``background.fault_save_delay``.
 """
 
 from __future__ import annotations
@@ -20,18 +32,20 @@ import contextlib
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from kempnerforge.checkpoint.background import BackgroundWriter, PendingSave, fault_save_delay
+from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
+from kempnerforge.checkpoint.errors import FAILURES, CheckpointError, describe_failure
 from kempnerforge.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST,
@@ -39,40 +53,37 @@ from kempnerforge.checkpoint.layout import (
     build_train_state,
     checkpoint_problems,
     fsync_dir,
-    inspect_checkpoint,
-    is_checkpoint_name,
     read_latest,
-    read_marker,
-    step_dirs,
+    torch_bytes,
     train_state_name,
-    write_latest,
+    write_durable,
     write_marker,
-    write_torch,
+)
+from kempnerforge.checkpoint.publish import apply_retention, publish, settle
+from kempnerforge.checkpoint.resume import (
+    load_model_and_optimizer,
+    load_model_weights,
+    newest_complete,
+    read_train_state,
+    require_complete,
+    resolve_resume_path,
 )
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.metrics.logging import get_logger
 
+__all__ = ["CheckpointError", "CheckpointManager"]
+
 logger = get_logger(__name__)
-
-_T = TypeVar("_T")
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be saved, found or loaded; names the path and what is wrong."""
-
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
 
 
 class CheckpointManager:
     """Saves, finds and loads this run's checkpoints (see the module docstring for layout).
 
-    Every rank constructs one and calls save/load/find_resume_path together: those are
-    collective when world_size > 1 (``rank`` is the rank in ``process_group``, the default
-    group when None). The directory must be one shared filesystem path for all ranks.
-    ``config_sha256`` is recorded in each marker unless a save passes its own.
+    Every rank constructs one and calls save/poll/wait/load/find_resume_path together:
+    those are collective when world_size > 1 (``rank`` is the rank in ``process_group``,
+    the default group when None). Construction is collective too then: it creates the
+    manager's own gloo group(s). The directory must be one shared filesystem path for all
+    ranks. ``config_sha256`` is recorded in each marker unless a save passes its own.
     """
 
     def __init__(
@@ -97,6 +108,23 @@ class CheckpointManager:
         self.process_group = process_group
         self.config_sha256 = config_sha256
         self._no_dist = not initialized
+        self._coord = Coordinator(
+            self.directory, rank=rank, world_size=world_size, process_group=process_group
+        )
+        # Background DCP writes get a group of their own too: the training step's
+        # collectives run on the default group from the main thread meanwhile.
+        self._write_group = (
+            new_gloo_group(process_group)
+            if world_size > 1 and cfg.async_mode == "async"
+            else process_group
+        )
+        self._writer = BackgroundWriter()
+        self._pending: PendingSave | None = None
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the async save being written and not yet committed, or None."""
+        return None if self._pending is None else self._pending.step
 
     def is_on_schedule(self, step: int) -> bool:
         """True when `step` is a positive multiple of checkpoint.interval (never if it is 0)."""
@@ -120,20 +148,27 @@ class CheckpointManager:
         train_state: dict[str, Any],
         config_sha256: str = "",
     ) -> str:
-        """Write and commit checkpoint ``step_<step>``; return its path. Collective.
+        """Write checkpoint ``step_<step>``; return its final path. Collective.
 
         ``train_state`` holds plain types and tensors only (checked here, so a save never
         succeeds that a weights-only load would refuse). The manager adds ``step``, the
         scheduler's state_dict and, when absent, this rank's RNG state. Re-saving a step
         replaces its checkpoint without ``latest`` ever naming a missing one.
+
+        Sync mode commits before returning. Async mode first waits for and commits the
+        save in flight (raising its failure), copies model and optimizer state, starts
+        the write and returns: the path exists only once poll(), wait() or the next
+        save() has committed it. A write that fails raises CheckpointError naming the
+        directory; the previous checkpoint stays complete and ``latest`` stays on it.
         """
+        self._finish_pending()
         started = time.monotonic()
         name = f"step_{step}"
         tmp = self.directory / f"{name}.tmp"
-        state = self._on_every_rank(
+        state = self._coord.on_every_rank(
             lambda: build_train_state(step, scheduler.state_dict(), train_state)
         )
-        self._on_rank0(lambda: self._prepare(tmp))
+        self._coord.on_rank0(lambda: self._prepare(tmp, step))
         # get_state_dict initializes an optimizer that has never stepped by taking a
         # zero-LR step; undo that so saving at step 0 does not change the run.
         fresh = not optimizer.state
@@ -141,97 +176,150 @@ class CheckpointManager:
         if fresh:
             optimizer.state.clear()
         state["optimizer_initialized"] = not fresh
-        with self._quiet_single_process():
-            dcp_save(
-                {"model": model_sd, "optimizer": optim_sd},
-                checkpoint_id=str(tmp),
-                process_group=self.process_group,
-                no_dist=self._no_dist,
+        # Serialized now: the bytes are the state at this call, whenever they are written.
+        train_state_file, train_state_data = tmp / train_state_name(self.rank), torch_bytes(state)
+        with self._write_failures(step):
+            future = self._coord.on_every_rank(
+                lambda: self._write(
+                    {"model": model_sd, "optimizer": optim_sd},
+                    tmp,
+                    step,
+                    lambda: write_durable(train_state_file, train_state_data),
+                )
             )
-        self._on_every_rank(lambda: write_torch(tmp / train_state_name(self.rank), state))
-        marker = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "tokens_seen": int(state.get("tokens_seen", 0)),
-            "world_size": self.world_size,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "config_sha256": config_sha256 or self.config_sha256,
-        }
-        self._on_rank0(lambda: self._commit(tmp, marker))
+        marker = self._marker(step, int(state.get("tokens_seen", 0)), config_sha256)
         path = self.directory / name
+        if future is not None:
+            self._pending = PendingSave(step, tmp, marker, future, started)
+            if self.rank == 0:
+                logger.info(
+                    "saving checkpoint %s in the background (%.2f s to stage)",
+                    path,
+                    time.monotonic() - started,
+                )
+            return str(path)
+        fault_save_delay(step)
+        self._coord.on_rank0(lambda: self._commit(tmp, marker))
         if self.rank == 0:
             logger.info("saved checkpoint %s (%.2f s)", path, time.monotonic() - started)
         return str(path)
 
-    def wait(self) -> None:
-        """Block until every save issued so far is durable and committed.
+    def _marker(self, step: int, tokens_seen: int, config_sha256: str) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "world_size": self.world_size,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "config_sha256": config_sha256 or self.config_sha256,
+        }
 
-        Saves are synchronous today, so this returns at once; the loop calls it before
-        returning so that asynchronous saves can be added without changing callers.
+    def poll(self) -> str | None:
+        """Commit the save in flight if its write has finished, without waiting for it.
+
+        Returns the committed path, or None (nothing in flight, or still writing); raises
+        CheckpointError when the background write failed. Cheap enough to call every
+        step: nothing when no save is in flight, else one future check and, across
+        ranks, a one-integer all-reduce on the manager's group. Collective.
         """
+        if self._pending is None:
+            return None
+        if not self._coord.all_true(self._pending.future.done()):
+            return None
+        return self._finish_pending()
 
-    def _prepare(self, tmp: Path) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._settle()
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is durable, then commit it. Collective.
+
+        Raises CheckpointError when its background write failed. In sync mode, or with
+        nothing in flight, returns at once. The loop calls it before teardown.
+        """
+        self._finish_pending()
+
+    def _write(
+        self, state_dict: dict[str, Any], tmp: Path, step: int, then: Callable[[], None]
+    ) -> Future[None] | None:
+        """Write the DCP files, then run `then` (the train state): now, returning None, or
+        in the background, returning the future of both."""
+        if self.cfg.async_mode == "async":
+            return self._writer.start(
+                state_dict,
+                tmp,
+                step=step,
+                process_group=self._write_group,
+                no_dist=self._no_dist,
+                then=then,
+            )
+        with quiet_single_process(self._no_dist):
+            dcp_save(
+                state_dict,
+                checkpoint_id=str(tmp),
+                process_group=self.process_group,
+                no_dist=self._no_dist,
+            )
+        then()
+        return None
+
+    def _finish_pending(self) -> str | None:
+        """Wait for the save in flight, if any, and commit it; return its path. Collective."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            self._coord.on_every_rank(pending.future.result)
+        except FAILURES as e:
+            # Free what the failed write left (a full disk needs the space back).
+            self._coord.on_rank0(lambda: shutil.rmtree(pending.tmp, ignore_errors=True))
+            raise self._save_failed(pending.step, e, background=True) from e
+        self._coord.on_rank0(lambda: self._commit(pending.tmp, pending.marker))
+        path = self.directory / f"step_{pending.step}"
+        if self.rank == 0:
+            elapsed = time.monotonic() - pending.started_s
+            logger.info("saved checkpoint %s (committed %.2f s after save)", path, elapsed)
+        return str(path)
+
+    def _save_failed(self, step: int, error: BaseException, *, background: bool) -> CheckpointError:
         latest = read_latest(self.directory)
-        for path in self.directory.iterdir():
-            if LEFTOVER_DIR.fullmatch(path.name) and path.name != latest:
-                logger.info("removing %s, left by an interrupted save", path)
-                shutil.rmtree(path)
-        if tmp.exists():
-            raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
-        tmp.mkdir()
+        kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
+        what = "the background write of" if background else "writing"
+        return CheckpointError(
+            self.directory,
+            f"{what} checkpoint step_{step} failed, so it was not committed "
+            f"({describe_failure(error)}); {kept}",
+        )
+
+    @contextlib.contextmanager
+    def _write_failures(self, step: int) -> Iterator[None]:
+        """Turn an OS or DCP failure while writing ``step_<step>`` into a CheckpointError."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            raise self._save_failed(step, e, background=False) from e
+
+    def _prepare(self, tmp: Path, step: int) -> None:
+        with self._write_failures(step):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        settle(self.directory)
+        latest = read_latest(self.directory)
+        with self._write_failures(step):
+            for path in self.directory.iterdir():
+                if LEFTOVER_DIR.fullmatch(path.name) and path.name != latest:
+                    logger.info("removing %s, left by an interrupted save", path)
+                    shutil.rmtree(path)
+            if tmp.exists():
+                raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
+            tmp.mkdir()
 
     def _commit(self, tmp: Path, marker: dict[str, Any]) -> None:
         write_marker(tmp, marker)
         fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
-        self._publish(f"step_{marker['step']}")
-        self._apply_retention()
-
-    def _publish(self, name: str) -> None:
-        """Move a marked ``<name>.tmp`` into place as ``<name>`` and point ``latest`` at it.
-
-        Also finishes a publish a crash interrupted. When ``<name>`` already exists it is
-        swapped out through ``<name>.old``, with ``latest`` always naming a marked copy.
-        """
-        final, tmp, old = (self.directory / f"{name}{s}" for s in ("", ".tmp", ".old"))
-        if read_marker(tmp) is not None:
-            if final.exists():
-                if read_latest(self.directory) in (final.name, old.name):
-                    write_latest(self.directory, tmp.name)
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(final, old)
-                fsync_dir(self.directory)
-            if read_latest(self.directory) == tmp.name and read_marker(old) is not None:
-                write_latest(self.directory, old.name)
-            os.replace(tmp, final)
-            fsync_dir(self.directory)
-        if read_marker(final) is not None:
-            write_latest(self.directory, final.name)
-            if old.exists():
-                shutil.rmtree(old)
-
-    def _settle(self) -> None:
-        """Finish a publish that a crash left with ``latest`` on a .tmp or .old copy."""
-        match = LEFTOVER_DIR.fullmatch(read_latest(self.directory) or "")
-        if match:
-            self._publish(f"step_{match.group(1)}")
-
-    def _apply_retention(self) -> None:
-        keep = self.cfg.keep_last_n
-        if keep == 0:
-            return
-        latest = read_latest(self.directory)
-        complete = [p for _, p in step_dirs(self.directory) if self.is_complete(p)]
-        for path in complete[keep:]:
-            if path.name == latest:
-                continue
-            # Rename first: a half-deleted directory must never look like a checkpoint.
-            trash = path.with_name(f"{path.name}.trash")
-            os.replace(path, trash)
-            shutil.rmtree(trash)
-            logger.info("removed old checkpoint %s (checkpoint.keep_last_n = %d)", path, keep)
+        publish(self.directory, f"step_{marker['step']}")
+        apply_retention(
+            self.directory,
+            keep_last_n=self.cfg.keep_last_n,
+            keep_every=self.cfg.keep_every,
+            is_complete=self.is_complete,
+        )
 
     def find_resume_path(self) -> str | None:
         """The checkpoint checkpoint.resume_from selects, or None to start fresh. Collective.
@@ -240,52 +328,35 @@ class CheckpointManager:
         checkpoint directory also works). 'auto' takes the one ``latest`` names if it is
         complete, otherwise the newest complete ``step_<N>`` (warning which were skipped),
         and None when the directory holds no checkpoint at all; when it holds only broken
-        ones this raises, rather than silently starting over.
+        ones this raises, rather than silently starting over. A save in flight is
+        committed first.
         """
-        return self._on_rank0(self._resolve)
+        self._finish_pending()
+        return self._coord.on_rank0(
+            lambda: resolve_resume_path(self.directory, self.cfg.resume_from)
+        )
 
-    def _resolve(self) -> str | None:
-        choice = self.cfg.resume_from
-        if choice == "none":
-            return None
-        if choice != "auto":
-            path = Path(choice)
-            if not path.exists() and (self.directory / choice).exists():
-                path = self.directory / choice
-            _raise_if_incomplete(path)
-            return str(path)
-        skipped: list[str] = []
-        latest = read_latest(self.directory)
-        if latest is not None:
-            path = self.directory / latest
-            problems = (
-                checkpoint_problems(path) if is_checkpoint_name(latest) else ["not a step name"]
-            )
-            if not problems:
-                return str(path)
-            skipped.append(f"{path} named by '{LATEST}' ({problems[0]})")
-        candidates = step_dirs(self.directory)
-        for _, path in candidates:
-            if path.name == latest:
-                continue
-            problems = checkpoint_problems(path)
-            if not problems:
-                reason = f"skipped {'; '.join(skipped)}" if skipped else f"no '{LATEST}' file"
-                logger.warning(
-                    "resuming from %s, the newest complete checkpoint (%s)", path, reason
-                )
-                return str(path)
-            skipped.append(f"{path} ({problems[0]})")
-        if candidates:
-            # Broken checkpoints are not "nothing": starting over would silently drop them.
-            raise CheckpointError(
-                self.directory,
-                f"no complete checkpoint to resume from (skipped {'; '.join(skipped)}); "
-                "set checkpoint.resume_from = 'none' to start over",
-            )
-        if skipped:
-            logger.warning("no checkpoint to resume from: skipped %s", skipped[0])
-        return None
+    def newest_complete_path(self) -> str | None:
+        """The checkpoint a NaN rollback returns to, or None when there is none. Collective.
+
+        The one ``latest`` names when it is complete, else the newest complete
+        ``step_<N>``; checkpoint.resume_from plays no part. A save in flight is committed
+        first.
+        """
+        self._finish_pending()
+        return self._coord.on_rank0(lambda: newest_complete(self.directory))
+
+    def read_extra(self, path: str) -> dict[str, Any]:
+        """The ``extra`` dict saved in checkpoint `path`, loading nothing else. Collective.
+
+        For checks before a resume (the math fingerprint); raises CheckpointError naming
+        `path` when it is not a complete checkpoint.
+        """
+        state, _ = self._coord.on_every_rank(
+            lambda: read_train_state(Path(path), self.rank, self.world_size, quiet=True)
+        )
+        extra = state.get("extra")
+        return extra if isinstance(extra, dict) else {}
 
     def is_complete(self, path: str | os.PathLike[str]) -> bool:
         """True when `path` holds a committed, intact checkpoint.
@@ -309,11 +380,17 @@ class CheckpointManager:
         (step, tokens_seen, dataloader, rng, extra and the caller's own fields) is read with
         a weights-only load and not applied: restore the RNG last, after anything that
         draws random numbers. A rank the saving run did not have (the world grew) gets
-        rank 0's train state, with a warning. Collective.
+        rank 0's train state, with a warning. A save in flight is committed first.
+        Collective.
         """
+        self._finish_pending()
         root = Path(path)
-        state, saved = self._on_every_rank(lambda: self._read_train_state(root))
-        self._load_model_and_optimizer(root, model, optimizer, saved)
+        state, saved = self._coord.on_every_rank(
+            lambda: read_train_state(root, self.rank, self.world_size)
+        )
+        load_model_and_optimizer(
+            root, model, optimizer, saved, process_group=self.process_group, no_dist=self._no_dist
+        )
         try:
             scheduler.load_state_dict(state["scheduler"])
         except Exception as e:
@@ -324,120 +401,24 @@ class CheckpointManager:
             logger.info("loaded checkpoint %s (step %d)", root, state["step"])
         return state
 
-    def _read_train_state(self, root: Path) -> tuple[dict[str, Any], set[str]]:
-        """This rank's train state and the keys the DCP files hold, after checking `root`."""
-        metadata = _raise_if_incomplete(root)
-        marker = read_marker(root) or {}
-        saved_world_size = int(marker.get("world_size", 1))
-        if saved_world_size != self.world_size and self.rank == 0:
-            logger.warning(
-                "%s was saved by %d ranks and this run has %d: model and optimizer are "
-                "resharded, but dataloader positions and RNG are per rank and ranks >= %d "
-                "take rank 0's",
-                root,
-                saved_world_size,
-                self.world_size,
-                saved_world_size,
-            )
-        file = root / train_state_name(self.rank if self.rank < saved_world_size else 0)
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(file, f"cannot be read as a weights-only torch file: {e}") from e
-        if not isinstance(state, dict) or state.get("step") != marker.get("step"):
-            raise CheckpointError(file, f"is not the train state of step {marker.get('step')}")
-        return state, set(metadata.state_dict_metadata)
+    def load_weights(self, path: str, *, model: torch.nn.Module) -> None:
+        """Load only the model weights of checkpoint `path` into `model`. Collective.
 
-    def _load_model_and_optimizer(
-        self,
-        root: Path,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        saved: set[str],
-    ) -> None:
-        # get_state_dict creates the optimizer state DCP loads into, but only when no
-        # parameter holds a gradient; stale gradients mean nothing after a load anyway.
-        optimizer.zero_grad(set_to_none=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        unknown = sorted(k for k in saved if k.startswith("model.") and k[6:] not in model_sd)
-        if unknown:
-            raise CheckpointError(
-                root,
-                f"{len(unknown)} saved model entries do not exist in this model (first: "
-                f"{unknown[0]}); was it saved from another model config?",
-            )
-        if not optim_sd.get("state") and any(k.startswith("optimizer.state.") for k in saved):
-            raise CheckpointError(root, "the optimizer has no state to load the saved one into")
-        to_load = {"model": model_sd, "optimizer": optim_sd}
-        try:
-            with self._quiet_single_process():
-                dcp_load(
-                    to_load,
-                    checkpoint_id=str(root),
-                    process_group=self.process_group,
-                    no_dist=self._no_dist,
-                )
-        except Exception as e:
-            raise CheckpointError(root, f"model/optimizer do not load: {e}") from e
-        set_state_dict(
+        For checkpoint.load_weights_only: a model-only DCP load (resharded to this world
+        size) that ignores the checkpoint's optimizer entries, scheduler, train state and
+        RNG, so the caller starts a new run (fresh optimizer, step 0) from these weights.
+        Raises CheckpointError naming `path` when it is incomplete or does not fit
+        `model`. A save in flight is committed first.
+        """
+        self._finish_pending()
+        root = Path(path)
+        metadata = self._coord.on_every_rank(lambda: require_complete(root))
+        load_model_weights(
+            root,
             model,
-            optimizer,
-            model_state_dict=to_load["model"],
-            optim_state_dict=to_load["optimizer"],
+            set(metadata.state_dict_metadata),
+            process_group=self.process_group,
+            no_dist=self._no_dist,
         )
-
-    def _on_rank0(self, fn: Callable[[], _T]) -> _T:
-        """Run `fn` on rank 0 only; every rank returns its result or raises its error."""
-        if self.world_size == 1:
-            return fn()
-        outcome: list[Any] = [None]
-        error: Exception | None = None
         if self.rank == 0:
-            try:
-                outcome = [("ok", fn())]
-            except Exception as e:
-                error, outcome = e, [("error", str(e))]
-        dist.broadcast_object_list(outcome, group=self.process_group, group_src=0)
-        kind, value = outcome[0]
-        if error is not None:
-            raise error
-        if kind == "error":
-            raise CheckpointError(self.directory, f"rank 0 failed: {value}")
-        return value
-
-    def _on_every_rank(self, fn: Callable[[], _T]) -> _T:
-        """Run `fn` on every rank and return its result; if any rank fails, every rank raises."""
-        error: Exception | None = None
-        result: Any = None
-        try:
-            result = fn()
-        except Exception as e:
-            error = e
-        if self.world_size > 1:
-            errors: list[Any] = [None] * self.world_size
-            dist.all_gather_object(
-                errors, None if error is None else str(error), self.process_group
-            )
-            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-            if failed and error is None:
-                rank, message = failed[0]
-                raise CheckpointError(self.directory, f"rank {rank} failed: {message}")
-        if error is not None:
-            raise error
-        return result
-
-    @contextlib.contextmanager
-    def _quiet_single_process(self) -> Iterator[None]:
-        """Silence DCP's 'assuming ... single process' warning: that is our intent."""
-        with warnings.catch_warnings():
-            if self._no_dist:
-                warnings.filterwarnings("ignore", message=r".*assuming the intent is to .*")
-            yield
-
-
-def _raise_if_incomplete(path: Path) -> Metadata:
-    """DCP metadata of checkpoint `path`; CheckpointError naming what is missing if broken."""
-    problems, metadata = inspect_checkpoint(path)
-    if problems or metadata is None:
-        raise CheckpointError(path, "not a complete checkpoint: " + "; ".join(problems))
-    return metadata
+            logger.info("loaded the model weights of checkpoint %s", root)

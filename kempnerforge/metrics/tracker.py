@@ -92,6 +92,7 @@ class MetricsTracker:
         self._last_step = 0
         self._last_loss = math.nan
         # Since the previous logged row.
+        self._unlogged: tuple | None = None  # the last step's values while not yet in a row
         self._interval_steps = 0
         self._interval_tokens = 0
         self._interval_time = 0.0
@@ -150,12 +151,35 @@ class MetricsTracker:
 
         first = not self._seen_step
         self._seen_step = True
+        self._unlogged = (step, loss, grad_norm, lr, tokens_seen, extra)
         if not (first or step % self.cfg.log_interval == 0 or step == self.max_steps):
             if self._console is not None and self._console.bar_due(now):
                 self._console.draw_bar(self._bar_text())
             return None
 
+        return self._log_interval_row(step, loss, grad_norm, lr, tokens_seen, extra)
+
+    def flush(self) -> dict[str, Any] | None:
+        """Write the row of a part-finished interval now (a run stopping off the cadence).
+
+        Without it the steps since the last row would appear in no row's averages; the loop
+        calls this when it stops early. Returns the row, or None when nothing is pending.
+        """
+        if self._unlogged is None or self._interval_steps == 0:
+            return None
+        return self._log_interval_row(*self._unlogged)
+
+    def _log_interval_row(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens_seen: int,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         row = self._step_row(step, loss, grad_norm, lr, tokens_seen, extra)
+        self._unlogged = None
         self._interval_steps = self._interval_tokens = 0
         self._interval_time = self._interval_loss = 0.0
         self._write(row)

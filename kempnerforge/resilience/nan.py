@@ -15,12 +15,16 @@ _KEPT_STEP_IDS = 100
 class NaNAbortError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops (the CLI exits with NAN_ABORT)."""
 
-    def __init__(self, steps: list[int]) -> None:
+    def __init__(self, steps: list[int], rollbacks: int = 0, reason: str = "") -> None:
         self.steps = list(steps)
+        self.rollbacks = rollbacks
         shown = ", ".join(str(s) for s in self.steps)
+        after = f" after {rollbacks} rollback(s)" if rollbacks else ""
+        why = f" ({reason})" if reason else ""
         super().__init__(
             f"{len(self.steps)} consecutive steps had a non-finite loss or gradient norm "
-            f"(steps {shown}); lower the learning rate or resume from an earlier checkpoint"
+            f"(steps {shown}){after}{why}; lower the learning rate or resume from an "
+            "earlier checkpoint"
         )
 
 
@@ -42,6 +46,10 @@ class NaNDetector:
         """Bad steps over the whole run, resumes included."""
         self.skipped_steps: list[int] = []
         """Ids of the most recent bad steps, oldest first (the last 100)."""
+        self.rollbacks = 0
+        """Rollbacks to a checkpoint after a streak of bad steps, over the whole run."""
+        self.lr_scale = 1.0
+        """Product of the LR scales applied by those rollbacks."""
 
     def check(self, loss: float, grad_norm: float, step: int) -> bool:
         """True when the step is good (loss and gradient norm both finite); logs a bad one."""
@@ -71,17 +79,27 @@ class NaNDetector:
         """True once `max_consecutive` bad steps have come in a row."""
         return self.consecutive >= self.max_consecutive
 
+    def record_rollback(self, lr_scale: float) -> None:
+        """A rollback happened: the streak starts over, the LR scale compounds."""
+        self.consecutive = 0
+        self.rollbacks += 1
+        self.lr_scale *= lr_scale
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "consecutive": self.consecutive,
             "total_skipped": self.total_skipped,
             "skipped_steps": list(self.skipped_steps),
+            "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state["consecutive"])
         self.total_skipped = int(state["total_skipped"])
         self.skipped_steps = [int(s) for s in state["skipped_steps"]][-_KEPT_STEP_IDS:]
+        self.rollbacks = int(state.get("rollbacks", 0))
+        self.lr_scale = float(state.get("lr_scale", 1.0))
 
 
 def _finite(value: float) -> bool:

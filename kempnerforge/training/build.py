@@ -29,7 +29,7 @@ from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import build_loss_fn
 from kempnerforge.training.optimizer import build_optimizer
 from kempnerforge.training.scheduler import build_scheduler
-from kempnerforge.training.state import restore_train_state
+from kempnerforge.training.state import check_resume_compatible, restore_train_state
 
 logger = get_logger(__name__)
 
@@ -147,15 +147,26 @@ def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession
 
 
 def resume_session(session: TrainingSession) -> tuple[int, int]:
-    """Load the checkpoint checkpoint.resume_from points at, if any; return (step, tokens_seen)."""
+    """Load the checkpoint checkpoint.resume_from points at, if any; return (step, tokens_seen).
+
+    A config change that alters the math is refused before anything is loaded (see
+    check_resume_compatible). With checkpoint.load_weights_only only the model weights
+    are taken and the run starts at step 0 with a fresh optimizer and data order.
+    """
+    cfg = session.config
     path = session.checkpointer.find_resume_path()
     if path is None:
         return 0, 0
+    if cfg.checkpoint.load_weights_only:
+        session.checkpointer.load_weights(path, model=session.model)
+        session.tracker.log_event(0, "load_weights", path=path)
+        logger.info("initialised the model from %s (weights only); starting at step 0", path)
+        return 0, 0
+    check_resume_compatible(cfg, session.checkpointer.read_extra(path), path)
     state = session.checkpointer.load(
         path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
     )
     step, tokens_seen = restore_train_state(session, state)
-    cfg = session.config
     session.profiler = build_profiler(cfg.profiling, cfg.run_dir, first_step=step)
     session.tracker.log_event(step, "resume", path=path, tokens_seen=tokens_seen)
     logger.info("resumed from %s at step %d (%d tokens seen)", path, step, tokens_seen)

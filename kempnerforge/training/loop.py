@@ -26,13 +26,14 @@ from kempnerforge.distributed.pipeline import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.metrics.tracker import MetricsTracker
+from kempnerforge.resilience.agreement import agree_on_stop
 from kempnerforge.resilience.nan import NaNAbortError, NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.hooks import HookRunner, StepContext
 from kempnerforge.training.loss import IGNORE_INDEX
-from kempnerforge.training.state import capture_train_state, math_fingerprint
+from kempnerforge.training.state import capture_train_state, math_fingerprint, roll_back
 
 logger = get_logger(__name__)
 
@@ -398,10 +399,9 @@ def run_training_loop(
                     consecutive=session.nan_detector.consecutive,
                 )
                 if session.nan_detector.exhausted:
-                    raise NaNAbortError(
-                        session.nan_detector.skipped_steps[-tc.nan_consecutive_max :]
-                    )
-                if session.shutdown_handler.requested:
+                    step, tokens_seen = _roll_back_or_stop(session, step)
+                    last_saved = step
+                if _stop_agreed(session):
                     break
                 continue
             lr = optimizer.param_groups[0]["lr"]  # the LR this update used
@@ -429,12 +429,14 @@ def run_training_loop(
                 _run_eval(session, step)
             if session.profiler is not None:
                 session.profiler.step()
+            session.checkpointer.poll()  # commit a finished background save, never blocks
             if session.checkpointer.should_save(step, tc.max_steps):
                 _save_checkpoint(session, step, tokens_seen)
                 last_saved = step
-            if session.shutdown_handler.requested:
+            if _stop_agreed(session):
                 break
         if session.shutdown_handler.requested:
+            tracker.flush()  # the steps since the last row still get their row
             name = session.shutdown_handler.signal_name or "a stop request"
             logger.warning("shutdown requested by %s at step %d: saving and exiting", name, step)
             tracker.log_event(step, "shutdown", signal=name)
@@ -448,6 +450,45 @@ def run_training_loop(
         session.checkpointer.wait()
     session.hooks.on_train_end(step, tokens_seen)
     return step, tokens_seen
+
+
+def _stop_agreed(session: TrainingSession) -> bool:
+    """Whether to stop at this step boundary, agreed by every rank.
+
+    One tiny collective per step when distributed, so every rank stops after the same step
+    and saves the same checkpoint whichever rank got the signal. (NaN verdicts need no such
+    agreement: the step bodies reduce loss and gradient norm, so every rank judges the
+    same numbers.)
+    """
+    handler = session.shutdown_handler
+    if not session.runtime.is_distributed:
+        return handler.requested
+    stop = agree_on_stop(handler.requested, session.runtime.device)
+    if stop and not handler.requested:
+        handler.request("another rank received a stop signal")
+    return stop
+
+
+def _roll_back_or_stop(session: TrainingSession, step: int) -> tuple[int, int]:
+    """After a NaN streak: reload the newest complete checkpoint, or raise NaNAbortError."""
+    detector, tc = session.nan_detector, session.config.train
+    bad_steps = detector.skipped_steps[-tc.nan_consecutive_max :]
+    if detector.rollbacks >= tc.nan_max_rollbacks:
+        raise NaNAbortError(bad_steps, detector.rollbacks, "train.nan_max_rollbacks used up")
+    session.checkpointer.wait()  # a save in flight may be the newest good checkpoint
+    path = session.checkpointer.newest_complete_path()
+    if path is None:
+        raise NaNAbortError(bad_steps, detector.rollbacks, "no checkpoint to roll back to")
+    new_step, tokens_seen = roll_back(session, path, step)
+    session.tracker.log_event(
+        new_step,
+        "nan_rollback",
+        from_step=step,
+        path=path,
+        rollbacks=detector.rollbacks,
+        lr_scale=detector.lr_scale,
+    )
+    return new_step, tokens_seen
 
 
 def _run_eval(session: TrainingSession, step: int) -> None:

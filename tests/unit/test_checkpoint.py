@@ -355,6 +355,27 @@ def test_loading_into_a_different_model_names_the_checkpoint(tmp_path):
     assert path in str(error.value)
 
 
+def test_newest_complete_path_ignores_resume_from_and_broken_checkpoints(tmp_path):
+    manager = _manager(tmp_path, resume_from="none")
+    assert manager.newest_complete_path() is None
+    _save(manager, 3)
+    _save(manager, 6)
+    assert manager.newest_complete_path() == str(manager.directory / "step_6")
+    _corrupt(manager.directory / "step_6", "marker_deleted")
+    assert manager.newest_complete_path() == str(manager.directory / "step_3")
+    _corrupt(manager.directory / "step_3", "metadata_deleted")
+    assert manager.newest_complete_path() is None
+
+
+def test_read_extra_returns_the_saved_extra_only(tmp_path):
+    manager = _manager(tmp_path)
+    path = _save(manager, 3, extra={"math": {"dim": 8}})
+    assert manager.read_extra(path) == {"math": {"dim": 8}}
+    (Path(path) / "complete.json").unlink()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        manager.read_extra(path)
+
+
 def test_wait_returns_at_once(tmp_path):
     manager = _manager(tmp_path)
     _save(manager, 1)

@@ -61,8 +61,16 @@ def test_state_dict_round_trip():
     detector.check(1.0, NAN, step=5)
     restored = NaNDetector(5)
     restored.load_state_dict(detector.state_dict())
-    assert restored.state_dict() == {"consecutive": 2, "total_skipped": 2, "skipped_steps": [4, 5]}
-    assert all(type(v) in (int, list) for v in detector.state_dict().values())
+    detector.record_rollback(0.5)
+    restored.load_state_dict(detector.state_dict())
+    assert restored.state_dict() == {
+        "consecutive": 0,
+        "total_skipped": 2,
+        "skipped_steps": [4, 5],
+        "rollbacks": 1,
+        "lr_scale": 0.5,
+    }
+    assert all(type(v) in (int, float, list) for v in detector.state_dict().values())
 
 
 def test_a_bad_step_warns_with_the_step_and_the_value(caplog):

@@ -1,0 +1,111 @@
+"""The background half of an async save: the DCP write in flight and the test-only fault delay.
+
+Fault injection, for tests only and off unless set: ``KEMPNERFORGE_FAULT_SAVE_DELAY_S``
+(float seconds) makes every save sleep after its DCP files are written and before its
+marker, so a test can kill the process mid-save; ``KEMPNERFORGE_FAULT_SAVE_DELAY_FROM_STEP``
+(int, default 0) limits the delay to saves of that step or later.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+FAULT_SAVE_DELAY_ENV = "KEMPNERFORGE_FAULT_SAVE_DELAY_S"
+FAULT_SAVE_DELAY_FROM_STEP_ENV = "KEMPNERFORGE_FAULT_SAVE_DELAY_FROM_STEP"
+
+
+def fault_save_delay(step: int) -> None:
+    """Test-only: sleep $KEMPNERFORGE_FAULT_SAVE_DELAY_S before the marker of save `step`.
+
+    Does nothing unless the variable is set; only steps >= $..._FROM_STEP are delayed.
+    """
+    delay_s = float(os.environ.get(FAULT_SAVE_DELAY_ENV) or 0)
+    if delay_s > 0 and step >= int(os.environ.get(FAULT_SAVE_DELAY_FROM_STEP_ENV) or 0):
+        logger.warning("fault injection: delaying the save of step %d by %.1f s", step, delay_s)
+        time.sleep(delay_s)
+
+
+@dataclass
+class PendingSave:
+    """A save whose files are being written in the background and which is not committed."""
+
+    step: int
+    tmp: Path
+    """The ``step_<N>.tmp`` directory being written."""
+    marker: dict[str, Any]
+    """The completion marker the commit writes."""
+    future: Future[None]
+    """Done when the files are durable; holds the write's exception if it failed."""
+    started_s: float
+    """time.monotonic() when save() was called."""
+
+
+class BackgroundWriter:
+    """Starts DCP async saves and finishes each on a thread of its own.
+
+    Before ``start`` returns, every tensor is copied into CPU staging buffers, so later
+    in-place updates of parameters or optimizer moments never reach the files. The
+    buffers are kept and reused by the next save (a copy into memory already mapped is
+    several times faster than into fresh memory): async mode holds one CPU copy of the
+    model and optimizer state for the writer's life. The caller must not start a save
+    before the previous one is done, as the copy overwrites its buffers. The returned
+    future is done after DCP has written and fsynced the files and the fault delay (if
+    any) has passed, never on the caller's thread.
+    """
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
+
+    def start(
+        self,
+        state_dict: dict[str, Any],
+        path: Path,
+        *,
+        step: int,
+        process_group: dist.ProcessGroup | None,
+        no_dist: bool,
+        then: Callable[[], None],
+    ) -> Future[None]:
+        """Stage `state_dict`, write it to DCP checkpoint `path`, then run `then` (both in
+        the background); `step` selects the fault delay."""
+        if no_dist:
+            # DCP warns from its own thread that it assumes one process: that is our intent.
+            warnings.filterwarnings(
+                "ignore", message=r".*assuming the intent is to save in a single process.*"
+            )
+        if self._stager is None:
+            # Synchronous staging, no pinned/shared memory: what works on CPU and GPU alike.
+            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kempnerforge-checkpoint")
+        upload = dcp_async_save(
+            state_dict,
+            checkpoint_id=str(path),
+            process_group=process_group,
+            no_dist=no_dist,
+            async_stager=self._stager,
+        )
+        assert isinstance(upload, Future), "synchronous staging: done before async_save returns"
+        assert self._executor is not None
+        return self._executor.submit(_finish_write, upload, then, step)
+
+
+def _finish_write(upload: Future[Any], then: Callable[[], None], step: int) -> None:
+    upload.result()
+    then()
+    fault_save_delay(step)

@@ -1,0 +1,95 @@
+"""Moving a marked checkpoint into place, pointing `latest` at it, and retention.
+
+Rank 0 runs these, and only when no write is in flight: a save still being written is
+a ``step_<N>.tmp`` nothing here renames or deletes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from kempnerforge.checkpoint.layout import (
+    LEFTOVER_DIR,
+    fsync_dir,
+    read_latest,
+    read_marker,
+    step_dirs,
+    write_latest,
+)
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def publish(directory: Path, name: str) -> None:
+    """Move a marked ``<name>.tmp`` into place as ``<name>`` and point ``latest`` at it.
+
+    Also finishes a publish a crash interrupted. When ``<name>`` already exists it is
+    swapped out through ``<name>.old``, with ``latest`` always naming a marked copy.
+    """
+    final, tmp, old = (directory / f"{name}{s}" for s in ("", ".tmp", ".old"))
+    if read_marker(tmp) is not None:
+        if final.exists():
+            if read_latest(directory) in (final.name, old.name):
+                write_latest(directory, tmp.name)
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+            fsync_dir(directory)
+        if read_latest(directory) == tmp.name and read_marker(old) is not None:
+            write_latest(directory, old.name)
+        os.replace(tmp, final)
+        fsync_dir(directory)
+    if read_marker(final) is not None:
+        write_latest(directory, final.name)
+        if old.exists():
+            shutil.rmtree(old)
+
+
+def settle(directory: Path) -> None:
+    """Finish a publish that a crash left with ``latest`` on a .tmp or .old copy."""
+    match = LEFTOVER_DIR.fullmatch(read_latest(directory) or "")
+    if match:
+        publish(directory, f"step_{match.group(1)}")
+
+
+def retained(steps: list[int], *, keep_last_n: int, keep_every: int) -> set[int]:
+    """The steps retention keeps out of `steps` (complete checkpoints): all when
+    keep_last_n is 0, else the newest keep_last_n plus every multiple of keep_every."""
+    if keep_last_n == 0:
+        return set(steps)
+    keep = set(sorted(steps, reverse=True)[:keep_last_n])
+    if keep_every > 0:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return keep
+
+
+def apply_retention(
+    directory: Path, *, keep_last_n: int, keep_every: int, is_complete: Callable[[Path], bool]
+) -> None:
+    """Delete the complete checkpoints `retained` does not keep; never the one `latest` names.
+
+    Incomplete ``step_<N>`` directories are left alone: they count for nothing here and
+    a resume skips them with a warning.
+    """
+    if keep_last_n == 0:
+        return
+    latest = read_latest(directory)
+    complete = {step: path for step, path in step_dirs(directory) if is_complete(path)}
+    keep = retained(list(complete), keep_last_n=keep_last_n, keep_every=keep_every)
+    for step, path in sorted(complete.items()):
+        if step in keep or path.name == latest:
+            continue
+        # Rename first: a half-deleted directory must never look like a checkpoint.
+        trash = path.with_name(f"{path.name}.trash")
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+        logger.info(
+            "removed old checkpoint %s (checkpoint.keep_last_n = %d, keep_every = %d)",
+            path,
+            keep_last_n,
+            keep_every,
+        )

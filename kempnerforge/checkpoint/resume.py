@@ -1,0 +1,189 @@
+"""Finding the checkpoint a run resumes from, and reading one back into model and optimizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from kempnerforge.checkpoint.coordination import quiet_single_process
+from kempnerforge.checkpoint.errors import FAILURES, CheckpointError, describe_failure
+from kempnerforge.checkpoint.layout import (
+    LATEST,
+    checkpoint_problems,
+    inspect_checkpoint,
+    is_checkpoint_name,
+    read_latest,
+    read_marker,
+    step_dirs,
+    train_state_name,
+)
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def resolve_resume_path(directory: Path, choice: str) -> str | None:
+    """The checkpoint checkpoint.resume_from = `choice` selects in `directory`, or None.
+
+    See CheckpointManager.find_resume_path for the rules.
+    """
+    if choice == "none":
+        return None
+    if choice != "auto":
+        path = Path(choice)
+        if not path.exists() and (directory / choice).exists():
+            path = directory / choice
+        require_complete(path)
+        return str(path)
+    skipped: list[str] = []
+    latest = read_latest(directory)
+    if latest is not None:
+        path = directory / latest
+        problems = checkpoint_problems(path) if is_checkpoint_name(latest) else ["not a step name"]
+        if not problems:
+            return str(path)
+        skipped.append(f"{path} named by '{LATEST}' ({problems[0]})")
+    candidates = step_dirs(directory)
+    for _, path in candidates:
+        if path.name == latest:
+            continue
+        problems = checkpoint_problems(path)
+        if not problems:
+            reason = f"skipped {'; '.join(skipped)}" if skipped else f"no '{LATEST}' file"
+            logger.warning("resuming from %s, the newest complete checkpoint (%s)", path, reason)
+            return str(path)
+        skipped.append(f"{path} ({problems[0]})")
+    if candidates:
+        # Broken checkpoints are not "nothing": starting over would silently drop them.
+        raise CheckpointError(
+            directory,
+            f"no complete checkpoint to resume from (skipped {'; '.join(skipped)}); "
+            "set checkpoint.resume_from = 'none' to start over",
+        )
+    if skipped:
+        logger.warning("no checkpoint to resume from: skipped %s", skipped[0])
+    return None
+
+
+def newest_complete(directory: Path) -> str | None:
+    """The checkpoint ``latest`` names if complete, else the newest complete one, else None."""
+    try:
+        return resolve_resume_path(directory, "auto")
+    except CheckpointError:
+        return None  # only broken checkpoints: nothing to return to
+
+
+def require_complete(path: Path) -> Metadata:
+    """DCP metadata of checkpoint `path`; CheckpointError naming what is missing if broken."""
+    problems, metadata = inspect_checkpoint(path)
+    if problems or metadata is None:
+        raise CheckpointError(path, "not a complete checkpoint: " + "; ".join(problems))
+    return metadata
+
+
+def read_train_state(
+    root: Path, rank: int, world_size: int, *, quiet: bool = False
+) -> tuple[dict[str, Any], set[str]]:
+    """Rank `rank`'s train state in `root` and the keys its DCP files hold, after checking it.
+
+    A rank the saving run did not have takes rank 0's train state, with a warning (unless
+    `quiet`: a look at the state before the load that will warn).
+    """
+    metadata = require_complete(root)
+    marker = read_marker(root) or {}
+    saved_world_size = int(marker.get("world_size", 1))
+    if saved_world_size != world_size and rank == 0 and not quiet:
+        logger.warning(
+            "%s was saved by %d ranks and this run has %d: model and optimizer are "
+            "resharded, but dataloader positions and RNG are per rank and ranks >= %d "
+            "take rank 0's",
+            root,
+            saved_world_size,
+            world_size,
+            saved_world_size,
+        )
+    file = root / train_state_name(rank if rank < saved_world_size else 0)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(file, f"cannot be read as a weights-only torch file: {e}") from e
+    if not isinstance(state, dict) or state.get("step") != marker.get("step"):
+        raise CheckpointError(file, f"is not the train state of step {marker.get('step')}")
+    return state, set(metadata.state_dict_metadata)
+
+
+def load_model_and_optimizer(
+    root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    saved: set[str],
+    *,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool,
+) -> None:
+    """Load the DCP files of `root` (whose keys are `saved`) into model and optimizer."""
+    # get_state_dict creates the optimizer state DCP loads into, but only when no
+    # parameter holds a gradient; stale gradients mean nothing after a load anyway.
+    optimizer.zero_grad(set_to_none=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_model_keys(root, saved, model_sd)
+    if not optim_sd.get("state") and any(k.startswith("optimizer.state.") for k in saved):
+        raise CheckpointError(root, "the optimizer has no state to load the saved one into")
+    to_load = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        with quiet_single_process(no_dist):
+            dcp_load(to_load, checkpoint_id=str(root), process_group=process_group, no_dist=no_dist)
+    except FAILURES as e:
+        raise CheckpointError(root, f"model/optimizer do not load: {describe_failure(e)}") from e
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=to_load["model"],
+        optim_state_dict=to_load["optimizer"],
+    )
+
+
+def load_model_weights(
+    root: Path,
+    model: torch.nn.Module,
+    saved: set[str],
+    *,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool,
+) -> None:
+    """Load only the ``model`` entries of `root` into `model`; the optimizer's are not read."""
+    model_sd = get_model_state_dict(model)
+    check_model_keys(root, saved, model_sd)
+    try:
+        with quiet_single_process(no_dist):
+            dcp_load(
+                {"model": model_sd},
+                checkpoint_id=str(root),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except FAILURES as e:
+        raise CheckpointError(root, f"the model weights do not load: {describe_failure(e)}") from e
+    set_model_state_dict(model, model_sd)
+
+
+def check_model_keys(root: Path, saved: set[str], model_sd: dict[str, Any]) -> None:
+    """Raise CheckpointError when `root` holds model entries `model_sd` does not have."""
+    unknown = sorted(k for k in saved if k.startswith("model.") and k[6:] not in model_sd)
+    if unknown:
+        raise CheckpointError(
+            root,
+            f"{len(unknown)} saved model entries do not exist in this model (first: "
+            f"{unknown[0]}); was it saved from another model config?",
+        )

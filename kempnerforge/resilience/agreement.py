@@ -1,0 +1,56 @@
+"""Cross-rank agreement on per-rank decisions: stop now, skip this step.
+
+A signal reaches ranks at different times, and a rank-local check can differ across
+pipeline stages. A decision that changes which collectives run next (saving, skipping
+the optimizer step) must be the same on every rank, or the ranks that disagree hang in
+a collective the others never enter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def agree_on_stop(
+    local_stop: bool, device: torch.device, group: dist.ProcessGroup | None = None
+) -> bool:
+    """True on every rank when any rank wants to stop; identity without torch.distributed.
+
+    Collective: every rank of ``group`` (the default group when None) calls it at the same
+    point, once per step boundary. It costs one all-reduce of a one-element tensor and one
+    host sync. ``device`` is where the tensor lives: CPU for gloo, this rank's CUDA device
+    for nccl.
+    """
+    return any_rank([local_stop], device, group)[0]
+
+
+def agree_on_bad_step(
+    local_bad: bool, device: torch.device, group: dist.ProcessGroup | None = None
+) -> bool:
+    """True on every rank when any rank judged this step bad (non-finite loss or norm).
+
+    The NaN check's counterpart of `agree_on_stop`, with the same contract: called by every
+    rank once per step, before the optimizer step, so all ranks skip it together.
+    """
+    return any_rank([local_bad], device, group)[0]
+
+
+def any_rank(
+    flags: Sequence[bool], device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[bool, ...]:
+    """For each flag, True when it is True on any rank: one all-reduce (MAX) for all of them.
+
+    Lets a caller fold several decisions (a bad step and a stop) into a single collective;
+    the same contract as `agree_on_stop`. Without an initialized process group it returns
+    the flags unchanged.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return tuple(bool(f) for f in flags)
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+        raise ValueError("an nccl process group needs a CUDA device for the agreement tensor")
+    votes = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+    return tuple(bool(v) for v in votes.tolist())

@@ -1,0 +1,87 @@
+"""run_distributed: run a function on real gloo ranks, each in its own spawned process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Whole-job limit: a hung collective fails the test instead of stalling the suite."""
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on every rank of a gloo group; return the results.
+
+    ``fn`` and ``args`` must pickle (a module-level function): each rank is a fresh spawned
+    process with one intra-op thread, joined through a ``file://`` store in a temporary
+    directory, so concurrent tests never share a port. ``fn``'s return values come back
+    indexed by rank. A rank that raises fails the call with that rank's traceback (the
+    others are terminated); a job still running after ``timeout_s`` is killed and raises
+    TimeoutError.
+    """
+    workdir = tempfile.mkdtemp(prefix="kf-dist-")
+    try:
+        context = mp.spawn(
+            _worker,
+            args=(world_size, workdir, fn, args, timeout_s),
+            nprocs=world_size,
+            join=False,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=0.2):  # raises ProcessRaisedException on a failure
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                for process in context.processes:
+                    process.join(timeout=10)
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks "
+                    f"within {timeout_s:.0f} s (a rank is stuck in a collective?)"
+                )
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)  # spawn does not set OMP_NUM_THREADS; the cores are shared
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(workdir, 'store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)

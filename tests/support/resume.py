@@ -1,0 +1,119 @@
+"""Resume-test inputs and checks: a corpus of a few steps per epoch, logged rows, state copies."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kempnerforge.config.loader import load_config
+from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.training.build import build_session
+from kempnerforge.training.loop import TrainingSession
+
+WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]
+
+
+def write_small_corpus(root: Path, num_docs: int, seed: int = 0) -> tuple[str, str]:
+    """(train_dir, eval_dir) of byte-tokenized synthetic documents, prepared under root.
+
+    Small on purpose: a few hundred tokens make an epoch only a handful of batches.
+    """
+    rng = random.Random(seed)
+    source = root / "docs.jsonl"
+    with open(source, "w") as f:
+        for _ in range(num_docs):
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "\n"
+            f.write(json.dumps({"text": text}) + "\n")
+    train, evald = str(root / "train"), str(root / "eval")
+    prepare_data([str(source)], train, ByteTokenizer(), eval_fraction=0.2, eval_output_dir=evald)
+    return train, evald
+
+
+def make_session(overrides: list[str]) -> TrainingSession:
+    """A validated single-process session over these command-line overrides."""
+    config = load_config(None, overrides)
+    config.validate(1)
+    return build_session(config, RuntimeContext())
+
+
+def read_rows(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_rows(run_dir: str) -> list[dict]:
+    """The per-step training rows (events and eval rows left out), in logged order."""
+    return [r for r in read_rows(run_dir) if "loss" in r and "event" not in r]
+
+
+def events(run_dir: str, name: str) -> list[dict]:
+    return [r for r in read_rows(run_dir) if r.get("event") == name]
+
+
+def eval_rows(run_dir: str) -> list[dict]:
+    return [r for r in read_rows(run_dir) if "eval_loss" in r and "event" not in r]
+
+
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def optimizer_state_of(optimizer: torch.optim.Optimizer) -> dict:
+    """A deep copy of optimizer.state_dict(): later steps cannot change it."""
+    sd = optimizer.state_dict()
+    return {
+        "state": {
+            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in sd["state"].items()
+        },
+        "param_groups": [dict(g) for g in sd["param_groups"]],
+    }
+
+
+def draw_from_every_generator() -> None:
+    """Move python, numpy and torch off their seeded states, as a model with dropout would."""
+    random.random()
+    np.random.rand()
+    torch.rand(3)
+
+
+def rng_state_of() -> dict:
+    """The process's python, numpy and torch CPU generator states, comparable with ==."""
+    np_state = np.random.get_state(legacy=True)
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def assert_tensors_bitwise_equal(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str
+) -> None:
+    assert got.keys() == expected.keys(), what
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype, f"{what} {name}"
+        assert torch.equal(got[name], tensor), f"{what} {name} differs"
+
+
+def assert_optimizer_states_bitwise_equal(got: dict, expected: dict) -> None:
+    """Same param groups, and every moment tensor (exp_avg, exp_avg_sq, step) bit for bit."""
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    assert expected["state"], "the optimizer holds no state to compare"
+    for index, state in expected["state"].items():
+        assert got["state"][index].keys() == state.keys(), index
+        for key, value in state.items():
+            other = got["state"][index][key]
+            if torch.is_tensor(value):
+                assert torch.is_tensor(other) and other.dtype == value.dtype, (index, key)
+                assert torch.equal(other, value), f"optimizer state {index}.{key} differs"
+            else:
+                assert other == value, (index, key)

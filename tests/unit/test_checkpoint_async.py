@@ -1,0 +1,307 @@
+"""Async checkpointing: state captured at save(), commit only when durable, failures, retention."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from kempnerforge.checkpoint import background
+from kempnerforge.checkpoint.manager import CheckpointError, CheckpointManager
+from kempnerforge.config.checkpoint import CheckpointConfig
+from tests.unit.test_checkpoint import _build, _latest, _load, _manager, _save, _train
+
+
+def _async(root: Path, **cfg) -> CheckpointManager:
+    return _manager(root, async_mode="async", **cfg)
+
+
+def _names(manager: CheckpointManager) -> list[str]:
+    return sorted(os.listdir(manager.directory))
+
+
+@pytest.fixture
+def held_write(monkeypatch):
+    """An Event that holds every DCP write (before its first byte) until it is set."""
+    release = threading.Event()
+    real = FileSystemWriter.write_data
+
+    def write_data(self, *args, **kwargs):
+        assert release.wait(30), "the test never released the write"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    yield release
+    release.set()
+
+
+@pytest.fixture
+def held_commit(monkeypatch):
+    """An Event that holds every finished background write before its marker until set."""
+    release = threading.Event()
+    monkeypatch.setattr(background, "fault_save_delay", lambda step: release.wait(30))
+    yield release
+    release.set()
+
+
+@pytest.fixture
+def disk_full(monkeypatch):
+    def write_data(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    return lambda: monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+
+
+def _poll_until_committed(manager: CheckpointManager) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        path = manager.poll()
+        if path is not None:
+            return path
+        time.sleep(0.01)
+    raise AssertionError("the background save never finished")
+
+
+def test_async_save_writes_the_state_at_save_time(tmp_path, held_write):
+    reference = _train(*_build(), range(6))
+    manager = _async(tmp_path)
+    parts = _build()
+    model, optimizer, _ = parts
+    _train(*parts, range(3))
+    path = _save(manager, 3, parts)
+    assert path == str(manager.directory / "step_3") and manager.pending_step == 3
+    # The write has not started: everything below happens before DCP reads a byte.
+    _train(*parts, range(3, 5))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1000.0)
+        for moments in optimizer.state.values():
+            moments["exp_avg"].zero_()
+    held_write.set()
+    manager.wait()
+    assert manager.pending_step is None and manager.is_complete(path)
+    fresh = _build(seed=1)
+    assert _load(manager, path, fresh)["step"] == 3
+    assert _train(*fresh, range(3, 6)) == reference[3:]  # bitwise: the step-3 state
+
+
+def test_every_async_save_holds_its_own_step_although_staging_buffers_are_reused(tmp_path):
+    manager = _async(tmp_path)
+    parts = _build()
+    expected = {}
+    for step in (1, 2, 3):
+        _train(*parts, range(step - 1, step))
+        expected[step] = {n: p.detach().clone() for n, p in parts[0].named_parameters()}
+        _save(manager, step, parts)
+    manager.wait()
+    for step, params in expected.items():
+        model = _build(seed=9)[0]
+        manager.load_weights(str(manager.directory / f"step_{step}"), model=model)
+        for name, param in model.named_parameters():
+            assert torch.equal(param, params[name]), (step, name)
+
+
+def test_two_quick_async_saves_commit_in_order(tmp_path, held_commit):
+    manager = _async(tmp_path)
+    _save(manager, 1)
+    assert not (manager.directory / "latest").exists()
+    held_commit.set()
+    _save(manager, 2)  # waits for step 1 and commits it before starting
+    assert _latest(manager) == "step_1" and manager.is_complete(manager.directory / "step_1")
+    assert manager.pending_step == 2
+    manager.wait()
+    assert _latest(manager) == "step_2" and manager.pending_step is None
+    assert _names(manager) == ["latest", "step_1", "step_2"]
+
+
+def test_latest_never_names_an_uncommitted_checkpoint(tmp_path, held_commit):
+    manager = _async(tmp_path)
+    held_commit.set()
+    _save(manager, 3)
+    manager.wait()
+    held_commit.clear()
+    _save(manager, 6)
+    for _ in range(3):  # the files may be written, but nothing is committed yet
+        assert manager.poll() is None  # returns although the write cannot finish
+        assert _latest(manager) == "step_3" and manager.pending_step == 6
+        assert not (manager.directory / "step_6").exists()
+        assert (manager.directory / "step_6.tmp").is_dir()
+        assert not (manager.directory / "step_6.tmp" / "complete.json").exists()
+    held_commit.set()
+    assert _poll_until_committed(manager) == str(manager.directory / "step_6")
+    assert _latest(manager) == "step_6" and manager.pending_step is None
+    assert manager.poll() is None
+    assert _names(manager) == ["latest", "step_3", "step_6"]
+
+
+def test_load_commits_the_save_in_flight_first(tmp_path):
+    manager = _async(tmp_path)
+    path = _save(manager, 4)
+    assert _load(manager, path)["step"] == 4 and manager.pending_step is None
+
+
+@pytest.mark.parametrize("surfaces_in", ["wait", "save", "poll"])
+def test_a_failed_background_write_raises_naming_the_directory(tmp_path, disk_full, surfaces_in):
+    manager = _async(tmp_path)
+    _save(manager, 3)
+    manager.wait()
+    disk_full()
+    _save(manager, 6)  # returns: the failure happens in the background
+    with pytest.raises(CheckpointError) as error:
+        if surfaces_in == "wait":
+            manager.wait()
+        elif surfaces_in == "save":
+            _save(manager, 9)
+        else:
+            _poll_until_committed(manager)
+    message = str(error.value)
+    assert error.value.path == str(manager.directory)
+    assert "step_6" in message and "No space left on device" in message
+    assert "'latest' still names step_3" in message
+    assert manager.pending_step is None
+    manager.wait()  # raised once, then cleared
+    assert _latest(manager) == "step_3" and manager.is_complete(manager.directory / "step_3")
+    assert _names(manager) == ["latest", "step_3"]
+    assert manager.find_resume_path() == str(manager.directory / "step_3")
+
+
+def test_a_failed_sync_write_raises_naming_the_directory(tmp_path, disk_full):
+    manager = _manager(tmp_path)
+    _save(manager, 3)
+    disk_full()
+    with pytest.raises(CheckpointError, match="No space left on device") as error:
+        _save(manager, 6)
+    assert error.value.path == str(manager.directory)
+    assert _latest(manager) == "step_3" and manager.is_complete(manager.directory / "step_3")
+    assert manager.find_resume_path() == str(manager.directory / "step_3")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_read_only_directory_raises_naming_it(tmp_path, mode):
+    manager = _manager(tmp_path, async_mode=mode)
+    _save(manager, 3)
+    manager.wait()
+    manager.directory.chmod(0o500)
+    try:
+        with pytest.raises(CheckpointError, match="Permission denied") as error:
+            _save(manager, 6)
+            manager.wait()
+    finally:
+        manager.directory.chmod(0o700)
+    assert error.value.path == str(manager.directory)
+    assert _latest(manager) == "step_3" and manager.is_complete(manager.directory / "step_3")
+
+
+def test_fault_delay_applies_from_the_configured_step(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(background.time, "sleep", slept.append)
+    monkeypatch.delenv(background.FAULT_SAVE_DELAY_ENV, raising=False)
+    background.fault_save_delay(10)
+    monkeypatch.setenv(background.FAULT_SAVE_DELAY_ENV, "2.5")
+    monkeypatch.setenv(background.FAULT_SAVE_DELAY_FROM_STEP_ENV, "10")
+    background.fault_save_delay(5)
+    background.fault_save_delay(10)
+    assert slept == [2.5]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_keep_every_keeps_multiples_besides_the_newest(tmp_path, mode):
+    manager = _manager(tmp_path, async_mode=mode, keep_last_n=1, keep_every=4)
+    for step in range(1, 10):
+        _save(manager, step)
+        if mode == "async":
+            assert (manager.directory / f"step_{step}.tmp").is_dir()  # in flight, untouched
+    manager.wait()
+    assert _names(manager) == ["latest", "step_4", "step_8", "step_9"]
+    _save(manager, 2)  # a run resumed from an older point: latest is kept too
+    manager.wait()
+    assert _names(manager) == ["latest", "step_2", "step_4", "step_8", "step_9"]
+
+
+def test_retention_keeps_the_last_good_checkpoint_while_one_is_written(tmp_path, held_commit):
+    manager = _async(tmp_path, keep_last_n=1)
+    held_commit.set()
+    _save(manager, 1)
+    manager.wait()
+    held_commit.clear()
+    _save(manager, 2)
+    assert _names(manager) == ["latest", "step_1", "step_2.tmp"]
+    held_commit.set()
+    manager.wait()
+    assert _names(manager) == ["latest", "step_2"]
+
+
+def test_load_weights_loads_only_the_model(tmp_path):
+    manager = _manager(tmp_path)
+    parts = _build()
+    _train(*parts, range(3))
+    path = _save(manager, 3, parts)
+    model, optimizer, scheduler = _build(seed=8)
+    manager.load_weights(path, model=model)
+    for (name, p), q in zip(parts[0].named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not optimizer.state and scheduler.last_epoch == 0  # nothing else was restored
+
+    other = nn.Sequential(nn.Linear(8, 16))
+    with pytest.raises(CheckpointError, match="do not exist in this model") as error:
+        manager.load_weights(path, model=other)
+    assert error.value.path == path
+    (Path(path) / "complete.json").unlink()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        manager.load_weights(path, model=model)
+
+
+def _async_worker(rank: int, root: str, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, _, _ = _build()
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        cfg = CheckpointConfig(async_mode="async", keep_last_n=1)
+        manager = CheckpointManager(cfg, root, rank=rank, world_size=2)
+        for step in range(1, 7):
+            # FSDP collectives on the default group while DCP writes on its own group.
+            _train(model, optimizer, scheduler, range(step - 1, step))
+            manager.poll()
+            if step % 2 == 0:
+                manager.save(
+                    step,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    train_state={"tokens_seen": step},
+                )
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        manager.wait()
+        if rank == 0:
+            torch.save(full, Path(root).parent / "params.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_async_saves_at_world_size_two_commit_and_load(tmp_path):
+    import torch.multiprocessing as mp
+
+    root = tmp_path / "ckpt"
+    mp.spawn(_async_worker, args=(str(root), str(tmp_path / "init")), nprocs=2, join=True)
+    assert _names(CheckpointManager(CheckpointConfig(), str(root))) == ["latest", "step_6"]
+    manager = CheckpointManager(CheckpointConfig(), str(root))
+    fresh = _build(seed=3)
+    assert _load(manager, manager.find_resume_path(), fresh)["step"] == 6
+    expected = torch.load(tmp_path / "params.pt", weights_only=True)
+    for name, param in fresh[0].named_parameters():
+        assert torch.equal(param, expected[name]), name
