@@ -443,13 +443,24 @@ def run_training_loop(
         if step != last_saved and step > 0:
             # Off-schedule end (or a shutdown): never lose the steps since the last save.
             _save_checkpoint(session, step, tokens_seen)
+    except BaseException:
+        _drain_after_failure(session)
+        raise
     finally:
         if session.profiler is not None:
             session.profiler.stop()
-        # Drain the pending save first: teardown must not race a background write.
-        session.checkpointer.wait()
+    # Drain the pending save first: teardown must not race a background write.
+    session.checkpointer.wait()
     session.hooks.on_train_end(step, tokens_seen)
     return step, tokens_seen
+
+
+def _drain_after_failure(session: TrainingSession) -> None:
+    """Wait for a save in flight while another error propagates, without masking it."""
+    try:
+        session.checkpointer.wait()
+    except Exception:
+        logger.exception("the checkpoint in flight also failed while the run was stopping")
 
 
 def _stop_agreed(session: TrainingSession) -> bool:

@@ -51,12 +51,13 @@ def held_commit(monkeypatch):
     release.set()
 
 
+def _disk_full_write(self, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 @pytest.fixture
 def disk_full(monkeypatch):
-    def write_data(self, *args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    return lambda: monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    return lambda: monkeypatch.setattr(FileSystemWriter, "write_data", _disk_full_write)
 
 
 def _poll_until_committed(manager: CheckpointManager) -> str:
@@ -288,12 +289,18 @@ def _async_worker(rank: int, root: str, init_file: str) -> None:
         manager.wait()
         if rank == 0:
             torch.save(full, Path(root).parent / "params.pt")
+        if rank == 1:  # this process only: the disk fills up under one rank
+            FileSystemWriter.write_data = _disk_full_write  # type: ignore[method-assign]
+        state = {"tokens_seen": 8}
+        manager.save(8, model=model, optimizer=optimizer, scheduler=scheduler, train_state=state)
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            manager.wait()  # every rank raises, none hangs
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_async_saves_at_world_size_two_commit_and_load(tmp_path):
+def test_async_saves_at_world_size_two_commit_load_and_agree_on_failure(tmp_path):
     import torch.multiprocessing as mp
 
     root = tmp_path / "ckpt"
