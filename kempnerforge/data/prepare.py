@@ -1,4 +1,4 @@
-"""prepare-data: tokenize text files into a prepared directory (tokens.bin + meta.json).
+"""prepare-data: tokenize text inputs into a prepared directory (tokens.bin + meta.json).
 
 Also splits off a held-out set by document, so train and eval never share a document.
 """
@@ -11,13 +11,20 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kempnerforge.data.errors import DataError
-from kempnerforge.data.sources import discover_input_files, read_documents
+from kempnerforge.data.sources import (
+    SUPPORTED,
+    discover_input_files,
+    is_hf_dataset_dir,
+    read_documents,
+)
 from kempnerforge.data.token_file import TokenFileWriter, read_meta
-from kempnerforge.data.tokenizer import Tokenizer, encode_to_arrays, load_tokenizer
+from kempnerforge.data.tokenize_workers import ChunkEncoder
+from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
@@ -26,6 +33,8 @@ logger = get_logger(__name__)
 # batch on all cores); the batch is the most text ever held at once besides one document.
 _BATCH_CHARS = 1 << 20
 _BATCH_DOCS = 1024
+# Documents per chunk sent to a worker process (--workers N > 1).
+_WORKER_CHUNK_DOCS = 256
 
 
 def is_eval_document(text_bytes: bytes, eval_fraction: float) -> bool:
@@ -78,15 +87,19 @@ def write_corpus(
     eval_fraction: float = 0.0,
     eval_output_dir: str | None = None,
     show_progress: bool = False,
+    num_workers: int = 1,
 ) -> dict[str, Any]:
     """Tokenize ``(source name, documents)`` pairs into prepared directories.
 
     Empty documents are skipped. Returns the train split's metadata; the eval split's is in
     ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
-    is complete and non-empty.
+    is complete and non-empty. With ``num_workers`` > 1 the documents are tokenized in that
+    many processes and the output is byte-identical to one worker's.
     """
     _check_split_args(output_dir, eval_fraction, eval_output_dir)
     progress = _Progress(num_sources, show_progress)
+    # Workers get small chunks so each has work; one process keeps the large batches.
+    max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
     with ExitStack() as stack:
         train = stack.enter_context(TokenFileWriter(output_dir, tokenizer))
         writers = [train]
@@ -95,13 +108,14 @@ def write_corpus(
             assert eval_output_dir is not None
             held_out = stack.enter_context(TokenFileWriter(eval_output_dir, tokenizer))
             writers.append(held_out)
+        encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers))
         try:
-            for _name, documents in sources:
-                for batch in _batches(documents, eval_fraction, progress):
-                    arrays = encode_to_arrays(tokenizer, [text for text, _ in batch])
-                    for (_, to_eval), tokens in zip(batch, arrays, strict=True):
-                        (held_out if to_eval and held_out else train).add_document(tokens)
-                progress.file_done(writers)
+            batches = _batches(sources, eval_fraction, progress, max_docs)
+            for batch, arrays in encoder.encode(batches, lambda b: b.texts):
+                for to_eval, tokens in zip(batch.to_eval, arrays, strict=True):
+                    (held_out if to_eval and held_out else train).add_document(tokens)
+                for _ in range(batch.files_done):
+                    progress.file_done(writers)
         finally:
             progress.close()
         _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
@@ -118,23 +132,40 @@ def write_corpus(
     return meta
 
 
+@dataclass
+class _Batch:
+    """Documents tokenized together, their splits, and the sources they complete."""
+
+    texts: list[str] = field(default_factory=list)
+    to_eval: list[bool] = field(default_factory=list)
+    files_done: int = 0
+
+
 def _batches(
-    documents: Iterable[str], eval_fraction: float, progress: _Progress
-) -> Iterator[list[tuple[str, bool]]]:
-    """Non-empty documents with their split, grouped for batched tokenization."""
-    batch: list[tuple[str, bool]] = []
-    chars = 0
-    for text in documents:
-        if not text:
-            continue
-        data = text.encode("utf-8")
-        progress.text_bytes += len(data)
-        batch.append((text, is_eval_document(data, eval_fraction)))
-        chars += len(text)
-        if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
+    sources: Iterable[tuple[str, Iterable[str]]],
+    eval_fraction: float,
+    progress: _Progress,
+    max_docs: int,
+) -> Iterator[_Batch]:
+    """Non-empty documents with their split, grouped for batched tokenization.
+
+    A batch may span sources; ``files_done`` counts those whose last document it holds.
+    """
+    batch, chars = _Batch(), 0
+    for _name, documents in sources:
+        for text in documents:
+            if not text:
+                continue
+            data = text.encode("utf-8")
+            progress.text_bytes += len(data)
+            batch.texts.append(text)
+            batch.to_eval.append(is_eval_document(data, eval_fraction))
+            chars += len(text)
+            if chars >= _BATCH_CHARS or len(batch.texts) >= max_docs:
+                yield batch
+                batch, chars = _Batch(), 0
+        batch.files_done += 1
+    if batch.texts or batch.files_done:
         yield batch
 
 
@@ -183,15 +214,22 @@ def prepare_data(
     show_progress: bool = False,
     eval_fraction: float = 0.0,
     eval_output_dir: str | None = None,
+    split: str | None = None,
+    num_workers: int = 1,
 ) -> dict[str, Any]:
-    """Tokenize .txt / .jsonl files (optionally .gz; directories walked) into ``output_dir``.
+    """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
+    (directories walked) into ``output_dir``.
 
-    Each .txt file is one document, each .jsonl line one document taken from ``text_field``;
-    every document is followed by EOS. With ``eval_fraction`` > 0 about that fraction of the
-    documents goes to ``eval_output_dir`` instead. Returns the train split's metadata.
+    Each .txt file is one document; each .jsonl line, parquet row or dataset row one document
+    taken from ``text_field`` (a DatasetDict gives its ``split``, default 'train'). Every
+    document is followed by EOS. With ``eval_fraction`` > 0 about that fraction of the
+    documents goes to ``eval_output_dir`` instead. ``num_workers`` > 1 tokenizes in that many
+    spawned processes with byte-identical output. Returns the train split's metadata.
     """
     files = discover_input_files(inputs)
-    sources = ((str(f), read_documents(f, text_field)) for f in files)
+    if split is not None and not any(is_hf_dataset_dir(f) for f in files):
+        logger.warning("--split %s is ignored: no input is a saved Hugging Face dataset", split)
+    sources = ((str(f), read_documents(f, text_field, split)) for f in files)
     return write_corpus(
         sources,
         len(files),
@@ -200,7 +238,18 @@ def prepare_data(
         eval_fraction=eval_fraction,
         eval_output_dir=eval_output_dir,
         show_progress=show_progress,
+        num_workers=num_workers,
     )
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return number
 
 
 def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,14 +259,28 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         metavar="FILE_OR_DIR",
-        help=".txt / .jsonl files (optionally .gz) or directories searched recursively",
+        help=f"{SUPPORTED}, or directories searched recursively",
     )
     parser.add_argument("--output", required=True, metavar="DIR", help="prepared directory")
     parser.add_argument(
         "--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json"
     )
     parser.add_argument(
-        "--text-field", default="text", help="jsonl field holding the document text"
+        "--text-field",
+        default="text",
+        help="jsonl field / parquet or dataset column holding the document text",
+    )
+    parser.add_argument(
+        "--split",
+        default=None,
+        help="split of a saved Hugging Face DatasetDict (default: train)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tokenizer processes (default 1); the output is the same for every N",
     )
     parser.add_argument(
         "--eval-fraction",
@@ -242,6 +305,8 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         show_progress=not args.no_progress and sys.stderr.isatty(),
         eval_fraction=args.eval_fraction,
         eval_output_dir=args.eval_output,
+        split=args.split,
+        num_workers=args.workers,
     )
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "

@@ -1,4 +1,5 @@
-"""Raw text inputs of prepare-data: finding .txt / .jsonl files (optionally .gz) and reading them.
+"""Raw text inputs of prepare-data: finding and reading .txt / .jsonl (optionally .gz), .parquet
+files and saved Hugging Face datasets.
 
 Documents are yielded one at a time so a corpus of any size streams through.
 """
@@ -10,18 +11,23 @@ import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kempnerforge.data.errors import DataError
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 
-SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
+SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", ".parquet")
+SUPPORTED = f"{', '.join(SUFFIXES)} files and Hugging Face save_to_disk directories"
+# Rows decoded at once from a parquet file or a saved dataset: the most text held per read.
+_ROWS_PER_READ = 1024
 
 
 def _kind(path: Path) -> str | None:
-    """'txt' or 'jsonl' for a supported file name, else None."""
+    """'txt', 'jsonl', 'parquet' or 'hf' for a supported input, else None."""
+    if path.is_dir():
+        return "hf" if is_hf_dataset_dir(path) else None
     name = path.name.lower()
     for suffix in SUFFIXES:
         if name.endswith(suffix):
@@ -29,10 +35,18 @@ def _kind(path: Path) -> str | None:
     return None
 
 
-def discover_input_files(inputs: list[str]) -> list[Path]:
-    """Input files in a deterministic order: arguments as given, directories walked sorted.
+def is_hf_dataset_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``Dataset(Dict).save_to_disk``."""
+    if (path / "dataset_dict.json").is_file():
+        return True
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
-    A file listed twice (directly or through a directory) is read once.
+
+def discover_input_files(inputs: list[str]) -> list[Path]:
+    """Inputs in a deterministic order: arguments as given, directories walked sorted.
+
+    A saved Hugging Face dataset is one input and is not searched inside. An input listed
+    twice (directly or through a directory) is read once.
     """
     files: list[Path] = []
     seen: set[Path] = set()
@@ -40,17 +54,12 @@ def discover_input_files(inputs: list[str]) -> list[Path]:
         path = Path(raw).expanduser()
         if not path.exists():
             raise DataError(f"{raw}: input path does not exist; check the --input argument")
-        if path.is_dir():
-            found = sorted(
-                (p for p in path.rglob("*") if p.is_file() and _kind(p)),
-                key=lambda p: p.relative_to(path).as_posix(),
-            )
+        if path.is_dir() and not is_hf_dataset_dir(path):
+            found = _walk(path)
         elif _kind(path):
             found = [path]
         else:
-            raise DataError(
-                f"{raw}: unsupported file type; prepare-data reads {', '.join(SUFFIXES)}"
-            )
+            raise DataError(f"{raw}: unsupported file type; prepare-data reads {SUPPORTED}")
         for file in found:
             key = file.resolve()
             if key in seen:
@@ -61,9 +70,22 @@ def discover_input_files(inputs: list[str]) -> list[Path]:
     if not files:
         raise DataError(
             f"no readable files found in {', '.join(inputs) or '(no inputs)'}: "
-            f"prepare-data reads {', '.join(SUFFIXES)}"
+            f"prepare-data reads {SUPPORTED}"
         )
     return files
+
+
+def _walk(root: Path) -> list[Path]:
+    """Supported files and saved datasets under ``root``, sorted by relative path."""
+    entries = list(root.rglob("*"))
+    datasets = {p for p in entries if p.is_dir() and is_hf_dataset_dir(p)}
+    found = [
+        p
+        for p in entries
+        if (p in datasets or (p.is_file() and _kind(p)))
+        and not any(parent in datasets for parent in p.parents)
+    ]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -82,13 +104,21 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
-def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """Documents of one input file: the whole of a .txt, or ``text_field`` of each .jsonl line.
+def read_documents(path: Path, text_field: str = "text", split: str | None = None) -> Iterator[str]:
+    """Documents of one input: the whole of a .txt, or ``text_field`` of each .jsonl line,
+    parquet row or saved-dataset row (``split`` of a DatasetDict, default 'train').
 
-    Blank .jsonl lines are skipped. Raises DataError naming the file (and line) for bytes that
-    are not UTF-8, a line that is not a JSON object, or a missing or non-string field.
+    Blank .jsonl lines and null parquet / dataset values are skipped. Raises DataError naming
+    the file (and line) for bytes that are not UTF-8, a line that is not a JSON object, or a
+    missing or non-string field.
     """
     kind = _kind(path)
+    if kind == "parquet":
+        yield from _read_parquet(path, text_field)
+        return
+    if kind == "hf":
+        yield from _read_hf_dataset(path, text_field, split)
+        return
     try:
         with _open_binary(path) as stream:
             if kind == "txt":
@@ -122,3 +152,83 @@ def _text_of(line: str, text_field: str, where: str) -> str:
     if not isinstance(text, str):
         raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
     return text
+
+
+def _check_column(path: Path, text_field: str, columns: list[str], type_name: str | None) -> None:
+    """A missing or non-string text column is a DataError naming the columns there are."""
+    if text_field not in columns:
+        raise DataError(
+            f"{path}: no {text_field!r} column (columns: {', '.join(columns) or 'none'}); "
+            "pass --text-field to pick one"
+        )
+    if type_name is not None:
+        raise DataError(f"{path}: column {text_field!r} holds {type_name}, not strings")
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    """``text_field`` of each row, read one batch of rows at a time."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path}: reading parquet needs the 'pyarrow' package: "
+            "pip install kempnerforge[parquet]"
+        ) from None
+    try:
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
+        column_type = schema.field(text_field).type if text_field in schema.names else None
+        is_text = column_type is None or _is_arrow_string(pa, column_type)
+        _check_column(path, text_field, schema.names, None if is_text else str(column_type))
+        for batch in parquet.iter_batches(batch_size=_ROWS_PER_READ, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(
+            f"{path}: not a readable parquet file ({exc}); rewrite or remove it"
+        ) from None
+
+
+def _is_arrow_string(pa: Any, arrow_type: Any) -> bool:
+    string_view = getattr(pa.types, "is_string_view", lambda _t: False)
+    return (
+        pa.types.is_string(arrow_type)
+        or pa.types.is_large_string(arrow_type)
+        or string_view(arrow_type)
+    )
+
+
+def _read_hf_dataset(path: Path, text_field: str, split: str | None) -> Iterator[str]:
+    """``text_field`` of each row of a saved dataset, streamed from its memory-mapped arrow."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{path}: reading a saved Hugging Face dataset needs the 'datasets' package: "
+            "pip install kempnerforge[hf-datasets]"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a readable saved dataset ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        name = split or "train"
+        if name not in loaded:
+            raise DataError(
+                f"{path}: no split {name!r} (splits: {', '.join(loaded) or 'none'}); "
+                "pass --split to pick one"
+            )
+        loaded = loaded[name]
+    elif split is not None:
+        logger.warning(
+            "%s is a single dataset, not a DatasetDict; --split %s is ignored", path, split
+        )
+    feature = loaded.features.get(text_field)
+    is_text = getattr(feature, "dtype", None) in ("string", "large_string")
+    _check_column(path, text_field, list(loaded.column_names), None if is_text else str(feature))
+    for rows in loaded.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
+        for text in rows[text_field]:
+            if text is not None:
+                yield text
