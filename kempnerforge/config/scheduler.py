@@ -4,21 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kempnerforge.config.checks import check_at_least, check_in_range
+from kempnerforge.config.checks import check_at_least, check_choice, check_in_range
+
+WSD_DECAY_TYPES = ("linear", "cosine", "sqrt")
 
 
 @dataclass
 class SchedulerConfig:
     name: str = "cosine"
-    """Schedule after warmup, by registered name: 'cosine', 'linear', 'wsd' or 'constant'."""
+    """Schedule after warmup, by registered name: 'cosine', 'linear', 'wsd', 'rex',
+    'constant', or 'none' (factor 1 from step 0: no warmup either)."""
     warmup_steps: int = 100
-    """Steps of linear warmup from 0 to the peak learning rate; at most train.max_steps."""
+    """Steps of linear warmup from 0 to the peak learning rate; at most train.max_steps.
+    Ignored by 'none'."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak (cosine, linear and the WSD decay)."""
+    """Final learning rate as a fraction of the peak (cosine, linear, rex and the WSD decay)."""
     wsd_decay_fraction: float = 0.2
     """WSD only: fraction of the post-warmup steps spent decaying at the end of the run."""
+    wsd_decay_type: str = "linear"
+    """WSD only: shape of the final decay: 'linear', 'cosine' or 'sqrt' (1 - sqrt(progress))."""
 
     def __post_init__(self) -> None:
         check_at_least("scheduler.warmup_steps", self.warmup_steps, 0)
         check_in_range("scheduler.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_in_range("scheduler.wsd_decay_fraction", self.wsd_decay_fraction, 0.0, 1.0)
+        check_choice("scheduler.wsd_decay_type", self.wsd_decay_type, WSD_DECAY_TYPES)

@@ -27,7 +27,7 @@ from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import build_loss_fn
-from kempnerforge.training.optimizer import build_optimizer
+from kempnerforge.training.optimizer import build_optimizer, set_optimizer_mode
 from kempnerforge.training.scheduler import build_scheduler
 from kempnerforge.training.state import check_resume_compatible, restore_train_state
 
@@ -166,6 +166,7 @@ def resume_session(session: TrainingSession) -> tuple[int, int]:
     state = session.checkpointer.load(
         path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
     )
+    set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
     step, tokens_seen = restore_train_state(session, state)
     session.profiler = build_profiler(cfg.profiling, cfg.run_dir, first_step=step)
     session.tracker.log_event(step, "resume", path=path, tokens_seen=tokens_seen)

@@ -33,6 +33,7 @@ from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.hooks import HookRunner, StepContext
 from kempnerforge.training.loss import IGNORE_INDEX
+from kempnerforge.training.optimizer import optimizer_eval_mode
 from kempnerforge.training.state import capture_train_state, math_fingerprint, roll_back
 
 logger = get_logger(__name__)
@@ -329,13 +330,16 @@ def checkpoint_extra(config: JobConfig, step: int, phases: PhaseState) -> dict:
 
 def _save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:
     extra = checkpoint_extra(session.config, step, session.phases)
-    path = session.checkpointer.save(
-        step,
-        model=session.model,
-        optimizer=session.optimizer,
-        scheduler=session.scheduler,
-        train_state=capture_train_state(session, step, tokens_seen, extra),
-    )
+    # Schedule-free optimizers save their averaged point (a no-op for the others); the
+    # save stages its copy before returning, so leaving the context right after is safe.
+    with optimizer_eval_mode(session.optimizer):
+        path = session.checkpointer.save(
+            step,
+            model=session.model,
+            optimizer=session.optimizer,
+            scheduler=session.scheduler,
+            train_state=capture_train_state(session, step, tokens_seen, extra),
+        )
     session.tracker.log_event(step, "checkpoint", path=path)
     session.hooks.on_checkpoint_save(step, path)
     return path
@@ -503,7 +507,8 @@ def _roll_back_or_stop(session: TrainingSession, step: int) -> tuple[int, int]:
 
 
 def _run_eval(session: TrainingSession, step: int) -> None:
-    metrics = evaluate(session)
+    with optimizer_eval_mode(session.optimizer):
+        metrics = evaluate(session)
     if metrics:
         session.tracker.log_eval(step, metrics)
         session.hooks.on_eval_end(step, metrics)

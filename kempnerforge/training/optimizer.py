@@ -1,15 +1,22 @@
-"""build_optimizer: parameter groups with and without weight decay, and the optimizer registry."""
+"""build_optimizer: parameter groups with and without weight decay, the optimizer registry,
+and the train/eval switch that schedule-free optimizers need."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.registry import Registry
+from kempnerforge.training.lion import Lion
+from kempnerforge.training.muon import Muon
+from kempnerforge.training.schedule_free import ScheduleFreeAdamW
 
+# Each group: "params" (tensors), "weight_decay", and "names" (the parameters' qualified
+# names, same order). Builders that hand groups to torch drop "names" with tensor_groups().
 ParamGroups = list[dict[str, Any]]
 OptimizerBuilder = Callable[[ParamGroups, OptimizerConfig], torch.optim.Optimizer]
 OPTIMIZERS: Registry[OptimizerBuilder] = Registry("optimizer.name")
@@ -17,12 +24,15 @@ OPTIMIZERS: Registry[OptimizerBuilder] = Registry("optimizer.name")
 EMBEDDING_MODULE_TYPES = (torch.nn.Embedding,)
 
 
-def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> ParamGroups:
+def param_groups(
+    model: torch.nn.Module, cfg: OptimizerConfig, *, with_names: bool = False
+) -> ParamGroups:
     """Split trainable parameters into a decayed and a non-decayed group.
 
     Matrices decay. 1-D parameters (norm weights, biases) and embedding tables do not,
     unless cfg.decay_norms_and_biases / cfg.decay_embeddings say otherwise. A tied
     embedding/output weight is one parameter and is classified once, as an embedding.
+    with_names adds each group's "names" (qualified parameter names, in "params" order).
     """
     embedding_ids = {
         id(p)
@@ -30,20 +40,35 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> ParamGroups:
         if isinstance(m, EMBEDDING_MODULE_TYPES)
         for p in m.parameters(recurse=False)
     }
-    decay, no_decay = [], []
-    for param in model.parameters():  # de-duplicated, so a tied weight appears once
+    decay: list[tuple[str, torch.nn.Parameter]] = []
+    no_decay: list[tuple[str, torch.nn.Parameter]] = []
+    for name, param in model.named_parameters():  # de-duplicated: a tied weight appears once
         if not param.requires_grad:
             continue
         if id(param) in embedding_ids:
-            (decay if cfg.decay_embeddings else no_decay).append(param)
+            (decay if cfg.decay_embeddings else no_decay).append((name, param))
         elif param.ndim < 2:
-            (decay if cfg.decay_norms_and_biases else no_decay).append(param)
+            (decay if cfg.decay_norms_and_biases else no_decay).append((name, param))
         else:
-            decay.append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+            decay.append((name, param))
+    groups = [_group(decay, cfg.weight_decay, with_names)]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append(_group(no_decay, 0.0, with_names))
     return groups
+
+
+def _group(
+    named: list[tuple[str, torch.nn.Parameter]], weight_decay: float, with_names: bool
+) -> dict[str, Any]:
+    group: dict[str, Any] = {"params": [p for _, p in named], "weight_decay": weight_decay}
+    if with_names:
+        group["names"] = [n for n, _ in named]
+    return group
+
+
+def tensor_groups(params: ParamGroups) -> ParamGroups:
+    """The groups without their "names", as torch optimizers (and their state_dict) want."""
+    return [{k: v for k, v in g.items() if k != "names"} for g in params]
 
 
 def _implementation_flags(cfg: OptimizerConfig, params: ParamGroups) -> dict[str, bool]:
@@ -59,6 +84,7 @@ def _implementation_flags(cfg: OptimizerConfig, params: ParamGroups) -> dict[str
 
 @OPTIMIZERS.register("adamw")
 def build_adamw(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    params = tensor_groups(params)
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
@@ -69,6 +95,89 @@ def build_adamw(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimi
     )
 
 
+@OPTIMIZERS.register("lion")
+def build_lion(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return Lion(
+        tensor_groups(params),
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        weight_decay=cfg.weight_decay,
+    )
+
+
+# Matrices that Muon leaves to AdamW: lookups and the logit projection are not hidden layers.
+MUON_EXCLUDED_SUFFIXES = ("tok_embeddings.weight", "output.weight")
+
+
+@OPTIMIZERS.register("muon")
+def build_muon(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Muon over the decayed group's hidden 2-D matrices; AdamW (lr muon_adam_lr) for the rest."""
+    adam_lr = cfg.muon_adam_lr or cfg.lr
+    groups: ParamGroups = []
+    for index, group in enumerate(params):
+        muon_side, adam_side = [], []
+        for name, p in zip(group["names"], group["params"], strict=True):
+            # Group 0 is the decayed group: the non-decayed one never feeds Muon.
+            hidden = index == 0 and p.ndim == 2 and not name.endswith(MUON_EXCLUDED_SUFFIXES)
+            (muon_side if hidden else adam_side).append(p)
+        wd = group["weight_decay"]
+        if muon_side:
+            groups.append({"params": muon_side, "weight_decay": wd, "use_muon": True})
+        if adam_side:
+            groups.append(
+                {"params": adam_side, "weight_decay": wd, "use_muon": False, "lr": adam_lr}
+            )
+    groups.sort(key=lambda g: not g["use_muon"])  # group 0 (the LR the loop logs) is Muon's
+    return Muon(
+        groups,
+        lr=cfg.lr,
+        momentum=cfg.muon_momentum,
+        ns_steps=cfg.muon_ns_steps,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+@OPTIMIZERS.register("schedule_free_adamw")
+def build_schedule_free_adamw(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return ScheduleFreeAdamW(
+        tensor_groups(params),
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.schedule_free_warmup_steps,
+    )
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer named by cfg.name over the model's trainable parameters."""
-    return OPTIMIZERS.get(cfg.name)(param_groups(model, cfg), cfg)
+    """The optimizer named by cfg.name over the model's trainable parameters.
+
+    Builders receive param_groups(model, cfg, with_names=True).
+    """
+    return OPTIMIZERS.get(cfg.name)(param_groups(model, cfg, with_names=True), cfg)
+
+
+def set_optimizer_mode(optimizer: torch.optim.Optimizer, training: bool) -> None:
+    """Put the parameters where this optimizer trains (True) or evaluates (False).
+
+    Schedule-free optimizers keep two points: gradients are taken at y, evaluation and
+    checkpoints use the average x. For every other optimizer this does nothing.
+    """
+    if isinstance(optimizer, ScheduleFreeAdamW):
+        optimizer.train() if training else optimizer.eval()
+
+
+@contextmanager
+def optimizer_eval_mode(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Parameters at the optimizer's evaluation point inside the block, restored after.
+
+    Wrap evaluation and checkpoint saves in it. Restoring is exact: the training point is
+    recomputed from the optimizer's state with the same expression that produced it.
+    """
+    set_optimizer_mode(optimizer, False)
+    try:
+        yield
+    finally:
+        set_optimizer_mode(optimizer, True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kempnerforge.model import generate_greedy
+from kempnerforge.training.optimizer import optimizer_eval_mode
 
 if TYPE_CHECKING:
     from kempnerforge.training.loop import TrainingSession
@@ -16,13 +17,14 @@ def sample_text(session: TrainingSession) -> str | None:
     if not tc.sample_prompt or tc.sample_tokens == 0:
         return None
     tokenizer = session.data.tokenizer
-    new_ids = generate_greedy(
-        session.model,
-        tokenizer.encode(tc.sample_prompt),
-        max_new_tokens=tc.sample_tokens,
-        max_seq_len=tc.seq_len,
-        stop_id=tokenizer.eos_id,
-    )
+    with optimizer_eval_mode(session.optimizer):
+        new_ids = generate_greedy(
+            session.model,
+            tokenizer.encode(tc.sample_prompt),
+            max_new_tokens=tc.sample_tokens,
+            max_seq_len=tc.seq_len,
+            stop_id=tokenizer.eos_id,
+        )
     return tc.sample_prompt + tokenizer.decode(new_ids)
 
 

@@ -31,14 +31,37 @@ def constant(progress: float, cfg: SchedulerConfig) -> float:
     return 1.0
 
 
+@SCHEDULES.register("none")
+def no_schedule(progress: float, cfg: SchedulerConfig) -> float:
+    """Factor 1 throughout; lr_factor also skips the warmup for this name."""
+    return 1.0
+
+
+@SCHEDULES.register("rex")
+def rex(progress: float, cfg: SchedulerConfig) -> float:
+    """REX: (1 - p) / (1 - p/2), i.e. flat early and steep late, from 1 down to min_lr_ratio."""
+    r = cfg.min_lr_ratio
+    return r + (1 - r) * (1 - progress) / (1 - progress / 2)
+
+
+# WSD's final decay: decay progress q in [0, 1] -> fraction of (1 - min_lr_ratio) still left.
+WSD_DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "linear": lambda q: 1 - q,
+    "cosine": lambda q: 0.5 * (1 + math.cos(math.pi * q)),
+    "sqrt": lambda q: 1 - math.sqrt(q),
+}
+
+
 @SCHEDULES.register("wsd")
 def warmup_stable_decay(progress: float, cfg: SchedulerConfig) -> float:
-    """Flat at the peak, then linear decay to min_lr_ratio over the last wsd_decay_fraction."""
+    """Flat at the peak, then a wsd_decay_type decay to min_lr_ratio over the last
+    wsd_decay_fraction."""
     stable = 1 - cfg.wsd_decay_fraction
     if progress <= stable or cfg.wsd_decay_fraction == 0:
         return 1.0
     decay_progress = (progress - stable) / cfg.wsd_decay_fraction
-    return 1 - (1 - cfg.min_lr_ratio) * decay_progress
+    r = cfg.min_lr_ratio
+    return r + (1 - r) * WSD_DECAY_SHAPES[cfg.wsd_decay_type](decay_progress)
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int) -> float:
@@ -46,8 +69,10 @@ def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int) -> float:
 
     Warmup ramps linearly so the first step already trains (factor 1/warmup), reaching the
     peak after warmup_steps steps; the decay shape then runs from progress 0 to 1 at
-    max_steps.
+    max_steps. The 'none' schedule has no warmup: factor 1 from step 0.
     """
+    if cfg.name == "none":
+        return 1.0
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     decay_steps = max(max_steps - cfg.warmup_steps, 1)

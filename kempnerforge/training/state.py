@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.training.optimizer import set_optimizer_mode
 
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig
@@ -118,6 +119,7 @@ def roll_back(session: TrainingSession, path: str, step: int) -> tuple[int, int]
     state = session.checkpointer.load(
         path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
     )
+    set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
     new_step, tokens_seen = restore_train_state(session, state, keep_live_position=True)
     session.nan_detector.record_rollback(tc.nan_rollback_lr_scale)
     if session.nan_detector.lr_scale != 1.0:

@@ -268,8 +268,15 @@ def test_shutdown_request_saves_and_stops_at_the_step_boundary(tiny_overrides):
     assert session.checkpointer.find_resume_path().endswith("step_1")
 
 
-def test_resume_continues_bitwise_equal(tiny_overrides):
-    deterministic = tiny_overrides + ["--train.deterministic=true", "--train.max_steps=8"]
+@pytest.mark.parametrize("optimizer", ["adamw", "lion", "muon", "schedule_free_adamw"])
+def test_resume_continues_bitwise_equal(tiny_overrides, optimizer):
+    deterministic = tiny_overrides + [
+        "--train.deterministic=true",
+        "--train.max_steps=8",
+        f"--optimizer.name={optimizer}",
+        "--eval.interval=2",
+        "--eval.steps=1",
+    ]
     full = make_session(deterministic)
     with full.tracker:
         run_training_loop(full)

@@ -77,6 +77,14 @@ def test_adamw_is_built_and_unknown_name_lists_choices():
         ("wsd", 82, 1.0),
         ("wsd", 91, 1 - 0.8 * 0.5),
         ("wsd", 100, 0.2),
+        ("rex", 0, 0.1),  # the same warmup
+        ("rex", 10, 1.0),  # progress 0
+        ("rex", 55, 0.2 + 0.8 * 0.5 / 0.75),  # progress 0.5: (1 - p) / (1 - p/2) = 2/3
+        ("rex", 82, 0.2 + 0.8 * 0.2 / 0.6),  # progress 0.8
+        ("rex", 100, 0.2),
+        ("none", 0, 1.0),  # no warmup either
+        ("none", 5, 1.0),
+        ("none", 100, 1.0),
     ],
 )
 def test_lr_factor_formulas(name, step, expected):
@@ -84,11 +92,52 @@ def test_lr_factor_formulas(name, step, expected):
     assert lr_factor(step, cfg, max_steps=100) == pytest.approx(expected)
 
 
-def test_scheduler_state_dict_round_trip_continues_identically():
+@pytest.mark.parametrize(
+    ("decay_type", "step", "expected"),
+    [
+        ("linear", 90, 0.2 + 0.8 * 0.5),  # no warmup: the decay runs over steps 80..100
+        ("cosine", 80, 1.0),
+        ("cosine", 85, 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 0.25))),
+        ("cosine", 90, 0.2 + 0.8 * 0.5),  # cos(pi/2) = 0
+        ("cosine", 100, 0.2),
+        ("sqrt", 80, 1.0),
+        ("sqrt", 85, 0.2 + 0.8 * 0.5),  # decay progress 0.25: 1 - sqrt(0.25)
+        ("sqrt", 90, 0.2 + 0.8 * (1 - math.sqrt(0.5))),
+        ("sqrt", 100, 0.2),
+    ],
+)
+def test_wsd_decay_types(decay_type, step, expected):
+    cfg = SchedulerConfig(
+        name="wsd",
+        warmup_steps=0,
+        min_lr_ratio=0.2,
+        wsd_decay_fraction=0.2,
+        wsd_decay_type=decay_type,
+    )
+    assert lr_factor(step, cfg, max_steps=100) == pytest.approx(expected)
+
+
+def test_wsd_decay_type_is_checked():
+    with pytest.raises(ConfigError, match="scheduler.wsd_decay_type = 'exp': expected one of"):
+        SchedulerConfig(wsd_decay_type="exp")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SchedulerConfig(warmup_steps=5),
+        SchedulerConfig(name="rex", warmup_steps=5),
+        SchedulerConfig(name="none"),
+        SchedulerConfig(name="wsd", warmup_steps=5, wsd_decay_type="cosine"),
+        SchedulerConfig(name="wsd", warmup_steps=5, wsd_decay_type="sqrt"),
+    ],
+    ids=["cosine", "rex", "none", "wsd-cosine", "wsd-sqrt"],
+)
+def test_scheduler_state_dict_round_trip_continues_identically(cfg):
     def make():
         model = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        return opt, build_scheduler(opt, SchedulerConfig(warmup_steps=5), max_steps=50)
+        return opt, build_scheduler(opt, cfg, max_steps=50)
 
     opt, sched = make()
     for _ in range(12):
@@ -102,6 +151,7 @@ def test_scheduler_state_dict_round_trip_continues_identically():
         opt2.step()
         sched2.step()
         assert sched.get_last_lr() == sched2.get_last_lr()
+        assert sched.get_last_lr() == [lr_factor(sched.last_epoch, cfg, max_steps=50)]
     assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
 
 
