@@ -1,4 +1,4 @@
-"""The `kempnerforge` command: train and prepare-data.
+"""The `kempnerforge` command: train, eval and prepare-data.
 
 train: load config -> validate -> runtime -> build -> resume -> loop -> exit code.
 User-caused problems print one line and exit with a documented code, never a traceback.
@@ -62,6 +62,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         teardown_runtime(runtime)
 
 
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from kempnerforge.training.eval_cli import run_eval
+
+    return run_eval(args, overrides)
+
+
 def _ignore_stop_signals() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
@@ -69,6 +75,7 @@ def _ignore_stop_signals() -> None:
 
 def _build_parser() -> argparse.ArgumentParser:
     from kempnerforge.data.prepare import add_prepare_data_arguments
+    from kempnerforge.training.eval_cli import add_eval_arguments
 
     parser = argparse.ArgumentParser(
         prog="kempnerforge", description="Fault-tolerant training of foundation models."
@@ -80,6 +87,13 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Train from CONFIG; any --section.field=value argument overrides the file.",
     )
     train.add_argument("config", help="path to a TOML config, e.g. configs/train/debug.toml")
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a checkpoint on the held-out sets",
+        description="Held-out loss and perplexity of a checkpoint's weights, per eval set; "
+        "any --section.field=value argument overrides CONFIG.",
+    )
+    add_eval_arguments(evaluate)
     prepare = commands.add_parser(
         "prepare-data", help="tokenize text into a memory-mapped token file"
     )
@@ -98,6 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unknown:
                 parser.error(f"unrecognized arguments: {' '.join(unknown)}")
             return _train(args, extra)
+        if args.command == "eval":
+            unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
+            if unknown:
+                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            return _eval(args, extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from kempnerforge.data.prepare import run_prepare_data

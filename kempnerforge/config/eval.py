@@ -1,10 +1,26 @@
-"""[eval]: periodic evaluation on held-out data."""
+"""[eval]: periodic evaluation on held-out data, optionally on several named sets."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from kempnerforge.config.checks import check_at_least, check_positive
+from kempnerforge.config.errors import ConfigError
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+DEFAULT_EVAL_SET = "heldout"
+"""The name of the single eval set data.eval_path (or the built-in held-out split) gives."""
+
+
+@dataclass
+class EvalSetConfig:
+    """One `[[eval.sets]]` table: a named held-out set from a prepare-data directory."""
+
+    name: str = ""
+    """Name of the set in metric keys (eval_loss/<name>); letters, digits, '_' and '-'."""
+    path: str = ""
+    """Directory written by `kempnerforge prepare-data` with the job's tokenizer."""
 
 
 @dataclass
@@ -12,14 +28,30 @@ class EvalConfig:
     interval: int = 0
     """Evaluate every N optimizer steps; 0 disables periodic eval."""
     steps: int = 10
-    """Held-out batches per evaluation (the same batches every time)."""
+    """Held-out batches per evaluation and per set (the same batches every time)."""
     batch_size: int = 0
     """Sequences per eval batch; 0 means train.batch_size."""
+    sets: list[EvalSetConfig] = field(default_factory=list)
+    """Named held-out sets (`[[eval.sets]]` tables with name and path); empty means the one
+    set "heldout" from data.eval_path or the built-in corpus's held-out split."""
 
     def __post_init__(self) -> None:
         check_at_least("eval.interval", self.interval, 0)
         check_positive("eval.steps", self.steps)
         check_at_least("eval.batch_size", self.batch_size, 0)
+        seen: set[str] = set()
+        for i, s in enumerate(self.sets):
+            if not _SET_NAME.fullmatch(s.name):
+                raise ConfigError(
+                    f"eval.sets[{i}].name", s.name, "a non-empty name of [A-Za-z0-9_-]"
+                )
+            if s.name in seen:
+                raise ConfigError(
+                    f"eval.sets[{i}].name", s.name, "a name no other eval set has", "duplicate"
+                )
+            seen.add(s.name)
+            if not s.path:
+                raise ConfigError(f"eval.sets[{i}].path", s.path, "a prepare-data directory")
 
     @property
     def enabled(self) -> bool:

@@ -120,7 +120,7 @@ def _prepare(
     size_mb = sum(p.stat().st_size for p in files) / 1e6
     logger.info(
         "preparing the built-in corpus (first use): %d files, %.1f MB of Python from %s "
-        "into %s; this takes a while once and is cached",
+        "into %s; done once, then reused from the cache",
         len(files),
         size_mb,
         root,

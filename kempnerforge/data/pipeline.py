@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
 from kempnerforge.config.data import DataConfig
+from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.errors import DataError
@@ -27,15 +28,22 @@ class DataPipeline:
 
     ``dataloader`` is None when the job has no training data (an eval-only job); batches are
     dicts of int64 ``(batch, seq_len)`` tensors ``input_ids``, ``labels`` and ``doc_ids``.
+    ``eval_datasets`` maps each held-out set's name to its data, in config order: the
+    ``[[eval.sets]]`` tables, or the one set "heldout" when none are given.
     """
 
     dataset: MemoryMappedDataset | None
     sampler: ShardedSampler | None
     dataloader: TrainDataLoader | None
-    eval_dataset: MemoryMappedDataset | None
     tokenizer: Tokenizer
+    eval_datasets: dict[str, MemoryMappedDataset] = field(default_factory=dict)
     dp_rank: int = 0
     dp_size: int = 1
+
+    @property
+    def eval_dataset(self) -> MemoryMappedDataset | None:
+        """The first held-out set, or None without eval data."""
+        return next(iter(self.eval_datasets.values()), None)
 
     @property
     def num_train_windows(self) -> int:
@@ -60,19 +68,27 @@ class DataPipeline:
             return
         load_loader_state(self.dataloader, self.sampler, state)
 
-    def eval_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-        """The first ``num_batches`` held-out batches of this rank, the same on every call.
+    def eval_batches(
+        self, num_batches: int, batch_size: int, name: str | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The first ``num_batches`` batches of held-out set ``name`` (None: the first set)
+        for this rank, the same on every call.
 
         Windows are read in order, wrapping around when the eval set is short. Global batch j
         covers windows ``[j * B * dp_size, (j + 1) * B * dp_size)``; rank r reads its r-th
         slice of B, so ranks never evaluate the same window twice in one global batch.
         """
-        if self.eval_dataset is None:
+        if not self.eval_datasets:
             raise DataError(
                 "no held-out data configured: set data.eval_path to a prepare-data directory "
                 "(or leave data.path empty to use the built-in corpus's held-out split)"
             )
-        return self._eval_batches(self.eval_dataset, num_batches, batch_size)
+        if name is None:
+            name = next(iter(self.eval_datasets))
+        if name not in self.eval_datasets:
+            known = ", ".join(self.eval_datasets)
+            raise KeyError(f"no eval set named {name!r} (sets: {known})")
+        return self._eval_batches(self.eval_datasets[name], num_batches, batch_size)
 
     def _eval_batches(
         self, dataset: MemoryMappedDataset, num_batches: int, batch_size: int
@@ -93,17 +109,26 @@ def build_data_pipeline(
     dp_size: int = 1,
     model_vocab_size: int | None = None,
     with_train: bool = True,
+    eval_sets: Sequence[EvalSetConfig] = (),
 ) -> DataPipeline:
     """Tokenizer, training loader and eval data for one data-parallel rank.
 
     ``cfg.path`` empty means the built-in corpus (prepared on first use, then cached), whose
     held-out split is the eval data unless ``cfg.eval_path`` names one. With ``cfg.path`` set
-    and ``cfg.eval_path`` empty there is no eval data. Every dataset is checked against the
-    tokenizer and ``model_vocab_size``.
+    and ``cfg.eval_path`` empty there is no eval data. ``eval_sets`` (the ``[[eval.sets]]``
+    tables) replaces that one "heldout" set with named ones. Every dataset is checked against
+    the tokenizer and ``model_vocab_size``.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
     train_dir, eval_dir = cfg.path, cfg.eval_path
-    if not cfg.path and (with_train or not cfg.eval_path):
+    if eval_sets and cfg.eval_path:
+        logger.warning(
+            "data.eval_path = %r is ignored because eval.sets is given; add it as an "
+            "[[eval.sets]] table to evaluate on it",
+            cfg.eval_path,
+        )
+    needs_builtin_eval = not eval_sets and not cfg.eval_path
+    if not cfg.path and (with_train or needs_builtin_eval):
         builtin_train, builtin_eval = builtin_corpus(
             cfg.cache_dir or default_cache_dir(), tokenizer, cfg.builtin_eval_fraction
         )
@@ -137,12 +162,19 @@ def build_data_pipeline(
             f"{len(dataset):,}",
             sampler.samples_per_rank // batch_size,
         )
-    eval_dataset = open_dataset(eval_dir) if eval_dir else None
+    eval_datasets: dict[str, MemoryMappedDataset] = {}
+    for i, eval_set in enumerate(eval_sets):
+        try:
+            eval_datasets[eval_set.name] = open_dataset(eval_set.path)
+        except DataError as e:
+            raise DataError(f"eval.sets[{i}].path: {e}") from None
+    if not eval_sets and eval_dir:
+        eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir)
     return DataPipeline(
         dataset=dataset,
         sampler=sampler,
         dataloader=loader,
-        eval_dataset=eval_dataset,
+        eval_datasets=eval_datasets,
         tokenizer=tokenizer,
         dp_rank=dp_rank,
         dp_size=dp_size,

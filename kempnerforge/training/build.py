@@ -91,6 +91,7 @@ def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession
         dp_rank=runtime.dp_rank,
         dp_size=runtime.dp_size,
         model_vocab_size=config.model.vocab_size,
+        eval_sets=config.eval.sets,
     )
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""evaluate: mean held-out loss and perplexity over a fixed set of eval batches."""
+"""evaluate: mean held-out loss and perplexity over a fixed set of eval batches per set."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kempnerforge.config.job import JobConfig
+from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.training.loss import IGNORE_INDEX, cross_entropy_sum
 
 if TYPE_CHECKING:
@@ -16,31 +18,64 @@ if TYPE_CHECKING:
 _MAX_LOG_PPL = 700.0
 
 
-@torch.no_grad()
-def evaluate(session: TrainingSession) -> dict[str, float]:
-    """Token-weighted mean cross-entropy over eval.steps held-out batches; {} without eval data.
+def perplexity(loss: float) -> float:
+    """exp(loss), or inf once that would overflow."""
+    return math.exp(loss) if loss < _MAX_LOG_PPL else math.inf
 
+
+def evaluate(session: TrainingSession) -> dict[str, float]:
+    """Token-weighted mean cross-entropy over eval.steps held-out batches per set.
+
+    See evaluate_model; this is it for the session's model, data and device.
+    """
+    return evaluate_model(session.model, session.data, session.config, session.runtime.device)
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: torch.nn.Module, data: DataPipeline, config: JobConfig, device: torch.device
+) -> dict[str, float]:
+    """``eval_loss``, ``eval_ppl`` and ``eval_tokens`` over every eval set; {} without eval data.
+
+    The overall loss is token-weighted over all sets. With ``[[eval.sets]]`` configured there
+    are also ``eval_loss/<name>``, ``eval_ppl/<name>`` and ``eval_tokens/<name>`` per set.
     The same batches every time (no shuffling), in eval mode, restoring train mode after.
     Uses no random numbers, so evaluating never perturbs the training run.
     """
-    cfg = session.config
-    if session.data.eval_dataset is None:
+    names = [s.name for s in config.eval.sets]
+    if names and list(data.eval_datasets) != names:
+        raise RuntimeError(
+            f"eval.sets names {names} but the data pipeline holds {list(data.eval_datasets)}: "
+            "build it with build_data_pipeline(..., eval_sets=config.eval.sets)"
+        )
+    if not data.eval_datasets:
         return {}
-    batch_size = cfg.eval.batch_size or cfg.train.batch_size
-    model, device = session.model, session.runtime.device
+    batch_size = config.eval.batch_size or config.train.batch_size
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    num_tokens = 0
+    per_set: dict[str, float] = {}
+    total_loss, total_tokens = 0.0, 0
     try:
-        for cpu_batch in session.data.eval_batches(cfg.eval.steps, batch_size):
-            batch = {k: v.to(device) for k, v in cpu_batch.items()}
-            doc_ids = batch.get("doc_ids") if cfg.data.document_masking else None
-            logits = model(batch["input_ids"], doc_ids=doc_ids)
-            loss_sum += cross_entropy_sum(logits, batch["labels"]).double()
-            num_tokens += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
+        for name in data.eval_datasets:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            num_tokens = 0
+            for cpu_batch in data.eval_batches(config.eval.steps, batch_size, name):
+                batch = {k: v.to(device) for k, v in cpu_batch.items()}
+                doc_ids = batch.get("doc_ids") if config.data.document_masking else None
+                logits = model(batch["input_ids"], doc_ids=doc_ids)
+                loss_sum += cross_entropy_sum(logits, batch["labels"]).double()
+                num_tokens += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
+            set_loss_sum = float(loss_sum)
+            total_loss += set_loss_sum
+            total_tokens += num_tokens
+            loss = set_loss_sum / max(num_tokens, 1)
+            per_set[f"eval_loss/{name}"] = loss
+            per_set[f"eval_ppl/{name}"] = perplexity(loss)
+            per_set[f"eval_tokens/{name}"] = float(num_tokens)
     finally:
         model.train(was_training)
-    loss = float(loss_sum) / max(num_tokens, 1)
-    ppl = math.exp(loss) if loss < _MAX_LOG_PPL else math.inf
-    return {"eval_loss": loss, "eval_ppl": ppl, "eval_tokens": float(num_tokens)}
+    loss = total_loss / max(total_tokens, 1)
+    metrics = {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": float(total_tokens)}
+    if config.eval.sets:
+        metrics.update(per_set)
+    return metrics

@@ -1,0 +1,130 @@
+"""`kempnerforge eval`: a checkpoint's held-out loss and perplexity, without training.
+
+config -> validate -> runtime -> model, tokenizer and eval data -> the checkpoint's weights
+-> evaluate -> a table on stdout and a JSON file. Nothing is written to the run directory
+except that JSON (by default beside the checkpoint's own files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.eval import DEFAULT_EVAL_SET
+
+if TYPE_CHECKING:
+    from kempnerforge.config.job import JobConfig
+    from kempnerforge.data.pipeline import DataPipeline
+    from kempnerforge.distributed.runtime import RuntimeContext
+
+EVAL_JSON = "eval.json"
+"""The file `kempnerforge eval` writes inside the checkpoint directory unless --output."""
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `kempnerforge eval` (overrides are the unknown --section.field=...)."""
+    parser.add_argument("config", help="the TOML config the checkpoint was trained with")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint directory (step_<N>)")
+    parser.add_argument(
+        "--output", default="", help=f"JSON file to write (default: <checkpoint>/{EVAL_JSON})"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="batches per eval set (default: eval.steps)"
+    )
+
+
+def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Evaluate the weights of ``args.checkpoint``; print the table, write the JSON; 0."""
+    # Heavy imports here, so `kempnerforge --help` stays fast.
+    import torch
+
+    from kempnerforge.checkpoint.manager import CheckpointManager
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
+    from kempnerforge.metrics.logging import configure_logging
+    from kempnerforge.model import build_model
+    from kempnerforge.training.eval import evaluate_model
+
+    if args.steps is not None:
+        overrides = [*overrides, f"--eval.steps={args.steps}"]
+    config = load_config(args.config, overrides)
+    world_size = world_size_from_env()
+    config.validate(world_size)
+    if world_size > 1:
+        raise ConfigError("WORLD_SIZE", world_size, "1: kempnerforge eval runs in one process")
+    runtime = init_runtime(config.distributed, config.train.device)
+    configure_logging(runtime.rank)
+    try:
+        if config.train.num_threads:
+            torch.set_num_threads(config.train.num_threads)
+        data = build_eval_data(config, runtime)
+        model = build_model(config.model).to(runtime.device)
+        checkpointer = CheckpointManager(config.checkpoint, config.checkpoint_dir)
+        step = checkpointer.read_extra(args.checkpoint).get("step")
+        checkpointer.load_weights(args.checkpoint, model=model)
+        metrics = evaluate_model(model, data, config, runtime.device)
+        output = args.output or os.path.join(args.checkpoint, EVAL_JSON)
+        report = {
+            "checkpoint": args.checkpoint,
+            "step": step,
+            "eval_steps": config.eval.steps,
+            "metrics": metrics,
+        }
+        print(format_table(metrics, list(data.eval_datasets), named=bool(config.eval.sets)))
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"step {step}; wrote {output}")
+        return 0
+    finally:
+        teardown_runtime(runtime)
+
+
+def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
+    """Tokenizer and eval sets only (no training loader); a DataError when there are none."""
+    from kempnerforge.data.pipeline import build_data_pipeline
+
+    data = build_data_pipeline(
+        config.data,
+        seq_len=config.train.seq_len,
+        batch_size=config.train.batch_size,
+        seed=config.train.seed,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dp_size,
+        model_vocab_size=config.model.vocab_size,
+        with_train=False,
+        eval_sets=config.eval.sets,
+    )
+    if data.tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            config.model.vocab_size,
+            f">= the tokenizer's vocabulary size {data.tokenizer.vocab_size}",
+            f"data.tokenizer = {config.data.tokenizer!r}",
+        )
+    if not data.eval_datasets:
+        data.eval_batches(1, 1)  # raises the DataError that says how to configure eval data
+    return data
+
+
+def format_table(metrics: dict[str, Any], names: list[str], *, named: bool) -> str:
+    """One row per eval set (set, tokens, loss, perplexity), plus "all" for several sets."""
+    rows: list[tuple[str, float, float, float]] = []
+    if named:
+        for name in names:
+            keys = (f"eval_tokens/{name}", f"eval_loss/{name}", f"eval_ppl/{name}")
+            rows.append((name, *(metrics[k] for k in keys)))
+    overall = (metrics["eval_tokens"], metrics["eval_loss"], metrics["eval_ppl"])
+    if not named:
+        rows.append((names[0] if names else DEFAULT_EVAL_SET, *overall))
+    elif len(rows) > 1:
+        rows.append(("all", *overall))
+    width = max(len("set"), *(len(r[0]) for r in rows))
+    lines = [f"{'set':<{width}}  {'tokens':>12}  {'loss':>10}  {'perplexity':>12}"]
+    for name, tokens, loss, ppl in rows:
+        lines.append(f"{name:<{width}}  {int(tokens):>12,}  {loss:>10.6f}  {ppl:>12.4f}")
+    return "\n".join(lines)
