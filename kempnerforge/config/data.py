@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import check_at_least, check_in_range
+from kempnerforge.config.checks import check_at_least, check_in_range, check_positive
 from kempnerforge.config.errors import ConfigError
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass
+class DatasetSourceConfig:
+    """One `[[data.datasets]]` table: a named source of a training mixture."""
+
+    name: str = ""
+    """Name of the source in metrics and phase weights; letters, digits, '_' and '-'."""
+    path: str = ""
+    """Directory written by `kempnerforge prepare-data` with the job's tokenizer."""
+    weight: float = 1.0
+    """Relative sampling weight (>= 0; 0 never draws this source). Only ratios matter."""
 
 
 @dataclass
@@ -28,9 +44,56 @@ class DataConfig:
     document_masking: bool = True
     """Keep attention and the loss inside each packed document (no attending or predicting
     across an end-of-document token)."""
+    datasets: list[DatasetSourceConfig] = field(default_factory=list)
+    """Training mixture (`[[data.datasets]]` tables with name, path and weight); empty means
+    the single dataset data.path. Give one or the other, not both."""
+    mix_temperature: float = 1.0
+    """Mixture temperature T > 0: source i is drawn with probability proportional to
+    weight_i ** (1 / T); T > 1 flattens the mixture, T < 1 sharpens it, 1 keeps the weights."""
 
     def __post_init__(self) -> None:
         check_at_least("data.num_workers", self.num_workers, 0)
         check_in_range("data.builtin_eval_fraction", self.builtin_eval_fraction, 0.0, 0.5)
         if not self.tokenizer:
             raise ConfigError("data.tokenizer", self.tokenizer, "'byte' or a tokenizer.json path")
+        check_positive("data.mix_temperature", self.mix_temperature)
+        self._check_datasets()
+
+    def _check_datasets(self) -> None:
+        if not self.datasets:
+            return
+        if self.path:
+            raise ConfigError(
+                "data.path",
+                self.path,
+                "an empty path when data.datasets is given",
+                "give data.path or [[data.datasets]], not both",
+            )
+        seen: set[str] = set()
+        for i, source in enumerate(self.datasets):
+            where = f"data.datasets[{i}]"
+            if not _SOURCE_NAME.fullmatch(source.name):
+                raise ConfigError(f"{where}.name", source.name, "a non-empty name of [A-Za-z0-9_-]")
+            if source.name in seen:
+                raise ConfigError(
+                    f"{where}.name", source.name, "a name no other dataset has", "duplicate"
+                )
+            seen.add(source.name)
+            if not source.path:
+                raise ConfigError(f"{where}.path", source.path, "a prepare-data directory")
+            if not (isinstance(source.weight, int | float) and math.isfinite(source.weight)):
+                raise ConfigError(f"{where}.weight", source.weight, "a number >= 0")
+            if source.weight < 0:
+                raise ConfigError(f"{where}.weight", source.weight, "a number >= 0")
+        if all(source.weight == 0 for source in self.datasets):
+            raise ConfigError(
+                "data.datasets[0].weight",
+                self.datasets[0].weight,
+                "a weight > 0 on at least one dataset",
+                "all weights are 0",
+            )
+
+    @property
+    def is_mixture(self) -> bool:
+        """True when training reads a [[data.datasets]] mixture."""
+        return bool(self.datasets)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.errors import ConfigError, closest_name
 from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
@@ -94,6 +94,7 @@ class JobConfig:
                 f"{train.grad_accum_steps} * {dp} = {per_step}",
                 "change train.grad_accum_steps or train.batch_size to keep the global batch",
             )
+        self._validate_phases()
         if train.seq_len > model.max_seq_len:
             raise ConfigError(
                 "train.seq_len", train.seq_len, f"<= model.max_seq_len = {model.max_seq_len}"
@@ -110,3 +111,27 @@ class JobConfig:
                 self.profiling.start_step,
                 f"<= train.max_steps = {train.max_steps} when profiling.enable is true",
             )
+
+    def _validate_phases(self) -> None:
+        """Phase weights must name mixture datasets and leave some weight on."""
+        configured = {d.name: d.weight for d in self.data.datasets}
+        for i, phase in enumerate(self.train.phases):
+            field = f"train.phases[{i}].dataset_weights"
+            if phase.dataset_weights and not configured:
+                raise ConfigError(
+                    field,
+                    phase.dataset_weights,
+                    "no weights without a mixture",
+                    "phase weights need [[data.datasets]]",
+                )
+            for name in phase.dataset_weights:
+                if name not in configured:
+                    suggestion = closest_name(name, configured)
+                    raise ConfigError(
+                        f"{field}.{name}",
+                        name,
+                        "a data.datasets name: " + ", ".join(configured),
+                        f"did you mean {suggestion!r}?" if suggestion else "",
+                    )
+            if phase.dataset_weights and not any({**configured, **phase.dataset_weights}.values()):
+                raise ConfigError(field, phase.dataset_weights, "at least one weight > 0")

@@ -151,6 +151,14 @@ def coerce(hint: Any, value: Any, field: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(field, value, f"a list of {_type_name(item_hint)}")
         return [coerce(item_hint, item, f"{field}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint) or (str, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(field, value, f"a table of {_type_name(value_hint)}")
+        return {
+            coerce(key_hint, k, f"{field}.{k}"): coerce(value_hint, v, f"{field}.{k}")
+            for k, v in value.items()
+        }
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return build_dataclass(hint, value, prefix=f"{field}.")
     if hint is bool:

@@ -8,6 +8,27 @@ from kempnerforge.config.checks import check_at_least, check_choice, check_posit
 from kempnerforge.config.errors import ConfigError
 
 LOSS_NAMES = ("cross_entropy",)
+
+
+@dataclass
+class PhaseConfig:
+    """One [[train.phases]] entry: from start_step on, new mixture weights and an LR scale."""
+
+    start_step: int = 0
+    """Optimizer step from which the phase applies (0: from the first step)."""
+    dataset_weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights by data.datasets name; datasets not named keep their configured weight."""
+    lr_scale: float = 1.0
+    """Multiplies the scheduler's learning rate while this phase is in force."""
+
+    def check(self, field: str) -> None:
+        """Section-local rules; ``field`` is this entry's dotted name (train.phases[i])."""
+        check_at_least(f"{field}.start_step", self.start_step, 0)
+        check_positive(f"{field}.lr_scale", self.lr_scale)
+        for name, weight in self.dataset_weights.items():
+            check_at_least(f"{field}.dataset_weights.{name}", weight, 0.0)
+
+
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
 
@@ -57,6 +78,8 @@ class TrainConfig:
     """Multiply the learning rate by this after each rollback (e.g. 0.5); 1 keeps it."""
     hooks: list[str] = field(default_factory=list)
     """Training hooks by import path, 'package.module:ClassName', each built with no arguments."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """[[train.phases]]: a schedule of mixture weights and LR scales by step, in order."""
     sample_prompt: str = "def "
     """At the end of a run, greedily continue this prompt and print it; empty disables it."""
     sample_tokens: int = 120
@@ -78,6 +101,15 @@ class TrainConfig:
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
         check_choice("train.loss_fn", self.loss_fn, LOSS_NAMES)
+        for i, phase in enumerate(self.phases):
+            phase.check(f"train.phases[{i}]")
+        for i, (before, after) in enumerate(zip(self.phases, self.phases[1:], strict=False)):
+            if after.start_step <= before.start_step:
+                raise ConfigError(
+                    f"train.phases[{i + 1}].start_step",
+                    after.start_step,
+                    f"> train.phases[{i}].start_step = {before.start_step} (phases in order)",
+                )
         for hook in self.hooks:
             module, _, attr = hook.partition(":")
             if not module or not attr:

@@ -15,6 +15,7 @@ from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
+from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 from kempnerforge.metrics.logging import get_logger
@@ -30,15 +31,51 @@ class DataPipeline:
     dicts of int64 ``(batch, seq_len)`` tensors ``input_ids``, ``labels`` and ``doc_ids``.
     ``eval_datasets`` maps each held-out set's name to its data, in config order: the
     ``[[eval.sets]]`` tables, or the one set "heldout" when none are given.
+
+    A ``[[data.datasets]]`` mixture reads a MixtureDataset through a MixtureSampler: its
+    batches also carry ``dataset_idx`` (int64, ``(batch,)``), the source of each row, and
+    ``dataset_names`` names the sources in that order (empty for a single dataset).
     """
 
-    dataset: MemoryMappedDataset | None
-    sampler: ShardedSampler | None
+    dataset: MemoryMappedDataset | MixtureDataset | None
+    sampler: ShardedSampler | MixtureSampler | None
     dataloader: TrainDataLoader | None
     tokenizer: Tokenizer
     eval_datasets: dict[str, MemoryMappedDataset] = field(default_factory=dict)
     dp_rank: int = 0
     dp_size: int = 1
+    dataset_names: list[str] = field(default_factory=list)
+
+    def set_weights(self, weights_by_name: dict[str, float]) -> None:
+        """Change the mixture weights of the named sources; the others keep theirs.
+
+        The new weights apply from the first batch drawn after the training loop drops its
+        iterator (``BatchStream.reset()``, which must follow this call before the next batch
+        is drawn): the loader then resumes at the exact consumed position, discarding what
+        its workers prefetched under the old weights, and the sampler switches there. The
+        change is part of the loader state, so a resumed run repeats it exactly.
+        """
+        if not isinstance(self.sampler, MixtureSampler):
+            raise ValueError("set_weights needs a [[data.datasets]] mixture; this job has none")
+        unknown = [name for name in weights_by_name if name not in self.dataset_names]
+        if unknown:
+            raise ValueError(
+                f"unknown dataset {unknown[0]!r} in mixture weights; known datasets: "
+                + ", ".join(self.dataset_names)
+            )
+        weights = self.sampler.weights
+        for name, weight in weights_by_name.items():
+            weight = float(weight)
+            if not weight >= 0:
+                raise ValueError(f"weight of dataset {name!r} must be >= 0, got {weight}")
+            weights[self.dataset_names.index(name)] = weight
+        if all(w == 0 for w in weights):
+            raise ValueError(
+                f"mixture weights {dict(zip(self.dataset_names, weights, strict=True))} are "
+                "all 0 after the update; at least one dataset needs a weight > 0"
+            )
+        self.sampler.update_weights(weights)
+        logger.info("mixture weights now %s", dict(zip(self.dataset_names, weights, strict=True)))
 
     @property
     def eval_dataset(self) -> MemoryMappedDataset | None:
@@ -118,6 +155,10 @@ def build_data_pipeline(
     and ``cfg.eval_path`` empty there is no eval data. ``eval_sets`` (the ``[[eval.sets]]``
     tables) replaces that one "heldout" set with named ones. Every dataset is checked against
     the tokenizer and ``model_vocab_size``.
+
+    ``cfg.datasets`` non-empty trains on that mixture instead (a MixtureDataset read by a
+    MixtureSampler with ``cfg.mix_temperature``); like ``cfg.path`` it has no eval data
+    unless ``cfg.eval_path`` or ``eval_sets`` gives some.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
     train_dir, eval_dir = cfg.path, cfg.eval_path
@@ -128,7 +169,7 @@ def build_data_pipeline(
             cfg.eval_path,
         )
     needs_builtin_eval = not eval_sets and not cfg.eval_path
-    if not cfg.path and (with_train or needs_builtin_eval):
+    if not cfg.path and not cfg.datasets and (with_train or needs_builtin_eval):
         builtin_train, builtin_eval = builtin_corpus(
             cfg.cache_dir or default_cache_dir(), tokenizer, cfg.builtin_eval_fraction
         )
@@ -143,10 +184,33 @@ def build_data_pipeline(
             model_vocab_size=model_vocab_size,
         )
 
-    dataset = sampler = loader = None
-    if with_train:
+    dataset: MemoryMappedDataset | MixtureDataset | None = None
+    sampler: ShardedSampler | MixtureSampler | None = None
+    loader = None
+    names = [source.name for source in cfg.datasets]
+    if with_train and cfg.datasets:
+        sources: list[MemoryMappedDataset] = []
+        for i, source in enumerate(cfg.datasets):
+            try:
+                sources.append(open_dataset(source.path))
+            except DataError as e:
+                raise DataError(f"data.datasets[{i}].path: {e}") from None
+        dataset = MixtureDataset(sources, names)
+        sampler = MixtureSampler(
+            dataset.sizes,
+            [source.weight for source in cfg.datasets],
+            cfg.mix_temperature,
+            dp_rank,
+            dp_size,
+            seed,
+        )
+        train_dir = "mixture " + ", ".join(
+            f"{name}={source.path}" for name, source in zip(names, cfg.datasets, strict=True)
+        )
+    elif with_train:
         dataset = open_dataset(train_dir)
         sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
+    if dataset is not None and sampler is not None:
         if sampler.samples_per_rank < batch_size:
             raise DataError(
                 f"{train_dir}: {len(dataset)} windows of {seq_len + 1} tokens give each of "
@@ -178,4 +242,5 @@ def build_data_pipeline(
         tokenizer=tokenizer,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        dataset_names=names if with_train else [],
     )

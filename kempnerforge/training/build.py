@@ -15,7 +15,7 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config, save_config
 from kempnerforge.config.profiling import ProfilingConfig
-from kempnerforge.data.phases import PhaseState
+from kempnerforge.data.phases import PhaseState, TrainingPhase
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
@@ -131,7 +131,9 @@ def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession
         loss_fn=build_loss_fn(tc),
         step_fn=select_step_fn(config),
         data=data,
-        phases=PhaseState([]),
+        phases=PhaseState(
+            [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases]
+        ),
         checkpointer=CheckpointManager(
             config.checkpoint,
             config.checkpoint_dir,

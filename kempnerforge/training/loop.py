@@ -10,6 +10,7 @@ rather than another branch inside the loop.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.hooks import HookRunner, StepContext
 from kempnerforge.training.loss import IGNORE_INDEX
+from kempnerforge.training.mixture_metrics import DatasetSums
 from kempnerforge.training.optimizer import optimizer_eval_mode
 from kempnerforge.training.state import capture_train_state, math_fingerprint, roll_back
 
@@ -238,18 +240,35 @@ def _accumulate(
 def text_step(session: TrainingSession, step: int) -> StepResult:
     """Standard step (no PP, text-only), with optional per-dataset mixture metrics.
 
-    Token-weighted over the whole step (see _accumulate). ``step`` is unused by dense
-    models.
+    Token-weighted over the whole step (see _accumulate). When batches carry
+    ``dataset_idx`` (a mixture), the result also holds per-dataset sums that add up to the
+    step's figures. ``step`` is unused by dense models.
     """
     model, tc = session.model, session.config.train
     mask_docs = session.config.data.document_masking
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    names = getattr(session.data, "dataset_names", [])
+    per_dataset = (
+        DatasetSums(names, session.runtime.device)
+        if names and "dataset_idx" in micro_batches[0]
+        else None
+    )
 
     def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(batch["input_ids"], doc_ids=batch.get("doc_ids") if mask_docs else None)
+        logits = model(batch["input_ids"], doc_ids=batch.get("doc_ids") if mask_docs else None)
+        if per_dataset is not None:
+            per_dataset.add(logits, batch)
+        return logits
 
     loss, _ = _accumulate(session, micro_batches, forward)
-    return StepResult(loss=loss, grad_norm=clip_grads(model, tc.grad_clip_norm))
+    result = StepResult(loss=loss, grad_norm=clip_grads(model, tc.grad_clip_norm))
+    if per_dataset is not None:
+        (
+            result.dataset_token_counts,
+            result.dataset_loss_sums,
+            result.dataset_loss_counts,
+        ) = per_dataset.finish(session.runtime.is_distributed)
+    return result
 
 
 def vlm_step(session: TrainingSession, step: int) -> StepResult:
@@ -350,6 +369,38 @@ def _tokens_per_step(session: TrainingSession) -> int:
     return tc.batch_size * tc.seq_len * tc.grad_accum_steps * session.runtime.dp_size
 
 
+def _advance_phases(session: TrainingSession, step: int) -> None:
+    """Fire the phases due at `step`: new mixture weights from the next batch, the LR scale."""
+    fired = session.phases.advance(step)
+    if not fired:
+        return
+    for phase in fired:
+        if phase.dataset_weights:
+            session.data.set_weights(phase.dataset_weights)
+        logger.info(
+            "phase from step %d: weights %s, lr scale %g",
+            phase.start_step,
+            phase.dataset_weights or "unchanged",
+            phase.lr_scale,
+        )
+        session.tracker.log_event(
+            step, "phase", start_step=phase.start_step, lr_scale=phase.lr_scale
+        )
+    session.batches.reset()  # the next batch is drawn under the new weights
+    _apply_phase_lr_scale(session)
+
+
+def _dataset_metrics(session: TrainingSession, result: StepResult) -> dict[str, float] | None:
+    """loss/<name> and tokens/<name> for a mixture step; None for other steps."""
+    if not result.dataset_loss_counts:
+        return None
+    extra: dict[str, float] = {}
+    for name, count in result.dataset_loss_counts.items():
+        extra[f"loss/{name}"] = result.dataset_loss_sums[name] / count if count else math.nan
+        extra[f"tokens/{name}"] = result.dataset_token_counts.get(name, 0)
+    return extra
+
+
 def _apply_phase_lr_scale(session: TrainingSession) -> None:
     """Set each group's LR to the scheduler's value times the phase's factor.
 
@@ -384,6 +435,7 @@ def run_training_loop(
     tokens_per_step = _tokens_per_step(session)
     last_saved = step if step > 0 else -1  # a resumed step is already on disk
     model.train()
+    _advance_phases(session, step)  # phases starting at step 0 (or missed before a resume)
     session.hooks.on_train_begin(config)
     if batches.has_data:
         batches.ensure_started()
@@ -415,9 +467,7 @@ def run_training_loop(
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
-            if session.phases.advance(step):
-                batches.reset()  # the next batch is drawn under the new phase's weights
-                _apply_phase_lr_scale(session)
+            _advance_phases(session, step)
             tracker.end_step(
                 step,
                 loss=result.loss,
@@ -425,6 +475,7 @@ def run_training_loop(
                 lr=lr,
                 tokens=tokens_per_step,
                 tokens_seen=tokens_seen,
+                extra=_dataset_metrics(session, result),
             )
             session.hooks.on_step_end(
                 StepContext(step, result.loss, result.grad_norm, lr, tokens_seen, model, optimizer)

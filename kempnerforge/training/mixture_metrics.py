@@ -1,0 +1,52 @@
+"""Per-dataset loss and token sums of one mixture step, kept on the device until the end."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kempnerforge.training.loss import IGNORE_INDEX
+
+
+class DatasetSums:
+    """Accumulates, per source dataset, CE sums and token counts over a step's micro-batches.
+
+    Rows are attributed by the batch's ``dataset_idx``. Everything stays on the device
+    (index_add) and is read back in one transfer by ``finish``; the loss is the plain
+    cross-entropy, so with z-loss on, the per-dataset losses exclude the z term.
+    """
+
+    def __init__(self, names: list[str], device: torch.device) -> None:
+        self.names = names
+        self.loss_sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+        self.loss_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
+        self.token_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
+
+    @torch.no_grad()
+    def add(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        labels, source = batch["labels"], batch["dataset_idx"]
+        per_token = F.cross_entropy(
+            logits.detach().flatten(0, -2).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        ).view(labels.shape)
+        supervised = labels != IGNORE_INDEX
+        self.loss_sums.index_add_(0, source, per_token.sum(1).double())
+        self.loss_counts.index_add_(0, source, supervised.sum(1))
+        self.token_counts.index_add_(0, source, torch.full_like(source, labels.shape[1]))
+
+    def finish(self, distributed: bool) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
+        """(token counts, loss sums, supervised-token counts) by name, over all ranks."""
+        if distributed:
+            for tensor in (self.loss_sums, self.loss_counts, self.token_counts):
+                dist.all_reduce(tensor)
+        sums = self.loss_sums.tolist()
+        counts = self.loss_counts.tolist()
+        tokens = self.token_counts.tolist()
+        return (
+            dict(zip(self.names, tokens, strict=True)),
+            dict(zip(self.names, sums, strict=True)),
+            dict(zip(self.names, counts, strict=True)),
+        )
