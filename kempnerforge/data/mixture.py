@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from kempnerforge.data.dataset import MemoryMappedDataset
+from kempnerforge.data.sampler import EpochIterator
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
@@ -199,7 +200,7 @@ class MixtureSampler(Sampler[int]):
         return sequence[self.dp_rank :: self.dp_size]
 
     def __iter__(self) -> Iterator[int]:
-        return _MixtureEpochIterator(self)
+        return EpochIterator(self)
 
     def _begin(self) -> tuple[int, int]:
         """Epoch and start position for an iterator drawing its first index."""
@@ -284,34 +285,3 @@ class MixtureSampler(Sampler[int]):
         self._resume_at = yielded
         self._epoch_weights = [float(w) for w in state["epoch_weights"]]
         self._changes = [(int(pos), [float(x) for x in w]) for pos, w in state["changes"]]
-
-
-class _MixtureEpochIterator(Iterator[int]):
-    """One pass over a rank's share of one mixture epoch, from where the sampler stands."""
-
-    def __init__(self, sampler: MixtureSampler) -> None:
-        self._sampler = sampler
-        self._epoch = 0
-        self._position = 0
-        self._indices: list[int] | None = None
-        self._done = False
-
-    def __iter__(self) -> _MixtureEpochIterator:
-        return self
-
-    def __next__(self) -> int:
-        if self._done:
-            raise StopIteration
-        sampler = self._sampler
-        if self._indices is None:
-            self._epoch, self._position = sampler._begin()
-        if sampler._take_pending(self._epoch, self._position) or self._indices is None:
-            self._indices = sampler.epoch_indices(self._epoch).tolist()
-        if self._position >= len(self._indices):
-            self._done = True
-            sampler._advance(self._epoch, self._position, exhausted=True)
-            raise StopIteration
-        index = self._indices[self._position]
-        self._position += 1
-        sampler._advance(self._epoch, self._position, exhausted=False)
-        return index

@@ -72,7 +72,7 @@ class ShardedSampler(Sampler[int]):
         return order[:usable][self.dp_rank :: self.dp_size]
 
     def __iter__(self) -> Iterator[int]:
-        return _EpochIterator(self)
+        return EpochIterator(self)
 
     def _begin(self) -> tuple[int, int]:
         """Epoch and start position for an iterator drawing its first index.
@@ -84,6 +84,10 @@ class ShardedSampler(Sampler[int]):
         self._resume_at = None
         self._yielded = start
         return self.epoch, start
+
+    def _take_pending(self, epoch: int, position: int) -> bool:
+        """A fixed permutation never changes mid-epoch (see EpochIterator)."""
+        return False
 
     def _advance(self, epoch: int, position: int, exhausted: bool) -> None:
         """Called by the live iterator: record progress, or move to the next epoch."""
@@ -145,25 +149,32 @@ class ShardedSampler(Sampler[int]):
         self._resume_at = yielded
 
 
-class _EpochIterator(Iterator[int]):
-    """One pass over a rank's shard of one epoch, from where the sampler stands."""
+class EpochIterator(Iterator[int]):
+    """One pass over a rank's shard of one epoch, from where the sampler stands.
 
-    def __init__(self, sampler: ShardedSampler) -> None:
+    Shared by the samplers that keep their position this way (ShardedSampler,
+    MixtureSampler). Before each draw it asks ``sampler._take_pending(epoch, position)``
+    whether the epoch's index list changed (a mixture weight update) and re-plans if so.
+    """
+
+    def __init__(self, sampler: Any) -> None:
         self._sampler = sampler
         self._epoch = 0
         self._position = 0
         self._indices: list[int] | None = None
         self._done = False
 
-    def __iter__(self) -> _EpochIterator:
+    def __iter__(self) -> EpochIterator:
         return self
 
     def __next__(self) -> int:
         if self._done:
             raise StopIteration
+        sampler = self._sampler
         if self._indices is None:
-            self._epoch, self._position = self._sampler._begin()
-            self._indices = self._sampler.epoch_indices(self._epoch).tolist()
+            self._epoch, self._position = sampler._begin()
+        if sampler._take_pending(self._epoch, self._position) or self._indices is None:
+            self._indices = sampler.epoch_indices(self._epoch).tolist()
         if self._position >= len(self._indices):
             self._done = True
             self._sampler._advance(self._epoch, self._position, exhausted=True)
