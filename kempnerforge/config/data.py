@@ -37,6 +37,9 @@ class DataConfig:
     ~/.cache/kempnerforge."""
     builtin_eval_fraction: float = 0.02
     """Fraction of the built-in corpus's documents held out for eval."""
+    builtin_bos: bool = False
+    """Start each built-in corpus document with the tokenizer's BOS token (prepared data gets
+    this from `prepare-data --bos`); needs a tokenizer whose BOS is not its EOS."""
     num_workers: int = 0
     """Dataloader worker processes; 0 loads in the training process."""
     shuffle: bool = True

@@ -50,10 +50,15 @@ def stdlib_files(root: str) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(base).as_posix())
 
 
-def _cache_key(root: str, files: list[Path], tokenizer: Tokenizer, eval_fraction: float) -> str:
-    """Directory name that changes whenever the files, the tokenizer or the split would."""
+def _cache_key(
+    root: str, files: list[Path], tokenizer: Tokenizer, eval_fraction: float, bos: bool
+) -> str:
+    """Directory name that changes whenever the files, the tokenizer, the split or the BOS
+    choice would."""
     digest = hashlib.sha256()
     digest.update(f"{platform.python_version()}\0{eval_fraction!r}\0".encode())
+    if bos:  # only then, so caches prepared before the option existed stay valid
+        digest.update(b"bos\0")
     for path in files:
         digest.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\0".encode())
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -73,15 +78,20 @@ def _read_sources(files: list[Path], skipped: list[str]) -> Iterator[tuple[str, 
         yield str(path), [text]
 
 
-def builtin_corpus(cache_dir: str, tokenizer: Tokenizer, eval_fraction: float) -> tuple[str, str]:
+def builtin_corpus(
+    cache_dir: str, tokenizer: Tokenizer, eval_fraction: float, bos_per_document: bool = False
+) -> tuple[str, str]:
     """Train and eval directories of the built-in corpus, preparing them on first use.
+
+    With ``bos_per_document`` every document starts with the tokenizer's BOS (a separate
+    cache entry).
 
     Safe when several processes call it at once: one prepares under a lock, the others wait
     and reuse its result. The eval directory is "" when ``eval_fraction`` is 0.
     """
     root = stdlib_dir()
     files = stdlib_files(root)
-    key = _cache_key(root, files, tokenizer, eval_fraction)
+    key = _cache_key(root, files, tokenizer, eval_fraction, bos_per_document)
     base = Path(cache_dir).expanduser() / key
     train_dir = str(base / "train")
     eval_dir = str(base / "eval") if eval_fraction > 0 else ""
@@ -101,7 +111,7 @@ def builtin_corpus(cache_dir: str, tokenizer: Tokenizer, eval_fraction: float) -
         if _ready(train_dir, eval_dir):  # another process prepared it while we waited
             logger.info("using the built-in corpus another process prepared at %s", base)
             return train_dir, eval_dir
-        _prepare(root, files, tokenizer, eval_fraction, train_dir, eval_dir)
+        _prepare(root, files, tokenizer, eval_fraction, bos_per_document, train_dir, eval_dir)
     return train_dir, eval_dir
 
 
@@ -114,6 +124,7 @@ def _prepare(
     files: list[Path],
     tokenizer: Tokenizer,
     eval_fraction: float,
+    bos_per_document: bool,
     train_dir: str,
     eval_dir: str,
 ) -> None:
@@ -135,6 +146,7 @@ def _prepare(
         tokenizer,
         eval_fraction=eval_fraction,
         eval_output_dir=eval_dir or None,
+        bos_per_document=bos_per_document,
     )
     if skipped:
         logger.info("skipped %d files that are not UTF-8: %s", len(skipped), ", ".join(skipped))

@@ -27,7 +27,10 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
 
     With ``document_masking``, a label that starts a new document (its input is an EOS) is
     IGNORE_INDEX, so nothing is predicted across a boundary, and ``doc_ids`` tells attention
-    where the documents are. Without it, ``doc_ids`` is all zeros: the window is one sequence.
+    where the documents are. Data prepared with a BOS per document (``bos_per_document``)
+    needs nothing else: the BOS after an EOS is that masked label and the first position of
+    its document, and it predicts the document's first token. Without masking, ``doc_ids`` is
+    all zeros: the window is one sequence.
 
     The memory map is opened lazily and never pickled, so worker processes reopen it.
     """
@@ -50,6 +53,7 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
         self._check_fits(expected_tokenizer, model_vocab_size)
         self.num_tokens = int(self.meta["num_tokens"])
         self.eos_id = int(self.meta["eos_id"])
+        self.bos_per_document: bool = self.meta["bos_per_document"]
         self._dtype = DTYPES[self.meta["dtype"]]
         self._num_windows = (self.num_tokens - 1) // seq_len
         if self._num_windows < 1:

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import default_collate
 
 from kempnerforge.config.data import DataConfig
+from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
 from kempnerforge.data.dataset import MemoryMappedDataset
@@ -35,6 +36,9 @@ class DataPipeline:
     A ``[[data.datasets]]`` mixture reads a MixtureDataset through a MixtureSampler: its
     batches also carry ``dataset_idx`` (int64, ``(batch,)``), the source of each row, and
     ``dataset_names`` names the sources in that order (empty for a single dataset).
+
+    ``bos_per_document`` says whether the training documents start with BOS (every source of
+    a mixture), so a prompt given to the trained model can start the same way.
     """
 
     dataset: MemoryMappedDataset | MixtureDataset | None
@@ -45,6 +49,7 @@ class DataPipeline:
     dp_rank: int = 0
     dp_size: int = 1
     dataset_names: list[str] = field(default_factory=list)
+    bos_per_document: bool = False
 
     def set_weights(self, weights_by_name: dict[str, float]) -> None:
         """Change the mixture weights of the named sources; the others keep theirs.
@@ -161,6 +166,13 @@ def build_data_pipeline(
     unless ``cfg.eval_path`` or ``eval_sets`` gives some.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
+    if cfg.builtin_bos and tokenizer.bos_id == tokenizer.eos_id:
+        raise ConfigError(
+            "data.builtin_bos",
+            True,
+            "false with this tokenizer",
+            f"{cfg.tokenizer} has no BOS token of its own (its BOS is its EOS)",
+        )
     train_dir, eval_dir = cfg.path, cfg.eval_path
     if eval_sets and cfg.eval_path:
         logger.warning(
@@ -171,7 +183,10 @@ def build_data_pipeline(
     needs_builtin_eval = not eval_sets and not cfg.eval_path
     if not cfg.path and not cfg.datasets and (with_train or needs_builtin_eval):
         builtin_train, builtin_eval = builtin_corpus(
-            cfg.cache_dir or default_cache_dir(), tokenizer, cfg.builtin_eval_fraction
+            cfg.cache_dir or default_cache_dir(),
+            tokenizer,
+            cfg.builtin_eval_fraction,
+            bos_per_document=cfg.builtin_bos,
         )
         train_dir, eval_dir = builtin_train, cfg.eval_path or builtin_eval
 
@@ -234,6 +249,7 @@ def build_data_pipeline(
             raise DataError(f"eval.sets[{i}].path: {e}") from None
     if not eval_sets and eval_dir:
         eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir)
+    bos = _bos_per_document(dataset, eval_datasets)
     return DataPipeline(
         dataset=dataset,
         sampler=sampler,
@@ -243,4 +259,41 @@ def build_data_pipeline(
         dp_rank=dp_rank,
         dp_size=dp_size,
         dataset_names=names if with_train else [],
+        bos_per_document=bos,
     )
+
+
+def _bos_per_document(
+    dataset: MemoryMappedDataset | MixtureDataset | None,
+    eval_datasets: dict[str, MemoryMappedDataset],
+) -> bool:
+    """Whether the training documents start with BOS; warns where the data disagree.
+
+    Disagreeing data still trains, but the model then sees two ways a document can start,
+    and an eval set prepared the other way measures a slightly different task.
+    """
+    if isinstance(dataset, MixtureDataset):
+        sources = zip(dataset.names, dataset.datasets, strict=True)
+        train = {name: d.bos_per_document for name, d in sources}
+    elif dataset is not None:
+        train = {dataset.path: dataset.bos_per_document}
+    else:
+        train = {name: d.bos_per_document for name, d in eval_datasets.items()}
+    if len(set(train.values())) > 1:
+        with_bos = [name for name, bos in train.items() if bos]
+        logger.warning(
+            "training data mixes documents with and without a leading BOS (with: %s); "
+            "prepare every source with or every source without prepare-data --bos",
+            ", ".join(with_bos),
+        )
+    bos = all(train.values()) if train else False
+    for name, eval_set in eval_datasets.items():
+        if eval_set.bos_per_document != bos:
+            logger.warning(
+                "eval set %r (%s) was prepared %s a BOS per document, the training data %s",
+                name,
+                eval_set.path,
+                "with" if eval_set.bos_per_document else "without",
+                "with" if bos else "without",
+            )
+    return bos

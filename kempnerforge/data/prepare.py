@@ -88,10 +88,12 @@ def write_corpus(
     eval_output_dir: str | None = None,
     show_progress: bool = False,
     num_workers: int = 1,
+    bos_per_document: bool = False,
 ) -> dict[str, Any]:
     """Tokenize ``(source name, documents)`` pairs into prepared directories.
 
-    Empty documents are skipped. Returns the train split's metadata; the eval split's is in
+    Empty documents are skipped; with ``bos_per_document`` each document starts with BOS.
+    Returns the train split's metadata; the eval split's is in
     ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
     is complete and non-empty. With ``num_workers`` > 1 the documents are tokenized in that
     many processes and the output is byte-identical to one worker's.
@@ -101,12 +103,14 @@ def write_corpus(
     # Workers get small chunks so each has work; one process keeps the large batches.
     max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
     with ExitStack() as stack:
-        train = stack.enter_context(TokenFileWriter(output_dir, tokenizer))
+        train = stack.enter_context(TokenFileWriter(output_dir, tokenizer, bos_per_document))
         writers = [train]
         held_out = None
         if eval_fraction > 0.0:
             assert eval_output_dir is not None
-            held_out = stack.enter_context(TokenFileWriter(eval_output_dir, tokenizer))
+            held_out = stack.enter_context(
+                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document)
+            )
             writers.append(held_out)
         encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers))
         try:
@@ -216,15 +220,17 @@ def prepare_data(
     eval_output_dir: str | None = None,
     split: str | None = None,
     num_workers: int = 1,
+    bos_per_document: bool = False,
 ) -> dict[str, Any]:
     """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
     (directories walked) into ``output_dir``.
 
     Each .txt file is one document; each .jsonl line, parquet row or dataset row one document
     taken from ``text_field`` (a DatasetDict gives its ``split``, default 'train'). Every
-    document is followed by EOS. With ``eval_fraction`` > 0 about that fraction of the
-    documents goes to ``eval_output_dir`` instead. ``num_workers`` > 1 tokenizes in that many
-    spawned processes with byte-identical output. Returns the train split's metadata.
+    document is followed by EOS, and preceded by BOS with ``bos_per_document``. With
+    ``eval_fraction`` > 0 about that fraction of the documents goes to ``eval_output_dir``
+    instead. ``num_workers`` > 1 tokenizes in that many spawned processes with byte-identical
+    output. Returns the train split's metadata.
     """
     files = discover_input_files(inputs)
     if split is not None and not any(is_hf_dataset_dir(f) for f in files):
@@ -239,6 +245,7 @@ def prepare_data(
         eval_output_dir=eval_output_dir,
         show_progress=show_progress,
         num_workers=num_workers,
+        bos_per_document=bos_per_document,
     )
 
 
@@ -283,6 +290,12 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokenizer processes (default 1); the output is the same for every N",
     )
     parser.add_argument(
+        "--bos",
+        action="store_true",
+        help="start every document with the tokenizer's BOS token (default: EOS only between "
+        "documents); needs a tokenizer whose BOS is not its EOS",
+    )
+    parser.add_argument(
         "--eval-fraction",
         type=float,
         default=0.0,
@@ -307,10 +320,11 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         eval_output_dir=args.eval_output,
         split=args.split,
         num_workers=args.workers,
+        bos_per_document=args.bos,
     )
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
-        f"({meta['dtype']}) into {args.output}"
+        f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {args.output}"
     )
     if args.eval_fraction > 0.0:
         held_out = read_meta(args.eval_output)

@@ -34,6 +34,8 @@ META_KEYS = (
     "content_sha256",
     "sources",
 )
+# Keys a reader fills in when an older prepared directory lacks them.
+META_DEFAULTS: dict[str, Any] = {"bos_per_document": False}
 _FLUSH_TOKENS = 1 << 22  # 4M tokens buffered between writes: 8-16 MB
 
 
@@ -42,19 +44,40 @@ def dtype_name_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+def check_distinct_bos(tokenizer: Tokenizer, where: str) -> None:
+    """Refuse BOS per document when the tokenizer's BOS is only its EOS standing in.
+
+    A second EOS before each document would read as an empty document: it would split the
+    document masking and teach the model to predict an end right after every start.
+    """
+    if tokenizer.bos_id == tokenizer.eos_id:
+        raise DataError(
+            f"{where}: tokenizer {tokenizer.identity} has no beginning-of-document token of "
+            f"its own (BOS = EOS = id {tokenizer.eos_id}), so documents cannot start with one; "
+            "drop the BOS option or use a tokenizer with a BOS token (<s>, <|begin_of_text|>)"
+        )
+
+
 class TokenFileWriter:
-    """Streams documents into ``output_dir/tokens.bin``, each followed by EOS.
+    """Streams documents into ``output_dir/tokens.bin``, each followed by EOS and, with
+    ``bos_per_document``, preceded by BOS.
 
     Use as a context manager: leaving it by an exception removes the temporary file and leaves
     whatever was under the final names before untouched; ``finish`` publishes the result.
     """
 
-    def __init__(self, output_dir: str, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, output_dir: str, tokenizer: Tokenizer, bos_per_document: bool = False
+    ) -> None:
+        if bos_per_document:
+            check_distinct_bos(tokenizer, output_dir)
         self.output_dir = Path(output_dir)
         self.tokenizer = tokenizer
+        self.bos_per_document = bos_per_document
         self.dtype_name = dtype_name_for_vocab(tokenizer.vocab_size)
         self._dtype = DTYPES[self.dtype_name]
         self._eos = np.array([tokenizer.eos_id], dtype=self._dtype)
+        self._bos = np.array([tokenizer.bos_id], dtype=self._dtype)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._tmp_tokens = self.output_dir / f".{TOKENS_FILE}.tmp-{os.getpid()}"
         self._file = open(self._tmp_tokens, "wb")  # noqa: SIM115 (closed by finish or abort)
@@ -65,7 +88,10 @@ class TokenFileWriter:
         self.num_documents = 0
 
     def add_document(self, tokens: np.ndarray) -> None:
-        """Append one document's ids and its EOS."""
+        """Append one document's ids and its EOS (after its BOS, with bos_per_document)."""
+        if self.bos_per_document:
+            self._buffer.append(self._bos)
+            self._buffered += 1
         self._buffer.append(tokens)
         self._buffer.append(self._eos)
         self._buffered += len(tokens) + 1
@@ -105,6 +131,7 @@ class TokenFileWriter:
             "tokenizer": self.tokenizer.identity,
             "eos_id": self.tokenizer.eos_id,
             "bos_id": self.tokenizer.bos_id,
+            "bos_per_document": self.bos_per_document,
             "content_sha256": self._sha.hexdigest(),
             "sources": num_sources,
         }
@@ -152,6 +179,13 @@ def read_meta(data_dir: str) -> dict[str, Any]:
     missing = [key for key in META_KEYS if key not in meta]
     if missing:
         raise DataError(f"{path}: missing {', '.join(missing)}; {hint} again")
+    for key, default in META_DEFAULTS.items():
+        meta.setdefault(key, default)
+    if not isinstance(meta["bos_per_document"], bool):
+        raise DataError(
+            f"{path}: bos_per_document {meta['bos_per_document']!r} is not true or false; "
+            f"{hint} again"
+        )
     if meta["format_version"] != FORMAT_VERSION:
         raise DataError(
             f"{path}: format_version {meta['format_version']!r}, this version reads "

@@ -8,7 +8,15 @@ from kempnerforge.model import generate_greedy
 from kempnerforge.training.optimizer import optimizer_eval_mode
 
 if TYPE_CHECKING:
+    from kempnerforge.data.tokenizer import Tokenizer
     from kempnerforge.training.loop import TrainingSession
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str, bos_per_document: bool) -> list[int]:
+    """The prompt's ids, after a BOS when the training documents started with one, so the
+    model continues a document the way it saw documents begin."""
+    ids = tokenizer.encode(prompt)
+    return [tokenizer.bos_id, *ids] if bos_per_document else ids
 
 
 def sample_text(session: TrainingSession) -> str | None:
@@ -20,7 +28,7 @@ def sample_text(session: TrainingSession) -> str | None:
     with optimizer_eval_mode(session.optimizer):
         new_ids = generate_greedy(
             session.model,
-            tokenizer.encode(tc.sample_prompt),
+            prompt_ids(tokenizer, tc.sample_prompt, session.data.bos_per_document),
             max_new_tokens=tc.sample_tokens,
             max_seq_len=tc.seq_len,
             stop_id=tokenizer.eos_id,
