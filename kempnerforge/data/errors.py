@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kempnerforge.config.errors import ConfigError
+
 
 class DataError(Exception):
     """A data file is missing, malformed or does not fit this job.
@@ -9,3 +11,16 @@ class DataError(Exception):
     The message names the file, says what is wrong with it and what to do, and stands on its
     own: the CLI prints ``str(error)`` as one line and exits with code 2, no traceback.
     """
+
+
+class DataPathError(ConfigError, DataError):
+    """A directory named by a config field does not hold data this job can use.
+
+    Both kinds at once: a ConfigError whose ``field`` is the config field that points at the
+    directory (startup validation catches it like any bad value), and a DataError whose one
+    line is the field followed by what is wrong with the file.
+    """
+
+    def __init__(self, field: str, path: str, problem: DataError) -> None:
+        super().__init__(field, path, "a prepare-data directory this job can read", str(problem))
+        self.args = (f"{field}: {problem}",)

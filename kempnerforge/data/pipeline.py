@@ -14,7 +14,7 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.errors import DataError
+from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
@@ -190,14 +190,21 @@ def build_data_pipeline(
         )
         train_dir, eval_dir = builtin_train, cfg.eval_path or builtin_eval
 
-    def open_dataset(path: str) -> MemoryMappedDataset:
-        return MemoryMappedDataset(
-            path,
-            seq_len,
-            document_masking=cfg.document_masking,
-            expected_tokenizer=tokenizer.identity,
-            model_vocab_size=model_vocab_size,
-        )
+    def open_dataset(path: str, field: str | None) -> MemoryMappedDataset:
+        """The dataset at ``path``; a problem names ``field``, the config field giving it
+        (None for the built-in corpus, which no field names)."""
+        try:
+            return MemoryMappedDataset(
+                path,
+                seq_len,
+                document_masking=cfg.document_masking,
+                expected_tokenizer=tokenizer.identity,
+                model_vocab_size=model_vocab_size,
+            )
+        except DataError as e:
+            if field is None:
+                raise
+            raise DataPathError(field, path, e) from None
 
     dataset: MemoryMappedDataset | MixtureDataset | None = None
     sampler: ShardedSampler | MixtureSampler | None = None
@@ -206,10 +213,7 @@ def build_data_pipeline(
     if with_train and cfg.datasets:
         sources: list[MemoryMappedDataset] = []
         for i, source in enumerate(cfg.datasets):
-            try:
-                sources.append(open_dataset(source.path))
-            except DataError as e:
-                raise DataError(f"data.datasets[{i}].path: {e}") from None
+            sources.append(open_dataset(source.path, f"data.datasets[{i}].path"))
         dataset = MixtureDataset(sources, names)
         sampler = MixtureSampler(
             dataset.sizes,
@@ -223,7 +227,7 @@ def build_data_pipeline(
             f"{name}={source.path}" for name, source in zip(names, cfg.datasets, strict=True)
         )
     elif with_train:
-        dataset = open_dataset(train_dir)
+        dataset = open_dataset(train_dir, "data.path" if cfg.path else None)
         sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
     if dataset is not None and sampler is not None:
         if sampler.samples_per_rank < batch_size:
@@ -243,12 +247,10 @@ def build_data_pipeline(
         )
     eval_datasets: dict[str, MemoryMappedDataset] = {}
     for i, eval_set in enumerate(eval_sets):
-        try:
-            eval_datasets[eval_set.name] = open_dataset(eval_set.path)
-        except DataError as e:
-            raise DataError(f"eval.sets[{i}].path: {e}") from None
+        eval_datasets[eval_set.name] = open_dataset(eval_set.path, f"eval.sets[{i}].path")
     if not eval_sets and eval_dir:
-        eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir)
+        field = "data.eval_path" if cfg.eval_path else None
+        eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir, field)
     bos = _bos_per_document(dataset, eval_datasets)
     return DataPipeline(
         dataset=dataset,

@@ -15,8 +15,8 @@ from kempnerforge.data.loader import build_train_loader, load_loader_state
 from kempnerforge.data.mixture import MixtureSampler, mixture_probabilities
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.tokenizer import ByteTokenizer
-from tests.support.data_files import write_jsonl
+from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from tests.support.data_files import make_hf_tokenizer, write_jsonl
 
 SIZES = [40, 40]
 
@@ -302,9 +302,26 @@ def test_mixture_pipeline_batches_carry_dataset_idx(mixture_dirs):
 
 
 def test_a_bad_mixture_path_names_the_field(mixture_dirs, tmp_path):
-    cfg = _cfg(("a", mixture_dirs[0]), ("b", str(tmp_path / "missing")))
-    with pytest.raises(DataError, match=r"^data\.datasets\[1\]\.path: "):
+    missing = str(tmp_path / "missing")
+    cfg = _cfg(("a", mixture_dirs[0]), ("b", missing))
+    with pytest.raises(ConfigError, match=r"^data\.datasets\[1\]\.path: ") as info:
         build_data_pipeline(cfg, seq_len=SEQ_LEN, batch_size=PIPE_BATCH, seed=1)
+    assert info.value.field == "data.datasets[1].path" and info.value.value == missing
+    assert isinstance(info.value, DataError) and f"{missing} is not a directory" in str(info.value)
+
+
+def test_a_source_from_another_tokenizer_names_the_field_and_the_directory(mixture_dirs, tmp_path):
+    other = tmp_path / "other"
+    hf = HFTokenizer(make_hf_tokenizer(tmp_path / "tokenizer.json"))
+    prepare_data([str(write_jsonl(tmp_path / "o.jsonl", ["some text"] * 50))], str(other), hf)
+    cfg = _cfg(("a", mixture_dirs[0]), ("b", str(other)))
+    with pytest.raises(ConfigError) as info:
+        build_data_pipeline(cfg, seq_len=SEQ_LEN, batch_size=PIPE_BATCH, seed=1)
+    assert info.value.field == "data.datasets[1].path"
+    assert str(info.value).startswith(
+        f"data.datasets[1].path: {other} was prepared with tokenizer '{hf.identity}', "
+        "but this job uses 'byte'"
+    )
 
 
 def test_set_weights_changes_proportions_from_the_next_reset(mixture_dirs):

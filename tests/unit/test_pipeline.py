@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kempnerforge.config.data import DataConfig
+from kempnerforge.config.errors import ConfigError
 from kempnerforge.data import builtin
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.pipeline import build_data_pipeline
@@ -137,8 +138,17 @@ def test_too_few_windows_for_one_batch_is_a_data_error(data_dirs):
 
 def test_data_from_another_tokenizer_is_refused(tmp_path, data_dirs):
     tok = make_hf_tokenizer(tmp_path / "tokenizer.json")
-    with pytest.raises(DataError, match="prepared with tokenizer 'byte', but this job uses 'hf:"):
+    with pytest.raises(ConfigError, match="prepared with tokenizer 'byte', but this job uses 'hf:"):
         _build(DataConfig(path=data_dirs[0], tokenizer=tok))
+
+
+@pytest.mark.parametrize("field", ["data.path", "data.eval_path"])
+def test_a_configured_directory_that_is_not_prepared_names_its_field(tmp_path, data_dirs, field):
+    paths = {"path": data_dirs[0], "eval_path": data_dirs[1], field.split(".")[1]: str(tmp_path)}
+    with pytest.raises(ConfigError) as info:
+        _build(DataConfig(**paths))
+    assert info.value.field == field and isinstance(info.value, DataError)
+    assert str(info.value).startswith(f"{field}: {tmp_path} has no meta.json")
 
 
 def test_model_vocab_smaller_than_the_data_is_refused(data_dirs):
