@@ -113,8 +113,13 @@ class JobConfig:
             )
 
     def _validate_phases(self) -> None:
-        """Phase weights must name mixture datasets and leave some weight on."""
+        """Phase weights must name mixture datasets and leave some weight on.
+
+        Phases fire in order and each updates the weights in force, so the check follows
+        them: a later phase may zero the last source an earlier one left on.
+        """
         configured = {d.name: d.weight for d in self.data.datasets}
+        in_force = dict(configured)
         for i, phase in enumerate(self.train.phases):
             field = f"train.phases[{i}].dataset_weights"
             if phase.dataset_weights and not configured:
@@ -133,5 +138,11 @@ class JobConfig:
                         "a data.datasets name: " + ", ".join(configured),
                         f"did you mean {suggestion!r}?" if suggestion else "",
                     )
-            if phase.dataset_weights and not any({**configured, **phase.dataset_weights}.values()):
-                raise ConfigError(field, phase.dataset_weights, "at least one weight > 0")
+            in_force.update(phase.dataset_weights)
+            if phase.dataset_weights and not any(in_force.values()):
+                raise ConfigError(
+                    field,
+                    phase.dataset_weights,
+                    "at least one weight > 0 in force",
+                    f"after this phase the weights are {in_force}",
+                )

@@ -17,7 +17,8 @@ class PhaseConfig:
     start_step: int = 0
     """Optimizer step from which the phase applies (0: from the first step)."""
     dataset_weights: dict[str, float] = field(default_factory=dict)
-    """Mixture weights by data.datasets name; datasets not named keep their configured weight."""
+    """Mixture weights by data.datasets name; datasets not named keep the weight in force
+    (the configured one, or the one an earlier phase set)."""
     lr_scale: float = 1.0
     """Multiplies the scheduler's learning rate while this phase is in force."""
 

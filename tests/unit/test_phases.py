@@ -102,3 +102,29 @@ def test_phase_weights_without_a_mixture_are_rejected():
     config = load_config(None, ["--train.phases=[{start_step=1, dataset_weights={a=1.0}}]"])
     with pytest.raises(ConfigError, match=r"train.phases\[0\].dataset_weights"):
         config.validate(1)
+
+
+MIXTURE = '--data.datasets=[{name="a", path="/a", weight=2.0}, {name="b", path="/b"}]'
+
+
+@pytest.mark.parametrize(
+    ("phases", "bad"),
+    [
+        ("[{start_step=1, dataset_weights={a=0.0, b=0.0}}]", 0),
+        # Each phase alone leaves a weight on; in order, the second zeroes the last one.
+        ("[{start_step=1, dataset_weights={b=0.0}}, {start_step=2, dataset_weights={a=0.0}}]", 1),
+    ],
+)
+def test_phases_that_leave_no_weight_in_force_are_rejected(phases, bad):
+    config = load_config(None, [MIXTURE, f"--train.phases={phases}"])
+    with pytest.raises(ConfigError) as info:
+        config.validate(1)
+    assert info.value.field == f"train.phases[{bad}].dataset_weights"
+    assert "at least one weight > 0 in force" in str(info.value)
+
+
+def test_a_phase_may_turn_a_source_back_on_after_another_zeroed_it():
+    phases = (
+        "[{start_step=1, dataset_weights={b=0.0}}, {start_step=2, dataset_weights={a=0.0, b=1.0}}]"
+    )
+    load_config(None, [MIXTURE, f"--train.phases={phases}"]).validate(1)
