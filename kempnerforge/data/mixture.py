@@ -144,6 +144,11 @@ class MixtureSampler(Sampler[int]):
         return list(self._changes[-1][1] if self._changes else self._epoch_weights)
 
     @property
+    def pending_weights(self) -> list[float] | None:
+        """Weights given to ``update_weights`` that no draw has used yet; None if none are."""
+        return list(self._pending) if self._pending is not None else None
+
+    @property
     def probabilities(self) -> list[float]:
         return mixture_probabilities(self.weights, self.temperature)
 

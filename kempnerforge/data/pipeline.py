@@ -23,6 +23,9 @@ from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 
+# Key of a not-yet-drawn mixture weight change in DataPipeline.state_dict().
+PENDING_WEIGHTS_KEY = "pending_mixture_weights"
+
 
 @dataclass
 class DataPipeline:
@@ -98,17 +101,34 @@ class DataPipeline:
         return self.sampler.epoch if self.sampler is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The dataloader's position; the same on every data-parallel rank. {} without one."""
-        return self.dataloader.state_dict() if self.dataloader is not None else {}
+        """The dataloader's position; the same on every data-parallel rank. {} without one.
+
+        A mixture weight change made but not yet drawn with (a phase that fired at the step
+        being saved) is kept beside the loader's state, which does not hold it.
+        """
+        if self.dataloader is None:
+            return {}
+        # Read before the loader's state: building that may start an iterator whose prefetch
+        # takes the change, while the snapshot it returns predates it.
+        pending = self.sampler.pending_weights if isinstance(self.sampler, MixtureSampler) else None
+        state = self.dataloader.state_dict()
+        if pending is not None:
+            state = {**state, PENDING_WEIGHTS_KEY: pending}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position, also one saved with another worker count or dp size.
 
-        Drop any live iterator afterwards: the next ``iter(dataloader)`` picks up there.
+        Drop any live iterator afterwards: the next ``iter(dataloader)`` picks up there, and
+        a saved pending weight change applies from its first draw, as it would have.
         """
         if self.dataloader is None or self.sampler is None or not state:
             return
+        state = dict(state)
+        pending = state.pop(PENDING_WEIGHTS_KEY, None)
         load_loader_state(self.dataloader, self.sampler, state)
+        if pending is not None and isinstance(self.sampler, MixtureSampler):
+            self.sampler.update_weights(pending)
 
     def eval_batches(
         self, num_batches: int, batch_size: int, name: str | None = None
