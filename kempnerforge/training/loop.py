@@ -10,7 +10,6 @@ rather than another branch inside the loop.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,15 +27,16 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.resilience.agreement import agree_on_stop
-from kempnerforge.resilience.nan import NaNAbortError, NaNDetector
+from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.hooks import HookRunner, StepContext
 from kempnerforge.training.loss import IGNORE_INDEX
-from kempnerforge.training.mixture_metrics import DatasetSums
+from kempnerforge.training.mixture_metrics import DatasetSums, dataset_metrics_row
 from kempnerforge.training.optimizer import optimizer_eval_mode
-from kempnerforge.training.state import capture_train_state, math_fingerprint, roll_back
+from kempnerforge.training.phasing import advance_phases, apply_phase_lr_scale
+from kempnerforge.training.state import capture_train_state, math_fingerprint, roll_back_or_stop
 
 logger = get_logger(__name__)
 
@@ -369,52 +369,6 @@ def _tokens_per_step(session: TrainingSession) -> int:
     return tc.batch_size * tc.seq_len * tc.grad_accum_steps * session.runtime.dp_size
 
 
-def _advance_phases(session: TrainingSession, step: int) -> None:
-    """Fire the phases due at `step`: new mixture weights from the next batch, the LR scale."""
-    fired = session.phases.advance(step)
-    if not fired:
-        return
-    for phase in fired:
-        if phase.dataset_weights:
-            session.data.set_weights(phase.dataset_weights)
-        logger.info(
-            "phase from step %d: weights %s, lr scale %g",
-            phase.start_step,
-            phase.dataset_weights or "unchanged",
-            phase.lr_scale,
-        )
-        session.tracker.log_event(
-            step, "phase", start_step=phase.start_step, lr_scale=phase.lr_scale
-        )
-    session.batches.reset()  # the next batch is drawn under the new weights
-    _apply_phase_lr_scale(session)
-
-
-def _dataset_metrics(session: TrainingSession, result: StepResult) -> dict[str, float] | None:
-    """loss/<name> and tokens/<name> for a mixture step; None for other steps."""
-    if not result.dataset_loss_counts:
-        return None
-    extra: dict[str, float] = {}
-    for name, count in result.dataset_loss_counts.items():
-        extra[f"loss/{name}"] = result.dataset_loss_sums[name] / count if count else math.nan
-        extra[f"tokens/{name}"] = result.dataset_token_counts.get(name, 0)
-    return extra
-
-
-def _apply_phase_lr_scale(session: TrainingSession) -> None:
-    """Set each group's LR to the scheduler's value times the phase's factor.
-
-    Computed from the scheduler's last value, not the group's current LR, so applying it
-    twice in one step (a phase firing right after the scheduler's step) never compounds.
-    """
-    if not session.phases.active:
-        return
-    for group, lr in zip(
-        session.optimizer.param_groups, session.scheduler.get_last_lr(), strict=True
-    ):
-        group["lr"] = lr * session.phases.lr_scale
-
-
 def run_training_loop(
     session: TrainingSession, *, step: int = 0, tokens_seen: int = 0
 ) -> tuple[int, int]:
@@ -435,7 +389,7 @@ def run_training_loop(
     tokens_per_step = _tokens_per_step(session)
     last_saved = step if step > 0 else -1  # a resumed step is already on disk
     model.train()
-    _advance_phases(session, step)  # phases starting at step 0 (or missed before a resume)
+    advance_phases(session, step)  # phases starting at step 0 (or missed before a resume)
     session.hooks.on_train_begin(config)
     if batches.has_data:
         batches.ensure_started()
@@ -455,7 +409,7 @@ def run_training_loop(
                     consecutive=session.nan_detector.consecutive,
                 )
                 if session.nan_detector.exhausted:
-                    step, tokens_seen = _roll_back_or_stop(session, step)
+                    step, tokens_seen = roll_back_or_stop(session, step)
                     last_saved = step
                 if _stop_agreed(session):
                     break
@@ -463,11 +417,11 @@ def run_training_loop(
             lr = optimizer.param_groups[0]["lr"]  # the LR this update used
             optimizer.step()
             session.scheduler.step()
-            _apply_phase_lr_scale(session)
+            apply_phase_lr_scale(session)
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
-            _advance_phases(session, step)
+            advance_phases(session, step)
             tracker.end_step(
                 step,
                 loss=result.loss,
@@ -475,7 +429,11 @@ def run_training_loop(
                 lr=lr,
                 tokens=tokens_per_step,
                 tokens_seen=tokens_seen,
-                extra=_dataset_metrics(session, result),
+                extra=dataset_metrics_row(
+                    result.dataset_loss_sums,
+                    result.dataset_loss_counts,
+                    result.dataset_token_counts,
+                ),
             )
             session.hooks.on_step_end(
                 StepContext(step, result.loss, result.grad_norm, lr, tokens_seen, model, optimizer)
@@ -533,28 +491,6 @@ def _stop_agreed(session: TrainingSession) -> bool:
     if stop and not handler.requested:
         handler.request("another rank received a stop signal")
     return stop
-
-
-def _roll_back_or_stop(session: TrainingSession, step: int) -> tuple[int, int]:
-    """After a NaN streak: reload the newest complete checkpoint, or raise NaNAbortError."""
-    detector, tc = session.nan_detector, session.config.train
-    bad_steps = detector.skipped_steps[-tc.nan_consecutive_max :]
-    if detector.rollbacks >= tc.nan_max_rollbacks:
-        raise NaNAbortError(bad_steps, detector.rollbacks, "train.nan_max_rollbacks used up")
-    session.checkpointer.wait()  # a save in flight may be the newest good checkpoint
-    path = session.checkpointer.newest_complete_path()
-    if path is None:
-        raise NaNAbortError(bad_steps, detector.rollbacks, "no checkpoint to roll back to")
-    new_step, tokens_seen = roll_back(session, path, step)
-    session.tracker.log_event(
-        new_step,
-        "nan_rollback",
-        from_step=step,
-        path=path,
-        rollbacks=detector.rollbacks,
-        lr_scale=detector.lr_scale,
-    )
-    return new_step, tokens_seen
 
 
 def _run_eval(session: TrainingSession, step: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,3 +52,17 @@ class DatasetSums:
             dict(zip(self.names, sums, strict=True)),
             dict(zip(self.names, counts, strict=True)),
         )
+
+
+def dataset_metrics_row(
+    loss_sums: dict[str, float], loss_counts: dict[str, int], token_counts: dict[str, int]
+) -> dict[str, float] | None:
+    """loss/<name> (NaN when the step drew nothing from it) and tokens/<name> for a mixture
+    step's metrics row; None for a step without per-dataset sums."""
+    if not loss_counts:
+        return None
+    row: dict[str, float] = {}
+    for name, count in loss_counts.items():
+        row[f"loss/{name}"] = loss_sums[name] / count if count else math.nan
+        row[f"tokens/{name}"] = token_counts.get(name, 0)
+    return row

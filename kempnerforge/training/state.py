@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.training.optimizer import set_optimizer_mode
 
 if TYPE_CHECKING:
@@ -136,5 +137,27 @@ def roll_back(session: TrainingSession, path: str, step: int) -> tuple[int, int]
         session.nan_detector.lr_scale,
         session.nan_detector.rollbacks,
         tc.nan_max_rollbacks,
+    )
+    return new_step, tokens_seen
+
+
+def roll_back_or_stop(session: TrainingSession, step: int) -> tuple[int, int]:
+    """After a NaN streak: reload the newest complete checkpoint, or raise NaNAbortError."""
+    detector, tc = session.nan_detector, session.config.train
+    bad_steps = detector.skipped_steps[-tc.nan_consecutive_max :]
+    if detector.rollbacks >= tc.nan_max_rollbacks:
+        raise NaNAbortError(bad_steps, detector.rollbacks, "train.nan_max_rollbacks used up")
+    session.checkpointer.wait()  # a save in flight may be the newest good checkpoint
+    path = session.checkpointer.newest_complete_path()
+    if path is None:
+        raise NaNAbortError(bad_steps, detector.rollbacks, "no checkpoint to roll back to")
+    new_step, tokens_seen = roll_back(session, path, step)
+    session.tracker.log_event(
+        new_step,
+        "nan_rollback",
+        from_step=step,
+        path=path,
+        rollbacks=detector.rollbacks,
+        lr_scale=detector.lr_scale,
     )
     return new_step, tokens_seen
