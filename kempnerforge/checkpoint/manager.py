@@ -120,6 +120,10 @@ class CheckpointManager:
         )
         self._writer = BackgroundWriter()
         self._pending: PendingSave | None = None
+        self.on_commit: Callable[[int, str, float], None] | None = None
+        """Called on every rank once a checkpoint is committed (its directory and ``latest``
+        in place), with its step, its path and the seconds since its save started: in sync
+        mode before save() returns, in async mode from poll(), wait() or the next save()."""
 
     @property
     def pending_step(self) -> int | None:
@@ -200,9 +204,15 @@ class CheckpointManager:
             return str(path)
         fault_save_delay(step)
         self._coord.on_rank0(lambda: self._commit(tmp, marker))
+        elapsed = time.monotonic() - started
         if self.rank == 0:
-            logger.info("saved checkpoint %s (%.2f s)", path, time.monotonic() - started)
+            logger.info("saved checkpoint %s (%.2f s)", path, elapsed)
+        self._committed(step, str(path), elapsed)
         return str(path)
+
+    def _committed(self, step: int, path: str, elapsed: float) -> None:
+        if self.on_commit is not None:
+            self.on_commit(step, path, elapsed)
 
     def _marker(self, step: int, tokens_seen: int, config_sha256: str) -> dict[str, Any]:
         return {
@@ -273,9 +283,10 @@ class CheckpointManager:
             raise self._save_failed(pending.step, e, background=True) from e
         self._coord.on_rank0(lambda: self._commit(pending.tmp, pending.marker))
         path = self.directory / f"step_{pending.step}"
+        elapsed = time.monotonic() - pending.started_s
         if self.rank == 0:
-            elapsed = time.monotonic() - pending.started_s
             logger.info("saved checkpoint %s (committed %.2f s after save)", path, elapsed)
+        self._committed(pending.step, str(path), elapsed)
         return str(path)
 
     def _save_failed(self, step: int, error: BaseException, *, background: bool) -> CheckpointError:

@@ -53,7 +53,8 @@ class TrainingHook:
         """After an evaluation at `step`, with the logged metrics (eval_loss, eval_ppl, ...)."""
 
     def on_checkpoint_save(self, step: int, path: str) -> None:
-        """After the checkpoint of `step` was saved; `path` is that checkpoint's directory."""
+        """After the checkpoint of `step` was committed; `path` is its complete directory
+        (in async mode this comes once the background write is durable, steps later)."""
 
     def on_train_end(self, step: int, tokens_seen: int) -> None:
         """After the last step, with the final step and token count."""

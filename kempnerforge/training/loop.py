@@ -10,6 +10,7 @@ rather than another branch inside the loop.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -360,8 +361,19 @@ def _save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> s
             train_state=capture_train_state(session, step, tokens_seen, extra),
         )
     session.tracker.log_event(step, "checkpoint", path=path)
-    session.hooks.on_checkpoint_save(step, path)
     return path
+
+
+def _checkpoint_committed(session: TrainingSession, step: int, path: str, seconds: float) -> None:
+    """A checkpoint is durable under its final name: only now are the hooks told, so a hook
+    that copies or uploads ``path`` always finds it complete. In async mode, where that is
+    steps after the save started, a ``checkpoint_committed`` event marks the moment; a sync
+    save is committed when its ``checkpoint`` event is written."""
+    if session.config.checkpoint.async_mode == "async":
+        session.tracker.log_event(
+            step, "checkpoint_committed", path=path, seconds=round(seconds, 3)
+        )
+    session.hooks.on_checkpoint_save(step, path)
 
 
 def _tokens_per_step(session: TrainingSession) -> int:
@@ -389,6 +401,7 @@ def run_training_loop(
     tokens_per_step = _tokens_per_step(session)
     last_saved = step if step > 0 else -1  # a resumed step is already on disk
     model.train()
+    session.checkpointer.on_commit = functools.partial(_checkpoint_committed, session)
     advance_phases(session, step)  # phases starting at step 0 (or missed before a resume)
     session.hooks.on_train_begin(config)
     if batches.has_data:

@@ -312,3 +312,22 @@ def test_async_saves_at_world_size_two_commit_load_and_agree_on_failure(tmp_path
     expected = torch.load(tmp_path / "params.pt", weights_only=True)
     for name, param in fresh[0].named_parameters():
         assert torch.equal(param, expected[name]), name
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_on_commit_reports_each_checkpoint_once_it_is_complete(tmp_path, held_commit, mode):
+    manager = _manager(tmp_path, async_mode=mode)
+    commits = []
+    manager.on_commit = lambda step, path, seconds: commits.append(
+        (step, os.path.basename(path), manager.is_complete(path), seconds >= 0)
+    )
+    if mode == "disabled":
+        held_commit.set()  # a sync save holds nothing back
+    _save(manager, 1)
+    assert commits == ([] if mode == "async" else [(1, "step_1", True, True)])
+    held_commit.set()
+    _save(manager, 2)  # async: commits step 1 before starting
+    manager.wait()
+    assert commits == [(1, "step_1", True, True), (2, "step_2", True, True)]
+    manager.wait()  # nothing in flight: nothing reported again
+    assert len(commits) == 2

@@ -305,3 +305,45 @@ def test_checkpoint_extra_records_phase_state_and_math_fields(tiny_job_config):
     assert extra["phases"] == {"next_index": 0, "lr_scale": 1.0}
     assert extra["math"]["train.seq_len"] == 32
     assert "vlm_freeze" not in extra
+
+
+class CompletenessHook(TrainingHook):
+    """Notes, at each on_checkpoint_save, whether the checkpoint is already complete."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_checkpoint_save(self, step, path):
+        self.seen.append((step, self.session.checkpointer.is_complete(path)))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_the_save_hook_fires_once_the_checkpoint_is_complete(tiny_overrides, monkeypatch, mode):
+    # A slow write, so an async commit lands steps after its save started.
+    monkeypatch.setenv("KEMPNERFORGE_FAULT_SAVE_DELAY_S", "0.3")
+    session = make_session(
+        tiny_overrides + ["--checkpoint.interval=2", f"--checkpoint.async_mode={mode}"]
+    )
+    hook = CompletenessHook(session)
+    session.hooks.add(hook)
+    with session.tracker:
+        run_training_loop(session)
+    assert hook.seen == [(2, True), (4, True), (6, True)]
+    rows = [(r.get("event"), r["step"]) for r in read_rows(session.config.run_dir)]
+    assert [s for e, s in rows if e == "checkpoint"] == [2, 4, 6]
+    committed = [s for e, s in rows if e == "checkpoint_committed"]
+    if mode == "disabled":
+        assert committed == []  # a sync save is committed when its checkpoint event is written
+        return
+    assert committed == [2, 4, 6]
+    for step in committed:
+        assert rows.index(("checkpoint", step)) < rows.index(("checkpoint_committed", step))
+    # The save of step 2 was still being written when step 3 was logged.
+    assert rows.index((None, 3)) < rows.index(("checkpoint_committed", 2))
+    seconds = [
+        r["seconds"]
+        for r in read_rows(session.config.run_dir)
+        if r.get("event") == "checkpoint_committed"
+    ]
+    assert all(s >= 0.3 for s in seconds)
