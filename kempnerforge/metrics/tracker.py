@@ -5,16 +5,14 @@ from __future__ import annotations
 import collections
 import json
 import math
-import numbers
 import os
-import shutil
 import sys
-import threading
 import time
 from typing import IO, Any
 
 from kempnerforge.config.metrics import MetricsConfig
-from kempnerforge.metrics.logging import get_live_line, set_live_line
+from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
+from kempnerforge.metrics.jsonl import jsonable, merge_row, open_append
 from kempnerforge.metrics.mfu import mfu
 
 METRICS_FILE = "metrics.jsonl"
@@ -25,9 +23,7 @@ STEP_KEYS += ("tokens_per_sec", "step_time_s", "mfu", "time")
 """Keys of a training row, in order; 'mfu' only when a peak is known. Extra keys follow."""
 
 _RECENT_STEPS = 20  # steps averaged for the ETA and the bar's tok/s
-_BAR_REDRAW_S = 0.1  # the bar redraws at most this often (log lines always redraw it)
 _BAR_WIDTH = 24
-_CLEAR_TO_EOL = "\x1b[K"
 
 
 class MetricsTracker:
@@ -79,10 +75,10 @@ class MetricsTracker:
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._flops_per_token = flops_per_token
         self._peak = peak_flops_per_sec
-        self._file = _open_append(self.path) if rank == 0 else None
+        self._file = open_append(self.path) if rank == 0 else None
         stream = stream if stream is not None else sys.stdout
-        mode = _resolve_progress(cfg.progress, stream) if rank == 0 else "off"
-        self._console = _Console(stream, bar=mode == "bar") if mode != "off" else None
+        mode = resolve_progress(cfg.progress, stream) if rank == 0 else "off"
+        self._console = Console(stream, bar=mode == "bar") if mode != "off" else None
 
         now = time.perf_counter()
         self._created = now
@@ -192,11 +188,11 @@ class MetricsTracker:
 
         The caller names the keys ("eval_loss", "eval_ppl", ...) and computes them.
         """
-        row = _merge({"step": step}, metrics)
-        row = _merge(row, {"time": time.time()})
+        row = merge_row({"step": step}, metrics)
+        row = merge_row(row, {"time": time.time()})
         self._write(row)
         if self._console is not None:
-            fields = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+            fields = " | ".join(f"{k} {fmt(v)}" for k, v in metrics.items())
             self._console.line(f"eval step {step}/{self.max_steps} | {fields}", self._bar_text())
 
     def log_event(self, step: int, event: str, **fields: Any) -> None:
@@ -205,12 +201,12 @@ class MetricsTracker:
         For what happens once rather than every step: a skipped NaN step, a resume, a
         checkpoint saved.
         """
-        row = _merge({"step": step, "event": event}, fields)
-        row = _merge(row, {"time": time.time()})
+        row = merge_row({"step": step, "event": event}, fields)
+        row = merge_row(row, {"time": time.time()})
         self._write(row)
         if self._console is not None:
             text = " | ".join([f"event step {step}/{self.max_steps}", event])
-            text += "".join(f" | {k} {_fmt(v)}" for k, v in fields.items())
+            text += "".join(f" | {k} {fmt(v)}" for k, v in fields.items())
             self._console.line(text, self._bar_text())
 
     def summary(self) -> dict[str, Any]:
@@ -271,12 +267,12 @@ class MetricsTracker:
                 else mfu(tokens_per_sec, self._flops_per_token, self._peak)
             )
         row["time"] = time.time()
-        return _merge(row, extra) if extra else row
+        return merge_row(row, extra) if extra else row
 
     def _write(self, row: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(_jsonable(row), allow_nan=False) + "\n")
+        self._file.write(json.dumps(jsonable(row), allow_nan=False) + "\n")
         self._file.flush()
 
     def _recent_rates(self) -> tuple[float | None, float | None]:
@@ -289,16 +285,16 @@ class MetricsTracker:
         _, step_time = self._recent_rates()
         if step_time is None:
             return "?"
-        return _duration(step_time * max(self.max_steps - self._last_step, 0))
+        return duration(step_time * max(self.max_steps - self._last_step, 0))
 
     def _step_line(self, row: dict[str, Any]) -> str:
         parts = [
             f"step {row['step']}/{self.max_steps}",
-            f"loss {_fmt(row['loss'], '.4f')}",
-            f"lr {_fmt(row['lr'], '.2e')}",
-            f"gnorm {_fmt(row['grad_norm'], '.2f')}",
-            f"{_fmt(row['tokens_per_sec'], ',.0f')} tok/s",
-            f"{_fmt(row['step_time_s'], '.3g')} s/step",
+            f"loss {fmt(row['loss'], '.4f')}",
+            f"lr {fmt(row['lr'], '.2e')}",
+            f"gnorm {fmt(row['grad_norm'], '.2f')}",
+            f"{fmt(row['tokens_per_sec'], ',.0f')} tok/s",
+            f"{fmt(row['step_time_s'], '.3g')} s/step",
         ]
         if row.get("mfu") is not None:
             parts.append(f"mfu {row['mfu']:.1%}")
@@ -314,158 +310,10 @@ class MetricsTracker:
         tokens_per_sec, _ = self._recent_rates()
         return (
             f"{self._last_step}/{self.max_steps} [{bar}] {done:4.0%} | "
-            f"loss {_fmt(self._last_loss, '.4f')} | {_fmt(tokens_per_sec, ',.0f')} tok/s | "
+            f"loss {fmt(self._last_loss, '.4f')} | {fmt(tokens_per_sec, ',.0f')} tok/s | "
             f"eta {self._eta()}"
         )
 
 
-class _Console:
-    """Log lines, and in bar mode one live line kept below them.
-
-    Registered as the live line while it lives, so log records from other modules clear
-    the bar first and redraw it after (see configure_logging).
-    """
-
-    def __init__(self, stream: IO[str], *, bar: bool) -> None:
-        self._stream = stream
-        self._bar = bar
-        self._width = shutil.get_terminal_size((100, 24)).columns - 1
-        self._text = ""  # the bar's current text; "" before the first step
-        self._visible = False
-        self._drawn_at = -math.inf
-        self._lock = threading.Lock()  # log records may come from other threads
-        if bar:
-            set_live_line(self)
-
-    def line(self, text: str, bar_text: str) -> None:
-        """Print one log line; in bar mode above the (redrawn) bar."""
-        with self._lock:
-            if not self._bar:
-                self._stream.write(text + "\n")
-            else:
-                self._stream.write("\r" + text + _CLEAR_TO_EOL + "\n")
-                self._visible = False
-                self._set_and_draw(bar_text)
-            self._stream.flush()
-
-    def bar_due(self, now: float) -> bool:
-        return self._bar and now - self._drawn_at >= _BAR_REDRAW_S
-
-    def draw_bar(self, bar_text: str) -> None:
-        if not self._bar:
-            return
-        with self._lock:
-            self._set_and_draw(bar_text)
-            self._stream.flush()
-
-    def _set_and_draw(self, bar_text: str) -> None:
-        self._text = bar_text[: self._width]
-        if self._text:
-            self._stream.write("\r" + self._text + _CLEAR_TO_EOL)
-            self._visible = True
-            self._drawn_at = time.perf_counter()
-
-    def clear(self) -> None:
-        """Erase the bar (before someone else prints a line)."""
-        with self._lock:
-            if self._visible:
-                self._stream.write("\r" + _CLEAR_TO_EOL)
-                self._stream.flush()
-                self._visible = False
-
-    def redraw(self) -> None:
-        """Draw the bar again after a foreign line."""
-        with self._lock:
-            if self._bar and not self._visible and self._text:
-                self._stream.write("\r" + self._text + _CLEAR_TO_EOL)
-                self._stream.flush()
-                self._visible = True
-
-    def close(self) -> None:
-        """Leave the bar's last state on its own line."""
-        with self._lock:
-            if self._visible:
-                self._stream.write("\n")
-                self._stream.flush()
-                self._visible = False
-            self._bar = False
-        if get_live_line() is self:
-            set_live_line(None)
-
-
-def _resolve_progress(progress: str, stream: IO[str]) -> str:
-    """'auto' becomes 'bar' on an interactive terminal, else 'plain'."""
-    if progress != "auto":
-        return progress
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        tty = False
-    return "bar" if tty and os.environ.get("TERM") != "dumb" else "plain"
-
-
-def _open_append(path: str) -> IO[str]:
-    """Open metrics.jsonl for appending, starting a fresh line after a torn last row."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torn = False
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-        with open(path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            torn = f.read(1) != b"\n"
-    # Held open for the whole run and closed by MetricsTracker.close, hence no `with`.
-    handle = open(path, "a", encoding="utf-8")  # noqa: SIM115
-    if torn:
-        handle.write("\n")
-    return handle
-
-
-def _merge(row: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
-    clash = row.keys() & more.keys()
-    if clash:
-        raise ValueError(f"metric keys {sorted(clash)} are already in the row; rename them")
-    return {**row, **more}
-
-
-def _jsonable(value: Any) -> Any:
-    """The value with non-finite floats as None and non-JSON scalars converted."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, str | int):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, numbers.Integral):  # numpy integers
-        return int(value)
-    if isinstance(value, numbers.Real):  # numpy floats
-        return _jsonable(float(value))
-    return str(value)
-
-
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
-
-
-def _fmt(value: Any, spec: str = "") -> str:
-    """A console figure: `spec` for finite numbers, 'nan'/'inf' as such, '-' for None."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        if not spec:
-            spec = ".4f" if 1e-3 <= abs(value) < 1e5 or value == 0 else ".3e"
-    return format(value, spec)
-
-
-def _duration(seconds: float) -> str:
-    """6m40s-style duration for the ETA."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
