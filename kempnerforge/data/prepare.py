@@ -18,6 +18,7 @@ from typing import Any
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.sources import (
     SUPPORTED,
+    check_text_suffixes,
     discover_input_files,
     is_hf_dataset_dir,
     read_documents,
@@ -221,9 +222,13 @@ def prepare_data(
     split: str | None = None,
     num_workers: int = 1,
     bos_per_document: bool = False,
+    text_suffixes: tuple[str, ...] = (),
+    skip_non_utf8: bool = False,
 ) -> dict[str, Any]:
     """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
-    (directories walked) into ``output_dir``.
+    (directories walked) into ``output_dir``; files ending in one of ``text_suffixes`` (e.g.
+    '.py') are read as whole-file text like .txt, and with ``skip_non_utf8`` such files
+    that are not UTF-8 are left out instead of stopping the run.
 
     Each .txt file is one document; each .jsonl line, parquet row or dataset row one document
     taken from ``text_field`` (a DatasetDict gives its ``split``, default 'train'). Every
@@ -232,10 +237,19 @@ def prepare_data(
     instead. ``num_workers`` > 1 tokenizes in that many spawned processes with byte-identical
     output. Returns the train split's metadata.
     """
-    files = discover_input_files(inputs)
+    text_suffixes = check_text_suffixes(text_suffixes)
+    files = discover_input_files(inputs, text_suffixes)
     if split is not None and not any(is_hf_dataset_dir(f) for f in files):
         logger.warning("--split %s is ignored: no input is a saved Hugging Face dataset", split)
-    sources = ((str(f), read_documents(f, text_field, split)) for f in files)
+    sources = (
+        (
+            str(f),
+            read_documents(
+                f, text_field, split, text_suffixes=text_suffixes, skip_non_utf8=skip_non_utf8
+            ),
+        )
+        for f in files
+    )
     return write_corpus(
         sources,
         len(files),
@@ -276,6 +290,20 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--text-field",
         default="text",
         help="jsonl field / parquet or dataset column holding the document text",
+    )
+    parser.add_argument(
+        "--text-suffix",
+        action="append",
+        default=[],
+        metavar="SUFFIX",
+        help="also read files ending in SUFFIX (e.g. .py, .md; repeatable) as one document "
+        "each, like .txt",
+    )
+    parser.add_argument(
+        "--skip-non-utf8",
+        action="store_true",
+        help="leave out whole-file documents that are not UTF-8 (with a warning) instead of "
+        "stopping",
     )
     parser.add_argument(
         "--split",
@@ -321,6 +349,8 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         split=args.split,
         num_workers=args.workers,
         bos_per_document=args.bos,
+        text_suffixes=tuple(args.text_suffix),
+        skip_non_utf8=args.skip_non_utf8,
     )
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -24,14 +24,35 @@ SUPPORTED = f"{', '.join(SUFFIXES)} files and Hugging Face save_to_disk director
 _ROWS_PER_READ = 1024
 
 
-def _kind(path: Path) -> str | None:
-    """'txt', 'jsonl', 'parquet' or 'hf' for a supported input, else None."""
+def check_text_suffixes(suffixes: Iterable[str]) -> tuple[str, ...]:
+    """``--text-suffix`` values, lower-cased: each like '.py', and not a structured format."""
+    checked = []
+    for suffix in suffixes:
+        lowered = suffix.lower()
+        if not lowered.startswith(".") or len(lowered) < 2 or "/" in lowered:
+            raise DataError(f"--text-suffix {suffix!r}: expected a file suffix like .py or .md")
+        if any(lowered == s or lowered == s.removesuffix(".gz") for s in SUFFIXES):
+            raise DataError(
+                f"--text-suffix {suffix!r}: {lowered} files are read already; list only "
+                "other suffixes to read as whole-file text"
+            )
+        checked.append(lowered)
+    return tuple(checked)
+
+
+def _kind(path: Path, text_suffixes: tuple[str, ...] = ()) -> str | None:
+    """'txt', 'jsonl', 'parquet' or 'hf' for a supported input, else None.
+
+    A file ending in one of ``text_suffixes`` (optionally .gz) is whole-file text: 'txt'.
+    """
     if path.is_dir():
         return "hf" if is_hf_dataset_dir(path) else None
     name = path.name.lower()
     for suffix in SUFFIXES:
         if name.endswith(suffix):
             return suffix.split(".")[1]
+    if any(name.endswith((suffix, suffix + ".gz")) for suffix in text_suffixes):
+        return "txt"
     return None
 
 
@@ -42,11 +63,12 @@ def is_hf_dataset_dir(path: Path) -> bool:
     return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
-def discover_input_files(inputs: list[str]) -> list[Path]:
+def discover_input_files(inputs: list[str], text_suffixes: tuple[str, ...] = ()) -> list[Path]:
     """Inputs in a deterministic order: arguments as given, directories walked sorted.
 
     A saved Hugging Face dataset is one input and is not searched inside. An input listed
-    twice (directly or through a directory) is read once.
+    twice (directly or through a directory) is read once. Files ending in one of
+    ``text_suffixes`` are found and read as whole-file text, like .txt.
     """
     files: list[Path] = []
     seen: set[Path] = set()
@@ -55,11 +77,14 @@ def discover_input_files(inputs: list[str]) -> list[Path]:
         if not path.exists():
             raise DataError(f"{raw}: input path does not exist; check the --input argument")
         if path.is_dir() and not is_hf_dataset_dir(path):
-            found = _walk(path)
-        elif _kind(path):
+            found = _walk(path, text_suffixes)
+        elif _kind(path, text_suffixes):
             found = [path]
         else:
-            raise DataError(f"{raw}: unsupported file type; prepare-data reads {SUPPORTED}")
+            raise DataError(
+                f"{raw}: unsupported file type; prepare-data reads {SUPPORTED} (and, with "
+                "--text-suffix, other suffixes as whole-file text)"
+            )
         for file in found:
             key = file.resolve()
             if key in seen:
@@ -70,19 +95,19 @@ def discover_input_files(inputs: list[str]) -> list[Path]:
     if not files:
         raise DataError(
             f"no readable files found in {', '.join(inputs) or '(no inputs)'}: "
-            f"prepare-data reads {SUPPORTED}"
+            f"prepare-data reads {SUPPORTED} (other suffixes with --text-suffix)"
         )
     return files
 
 
-def _walk(root: Path) -> list[Path]:
+def _walk(root: Path, text_suffixes: tuple[str, ...]) -> list[Path]:
     """Supported files and saved datasets under ``root``, sorted by relative path."""
     entries = list(root.rglob("*"))
     datasets = {p for p in entries if p.is_dir() and is_hf_dataset_dir(p)}
     found = [
         p
         for p in entries
-        if (p in datasets or (p.is_file() and _kind(p)))
+        if (p in datasets or (p.is_file() and _kind(p, text_suffixes)))
         and not any(parent in datasets for parent in p.parents)
     ]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
@@ -92,6 +117,14 @@ def _open_binary(path: Path) -> IO[bytes]:
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rb")
     return open(path, "rb")
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _decode(data: bytes, where: str) -> str:
@@ -104,15 +137,24 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
-def read_documents(path: Path, text_field: str = "text", split: str | None = None) -> Iterator[str]:
-    """Documents of one input: the whole of a .txt, or ``text_field`` of each .jsonl line,
-    parquet row or saved-dataset row (``split`` of a DatasetDict, default 'train').
+def read_documents(
+    path: Path,
+    text_field: str = "text",
+    split: str | None = None,
+    *,
+    text_suffixes: tuple[str, ...] = (),
+    skip_non_utf8: bool = False,
+) -> Iterator[str]:
+    """Documents of one input: the whole of a .txt (or a ``text_suffixes`` file), or
+    ``text_field`` of each .jsonl line, parquet row or saved-dataset row (``split`` of a
+    DatasetDict, default 'train').
 
     Blank .jsonl lines and null parquet / dataset values are skipped. Raises DataError naming
     the file (and line) for bytes that are not UTF-8, a line that is not a JSON object, or a
-    missing or non-string field.
+    missing or non-string field; with ``skip_non_utf8`` a whole-file document that is not
+    UTF-8 is left out with a warning instead.
     """
-    kind = _kind(path)
+    kind = _kind(path, text_suffixes)
     if kind == "parquet":
         yield from _read_parquet(path, text_field)
         return
@@ -122,7 +164,11 @@ def read_documents(path: Path, text_field: str = "text", split: str | None = Non
     try:
         with _open_binary(path) as stream:
             if kind == "txt":
-                yield _decode(stream.read(), str(path))
+                data = stream.read()
+                if skip_non_utf8 and not _is_utf8(data):
+                    logger.warning("%s is not valid UTF-8: left out (--skip-non-utf8)", path)
+                    return
+                yield _decode(data, str(path))
                 return
             for number, raw in enumerate(stream, start=1):
                 line = _decode(raw, f"{path}:{number}")

@@ -1,0 +1,87 @@
+"""prepare-data --text-suffix (other suffixes as whole-file text) and --skip-non-utf8."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import logging
+
+import pytest
+
+from kempnerforge.data.errors import DataError
+from kempnerforge.data.prepare import add_prepare_data_arguments, prepare_data, run_prepare_data
+from kempnerforge.data.tokenizer import ByteTokenizer
+from tests.unit.test_prepare_data import _documents
+
+
+@pytest.fixture
+def code_tree(tmp_path):
+    root = tmp_path / "src"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "b.py").write_text("def b():\n    return 2\n")
+    (root / "a.PY").write_text("A = 1\n")
+    (root / "notes.md").write_text("# notes\n")
+    (root / "readme.txt").write_text("read me\n")
+    (root / "data.bin").write_bytes(b"\x00\x01")
+    (root / "c.py.gz").write_bytes(gzip.compress(b"C = 3\n"))
+    return root
+
+
+def _run(tmp_path, inputs, **kwargs):
+    out = tmp_path / "out"
+    meta = prepare_data([str(i) for i in inputs], str(out), ByteTokenizer(), **kwargs)
+    return out, meta
+
+
+def test_listed_suffixes_are_read_as_whole_file_documents_in_sorted_order(tmp_path, code_tree):
+    out, meta = _run(tmp_path, [code_tree], text_suffixes=(".py",))
+    # a.PY (suffixes match case-insensitively), c.py.gz, pkg/b.py, readme.txt; not .md/.bin.
+    assert _documents(out) == ["A = 1\n", "C = 3\n", "def b():\n    return 2\n", "read me\n"]
+    assert meta["sources"] == 4
+
+
+def test_without_the_option_only_the_built_in_formats_are_read(tmp_path, code_tree):
+    out, _ = _run(tmp_path, [code_tree])
+    assert _documents(out) == ["read me\n"]
+
+
+def test_several_suffixes(tmp_path, code_tree):
+    out, _ = _run(tmp_path, [code_tree], text_suffixes=(".py", ".MD"))
+    assert "# notes\n" in _documents(out) and len(_documents(out)) == 5
+
+
+def test_an_explicit_file_of_another_suffix_says_how_to_read_it(tmp_path, code_tree):
+    with pytest.raises(DataError, match=r"a\.PY: unsupported file type.*--text-suffix"):
+        _run(tmp_path, [code_tree / "a.PY"])
+    out, _ = _run(tmp_path, [code_tree / "a.PY"], text_suffixes=(".py",))
+    assert _documents(out) == ["A = 1\n"]
+
+
+@pytest.mark.parametrize("suffix", ["py", ".", ".jsonl", ".txt", ".parquet", "a/.py"])
+def test_bad_suffixes_are_refused(tmp_path, code_tree, suffix):
+    with pytest.raises(DataError, match=f"--text-suffix '{suffix}'"):
+        _run(tmp_path, [code_tree], text_suffixes=(suffix,))
+
+
+def test_a_non_utf8_file_stops_the_run_unless_skipped(tmp_path, code_tree, caplog):
+    bad = code_tree / "latin1.py"
+    bad.write_bytes("# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.py: not valid UTF-8"):
+        _run(tmp_path, [code_tree], text_suffixes=(".py",))
+    assert not (tmp_path / "out" / "meta.json").exists()
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        out, _ = _run(tmp_path, [code_tree], text_suffixes=(".py",), skip_non_utf8=True)
+    assert len(_documents(out)) == 4 and "caf" not in "".join(_documents(out))
+    assert f"{bad} is not valid UTF-8: left out" in caplog.text
+
+
+def test_cli_options(tmp_path, code_tree, capsys):
+    (code_tree / "bad.py").write_bytes(b"\xff\xfe")
+    parser = argparse.ArgumentParser()
+    add_prepare_data_arguments(parser)
+    args = parser.parse_args(
+        ["--input", str(code_tree), "--output", str(tmp_path / "out")]
+        + ["--text-suffix", ".py", "--text-suffix", ".md", "--skip-non-utf8"]
+    )
+    assert run_prepare_data(args) == 0
+    assert "in 5 documents" in capsys.readouterr().out
