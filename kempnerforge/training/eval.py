@@ -71,11 +71,11 @@ def evaluate_model(
             loss = set_loss_sum / max(num_tokens, 1)
             per_set[f"eval_loss/{name}"] = loss
             per_set[f"eval_ppl/{name}"] = perplexity(loss)
-            per_set[f"eval_tokens/{name}"] = float(num_tokens)
+            per_set[f"eval_tokens/{name}"] = num_tokens
     finally:
         model.train(was_training)
     loss = total_loss / max(total_tokens, 1)
-    metrics = {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": float(total_tokens)}
+    metrics = {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": total_tokens}
     if config.eval.sets:
         metrics.update(per_set)
     return metrics
