@@ -231,3 +231,14 @@ def test_fuzzed_overrides_only_ever_raise_config_error(pairs):
         config.validate(1)
     except ConfigError:
         pass
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((pathlib.Path(__file__).parents[2] / "configs" / "train").glob("*.toml")),
+    ids=lambda p: p.stem,
+)
+def test_every_shipped_training_config_loads_and_validates(path):
+    config = load_config(str(path), [])
+    config.validate(1)
+    assert config.train.name and config.train.max_steps > 0
