@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kempnerforge.config.errors import ConfigError, closest_name
+
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_named_paths(field: str, tables: Sequence[Any], kind: str) -> None:
+    """Arrays of ``{name, path}`` tables ([[data.datasets]], [[eval.sets]]): each name made of
+    [A-Za-z0-9_-] (it becomes part of metric keys) and unique, each path non-empty.
+
+    ``field`` is the array's dotted name, ``kind`` what one table is ("dataset").
+    """
+    seen: set[str] = set()
+    for i, table in enumerate(tables):
+        where = f"{field}[{i}]"
+        if not _TABLE_NAME.fullmatch(table.name):
+            raise ConfigError(f"{where}.name", table.name, "a non-empty name of [A-Za-z0-9_-]")
+        if table.name in seen:
+            raise ConfigError(
+                f"{where}.name", table.name, f"a name no other {kind} has", "duplicate"
+            )
+        seen.add(table.name)
+        if not table.path:
+            raise ConfigError(f"{where}.path", table.path, "a prepare-data directory")
 
 
 def check_at_least(field: str, value: float, minimum: float) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import check_at_least, check_in_range, check_positive
+from kempnerforge.config.checks import (
+    check_at_least,
+    check_in_range,
+    check_named_paths,
+    check_positive,
+)
 from kempnerforge.config.errors import ConfigError
-
-_SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass
@@ -72,18 +74,9 @@ class DataConfig:
                 "an empty path when data.datasets is given",
                 "give data.path or [[data.datasets]], not both",
             )
-        seen: set[str] = set()
+        check_named_paths("data.datasets", self.datasets, "dataset")
         for i, source in enumerate(self.datasets):
             where = f"data.datasets[{i}]"
-            if not _SOURCE_NAME.fullmatch(source.name):
-                raise ConfigError(f"{where}.name", source.name, "a non-empty name of [A-Za-z0-9_-]")
-            if source.name in seen:
-                raise ConfigError(
-                    f"{where}.name", source.name, "a name no other dataset has", "duplicate"
-                )
-            seen.add(source.name)
-            if not source.path:
-                raise ConfigError(f"{where}.path", source.path, "a prepare-data directory")
             if not (isinstance(source.weight, int | float) and math.isfinite(source.weight)):
                 raise ConfigError(f"{where}.weight", source.weight, "a number >= 0")
             if source.weight < 0:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import check_at_least, check_positive
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.checks import check_at_least, check_named_paths, check_positive
 
-_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 DEFAULT_EVAL_SET = "heldout"
 """The name of the single eval set data.eval_path (or the built-in held-out split) gives."""
 
@@ -39,19 +36,7 @@ class EvalConfig:
         check_at_least("eval.interval", self.interval, 0)
         check_positive("eval.steps", self.steps)
         check_at_least("eval.batch_size", self.batch_size, 0)
-        seen: set[str] = set()
-        for i, s in enumerate(self.sets):
-            if not _SET_NAME.fullmatch(s.name):
-                raise ConfigError(
-                    f"eval.sets[{i}].name", s.name, "a non-empty name of [A-Za-z0-9_-]"
-                )
-            if s.name in seen:
-                raise ConfigError(
-                    f"eval.sets[{i}].name", s.name, "a name no other eval set has", "duplicate"
-                )
-            seen.add(s.name)
-            if not s.path:
-                raise ConfigError(f"eval.sets[{i}].path", s.path, "a prepare-data directory")
+        check_named_paths("eval.sets", self.sets, "eval set")
 
     @property
     def enabled(self) -> bool:
