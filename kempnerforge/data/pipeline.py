@@ -179,7 +179,8 @@ def build_data_pipeline(
     held-out split is the eval data unless ``cfg.eval_path`` names one. With ``cfg.path`` set
     and ``cfg.eval_path`` empty there is no eval data. ``eval_sets`` (the ``[[eval.sets]]``
     tables) replaces that one "heldout" set with named ones. Every dataset is checked against
-    the tokenizer and ``model_vocab_size``.
+    the tokenizer and ``model_vocab_size``, and so is the tokenizer itself (a ConfigError on
+    model.vocab_size when its vocabulary is larger).
 
     ``cfg.datasets`` non-empty trains on that mixture instead (a MixtureDataset read by a
     MixtureSampler with ``cfg.mix_temperature``); like ``cfg.path`` it has no eval data
@@ -271,6 +272,13 @@ def build_data_pipeline(
     if not eval_sets and eval_dir:
         field = "data.eval_path" if cfg.eval_path else None
         eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir, field)
+    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            model_vocab_size,
+            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
+            f"data.tokenizer = {cfg.tokenizer!r}",
+        )
     bos = _bos_per_document(dataset, eval_datasets)
     return DataPipeline(
         dataset=dataset,

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config, save_config
 from kempnerforge.config.profiling import ProfilingConfig
@@ -93,13 +92,6 @@ def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession
         model_vocab_size=config.model.vocab_size,
         eval_sets=config.eval.sets,
     )
-    if data.tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            config.model.vocab_size,
-            f">= the tokenizer's vocabulary size {data.tokenizer.vocab_size}",
-            f"data.tokenizer = {config.data.tokenizer!r}",
-        )
     # Seed again right before init so the weights don't depend on what data setup drew.
     torch.manual_seed(tc.seed)
     model: torch.nn.Module = build_model(config.model).to(runtime.device)

@@ -99,13 +99,6 @@ def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
         with_train=False,
         eval_sets=config.eval.sets,
     )
-    if data.tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            config.model.vocab_size,
-            f">= the tokenizer's vocabulary size {data.tokenizer.vocab_size}",
-            f"data.tokenizer = {config.data.tokenizer!r}",
-        )
     if not data.eval_datasets:
         data.eval_batches(1, 1)  # raises the DataError that says how to configure eval data
     return data
