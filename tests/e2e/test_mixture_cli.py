@@ -9,20 +9,18 @@ two cores: most of each run is importing torch.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import random
 import re
 import subprocess
-import sys
 
 import pytest
 
+from tests.e2e.test_train_cli import kempnerforge
 from tests.support.data_files import make_hf_tokenizer
 
 pytestmark = pytest.mark.slow
 
-REPO = pathlib.Path(__file__).parents[2]
 NAMES = ["prose", "code", "nums"]
 BATCH, SEQ_LEN, MAX_STEPS = 8, 32, 12
 PEAK_LR = 1e-3
@@ -36,15 +34,8 @@ EVAL_INTERVAL = CHECKPOINT_INTERVAL = 6
 
 
 def start(*args: str, cache: pathlib.Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEMPNERFORGE_CACHE": str(cache)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "kempnerforge", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # One thread each: several of these run side by side.
+    return kempnerforge(*args, env_extra={"OMP_NUM_THREADS": "1", "KEMPNERFORGE_CACHE": str(cache)})
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
