@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
-from kempnerforge.data.token_file import TokenFileWriter
+from kempnerforge.data.token_file import DTYPES, TokenFileWriter, read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, Tokenizer
 
 HF_TRAINING_TEXT = [
@@ -59,3 +61,37 @@ def write_token_dir(
             writer.add_document(np.asarray(doc, dtype=np.int64))
         writer.finish(num_sources=1)
     return str(path)
+
+
+def prepared_ids(out: Path) -> np.ndarray:
+    """Every id of a prepared directory, in order."""
+    meta = read_meta(str(out))
+    return np.fromfile(out / "tokens.bin", dtype=DTYPES[meta["dtype"]])
+
+
+def prepared_documents(out: Path, tokenizer: Tokenizer | None = None) -> list[str]:
+    """Decode a prepared directory back into its documents (split at EOS)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    ids = prepared_ids(out).tolist()
+    assert ids and ids[-1] == tokenizer.eos_id  # every document, the last too, ends in EOS
+    docs, current = [], []
+    for i in ids:
+        if i == tokenizer.eos_id:
+            docs.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(i)
+    return docs
+
+
+class IndexDataset(Dataset):
+    """Sample i is the tensor [i]: batches show exactly which indices were read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])

@@ -19,19 +19,18 @@ from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import add_prepare_data_arguments, prepare_data, run_prepare_data
-from kempnerforge.data.token_file import DTYPES, read_meta
+from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from kempnerforge.training.loss import cross_entropy_sum
 from kempnerforge.training.sample import prompt_ids
-from tests.support.data_files import make_hf_tokenizer, write_jsonl
+from tests.support.data_files import make_hf_tokenizer, prepared_ids, write_jsonl
 
 BYTE = ByteTokenizer()
 BOS, EOS = BYTE.bos_id, BYTE.eos_id
 
 
 def _ids(out: Path) -> list[int]:
-    meta = read_meta(str(out))
-    return np.fromfile(out / "tokens.bin", dtype=DTYPES[meta["dtype"]]).tolist()
+    return prepared_ids(out).tolist()
 
 
 def _prepare(tmp_path: Path, texts: list[str], name: str = "out", **kwargs) -> Path:

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
 from kempnerforge.config.errors import ConfigError
@@ -16,20 +15,9 @@ from kempnerforge.data.mixture import MixtureSampler, mixture_probabilities
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
-from tests.support.data_files import make_hf_tokenizer, write_jsonl
+from tests.support.data_files import IndexDataset, make_hf_tokenizer, write_jsonl
 
 SIZES = [40, 40]
-
-
-class _Indices(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i])
 
 
 def _sources(indices, sizes=SIZES) -> torch.Tensor:
@@ -161,7 +149,7 @@ LOADER_SIZES, BATCH = [9, 6], 2  # 7 batches per epoch at dp_size 1
 
 def _loader(num_workers: int, change_at: int | None = None):
     sampler = MixtureSampler(LOADER_SIZES, [2, 1], 1.0, 0, 1, seed=11)
-    loader = build_train_loader(_Indices(15), sampler, BATCH, num_workers, seed=11)
+    loader = build_train_loader(IndexDataset(15), sampler, BATCH, num_workers, seed=11)
     return loader, sampler
 
 

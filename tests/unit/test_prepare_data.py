@@ -8,7 +8,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kempnerforge.data import token_file
@@ -21,33 +20,18 @@ from kempnerforge.data.prepare import (
 )
 from kempnerforge.data.token_file import dtype_name_for_vocab, read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
-from tests.support.data_files import make_hf_tokenizer, write_jsonl
+from tests.support.data_files import (
+    make_hf_tokenizer,
+    prepared_documents,
+    prepared_ids,
+    write_jsonl,
+)
 
 TEXTS = [
     "first document\n",
     "zweites Dokument: \u00e4\u00f6\u00fc",
     "\u65e5\u672c\u8a9e \U0001f600",
 ]
-
-
-def _tokens(out: Path) -> np.ndarray:
-    meta = read_meta(str(out))
-    return np.fromfile(out / "tokens.bin", dtype=token_file.DTYPES[meta["dtype"]])
-
-
-def _documents(out: Path, tokenizer=None) -> list[str]:
-    """Decode a prepared directory back into its documents (split at EOS)."""
-    tokenizer = tokenizer or ByteTokenizer()
-    ids = _tokens(out).tolist()
-    assert ids and ids[-1] == tokenizer.eos_id  # every document, the last too, ends in EOS
-    docs, current = [], []
-    for i in ids:
-        if i == tokenizer.eos_id:
-            docs.append(tokenizer.decode(current))
-            current = []
-        else:
-            current.append(i)
-    return docs
 
 
 def _prepare(tmp_path: Path, inputs: list[Path], **kwargs) -> tuple[Path, dict]:
@@ -65,7 +49,7 @@ def test_txt_files_round_trip_one_document_each(tmp_path, suffix):
         path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
         paths.append(path)
     out, meta = _prepare(tmp_path, paths)
-    assert _documents(out) == TEXTS
+    assert prepared_documents(out) == TEXTS
     assert meta["num_documents"] == 3 and meta["sources"] == 3
 
 
@@ -73,7 +57,7 @@ def test_txt_files_round_trip_one_document_each(tmp_path, suffix):
 def test_jsonl_round_trips_one_document_per_line(tmp_path, name):
     path = write_jsonl(tmp_path / name, TEXTS)
     out, meta = _prepare(tmp_path, [path])
-    assert _documents(out) == TEXTS
+    assert prepared_documents(out) == TEXTS
     assert meta["num_tokens"] == sum(len(t.encode("utf-8")) + 1 for t in TEXTS)
 
 
@@ -81,7 +65,7 @@ def test_jsonl_custom_text_field_and_blank_lines(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"body": "a"}\n\n   \n{"body": "b"}\n', encoding="utf-8")
     out, _ = _prepare(tmp_path, [path], text_field="body")
-    assert _documents(out) == ["a", "b"]
+    assert prepared_documents(out) == ["a", "b"]
 
 
 def test_directory_is_walked_recursively_in_sorted_order(tmp_path):
@@ -94,7 +78,7 @@ def test_directory_is_walked_recursively_in_sorted_order(tmp_path):
     (src / "notes.md").write_text("ignored: not a supported extension")
     (src / "c.txt").write_text("c")
     out, meta = _prepare(tmp_path, [src])
-    assert _documents(out) == ["ax1", "ax2", "ay", "bz", "c"]
+    assert prepared_documents(out) == ["ax1", "ax2", "ay", "bz", "c"]
     assert meta["sources"] == 4
 
 
@@ -117,7 +101,7 @@ def test_streams_in_chunks_with_identical_output(tmp_path, monkeypatch):
     monkeypatch.setattr(token_file, "_FLUSH_TOKENS", 64)  # many small writes
     chunked = prepare_data([str(src)], str(tmp_path / "chunked"), ByteTokenizer())
     assert chunked == whole
-    assert _documents(tmp_path / "chunked") == texts
+    assert prepared_documents(tmp_path / "chunked") == texts
 
 
 def test_hf_tokenizer_round_trip(tmp_path):
@@ -125,7 +109,7 @@ def test_hf_tokenizer_round_trip(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", TEXTS)
     meta = prepare_data([str(src)], str(tmp_path / "out"), tok)
     assert meta["tokenizer"] == tok.identity and meta["eos_id"] == tok.eos_id
-    assert _documents(tmp_path / "out", tok) == TEXTS
+    assert prepared_documents(tmp_path / "out", tok) == TEXTS
 
 
 class _WideTokenizer(ByteTokenizer):
@@ -146,7 +130,7 @@ def test_dtype_is_chosen_by_vocab_size(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", ["ab"])
     meta = prepare_data([str(src)], str(tmp_path / "out"), _WideTokenizer())
     assert meta["dtype"] == "uint32"
-    assert _tokens(tmp_path / "out").tolist() == [66_097, 66_098, 69_999]
+    assert prepared_ids(tmp_path / "out").tolist() == [66_097, 66_098, 69_999]
 
 
 def test_missing_input_path_names_it(tmp_path):
@@ -239,8 +223,8 @@ def test_eval_split_is_disjoint_complete_and_deterministic(tmp_path):
 
     train_meta, eval_meta = run("a")
     train_docs, eval_docs = (
-        _documents(tmp_path / "a" / "train"),
-        _documents(tmp_path / "a" / "eval"),
+        prepared_documents(tmp_path / "a" / "train"),
+        prepared_documents(tmp_path / "a" / "eval"),
     )
     assert not set(train_docs) & set(eval_docs)
     assert sorted(train_docs + eval_docs) == sorted(texts)

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from kempnerforge.cli import main
-from kempnerforge.data import sources, token_file
+from kempnerforge.data import sources
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenize_workers import ChunkEncoder
-from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from tests.support.data_files import make_hf_tokenizer, write_jsonl
+from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from tests.support.data_files import make_hf_tokenizer, prepared_documents, write_jsonl
 
 TEXTS = [
     "first document\n",
@@ -26,22 +25,6 @@ TEXTS = [
     "def add(a, b):\n    return a + b\n",
     "the quick brown fox",
 ]
-
-
-def _documents(out: Path, tokenizer: Tokenizer | None = None) -> list[str]:
-    """Decode a prepared directory back into its documents (split at EOS)."""
-    tokenizer = tokenizer or ByteTokenizer()
-    meta = read_meta(str(out))
-    ids = np.fromfile(out / "tokens.bin", dtype=token_file.DTYPES[meta["dtype"]]).tolist()
-    assert ids and ids[-1] == tokenizer.eos_id
-    docs, current = [], []
-    for i in ids:
-        if i == tokenizer.eos_id:
-            docs.append(tokenizer.decode(current))
-            current = []
-        else:
-            current.append(i)
-    return docs
 
 
 def _write_parquet(path: Path, columns: dict[str, list], row_group_size: int = 2) -> Path:
@@ -77,14 +60,14 @@ def test_parquet_round_trips_across_row_groups_and_read_batches(tmp_path, monkey
     monkeypatch.setattr(sources, "_ROWS_PER_READ", 3)  # many batches, crossing row groups
     meta = _prepare([path], tmp_path / "out")
     expected = [t for t in texts if t]  # nulls and empty strings are no documents
-    assert _documents(tmp_path / "out") == expected
+    assert prepared_documents(tmp_path / "out") == expected
     assert meta["num_documents"] == len(expected) and meta["sources"] == 1
 
 
 def test_parquet_custom_text_field(tmp_path):
     path = _write_parquet(tmp_path / "d.parquet", {"body": TEXTS})
     _prepare([path], tmp_path / "out", text_field="body")
-    assert _documents(tmp_path / "out") == TEXTS
+    assert prepared_documents(tmp_path / "out") == TEXTS
 
 
 def test_parquet_missing_column_names_file_and_columns(tmp_path):
@@ -120,16 +103,16 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
 def test_saved_dataset_round_trips(tmp_path):
     path = _save_dataset(tmp_path / "ds", TEXTS)
     meta = _prepare([path], tmp_path / "out")
-    assert _documents(tmp_path / "out") == TEXTS
+    assert prepared_documents(tmp_path / "out") == TEXTS
     assert meta["sources"] == 1
 
 
 def test_saved_dataset_dict_reads_train_or_the_given_split(tmp_path):
     path = _save_dataset(tmp_path / "dd", {"train": TEXTS[:3], "validation": TEXTS[3:]})
     _prepare([path], tmp_path / "train")
-    assert _documents(tmp_path / "train") == TEXTS[:3]
+    assert prepared_documents(tmp_path / "train") == TEXTS[:3]
     _prepare([path], tmp_path / "val", split="validation")
-    assert _documents(tmp_path / "val") == TEXTS[3:]
+    assert prepared_documents(tmp_path / "val") == TEXTS[3:]
     with pytest.raises(DataError, match=r"dd: no split 'test' \(splits: train, validation\)"):
         _prepare([path], tmp_path / "bad", split="test")
 
@@ -146,7 +129,7 @@ def test_saved_dataset_inside_a_walked_directory_is_one_source(tmp_path):
     _save_dataset(src / "b_ds", ["b1", "b2"])
     (src / "c.txt").write_text("c")
     meta = _prepare([src], tmp_path / "out")
-    assert _documents(tmp_path / "out") == ["a1", "a2", "b1", "b2", "c"]
+    assert prepared_documents(tmp_path / "out") == ["a1", "a2", "b1", "b2", "c"]
     assert meta["sources"] == 3  # the dataset's arrow and json files are not inputs
 
 
@@ -198,7 +181,7 @@ def test_workers_output_is_byte_identical_to_one_worker(tmp_path, kind):
     (data, meta), _ = results[2]
     assert meta["content_sha256"] == hashlib.sha256(data).hexdigest()
     assert meta["tokenizer"] == tokenizer.identity
-    assert len(_documents(tmp_path / "out2", tokenizer)) == meta["num_documents"]
+    assert len(prepared_documents(tmp_path / "out2", tokenizer)) == meta["num_documents"]
 
 
 def test_worker_errors_reach_the_caller_and_leave_no_output(tmp_path):
@@ -217,7 +200,7 @@ def test_cli_reads_parquet_with_workers(tmp_path, capsys):
     argv = ["prepare-data", "--input", str(path), "--output", str(out)]
     argv += ["--text-field", "body", "--workers", "2", "--no-progress"]
     assert main(argv) == 0
-    assert _documents(out) == TEXTS
+    assert prepared_documents(out) == TEXTS
     assert capsys.readouterr().out.startswith("prepared ")
 
 
@@ -226,7 +209,7 @@ def test_cli_reads_a_dataset_dict_split(tmp_path):
     out = tmp_path / "out"
     argv = ["prepare-data", "--input", str(path), "--output", str(out), "--split", "test"]
     assert main(argv + ["--no-progress"]) == 0
-    assert _documents(out) == TEXTS[2:]
+    assert prepared_documents(out) == TEXTS[2:]
 
 
 def test_cli_rejects_zero_workers(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.prepare import add_prepare_data_arguments, prepare_data, run_prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
-from tests.unit.test_prepare_data import _documents
+from tests.support.data_files import prepared_documents
 
 
 @pytest.fixture
@@ -36,25 +36,26 @@ def _run(tmp_path, inputs, **kwargs):
 def test_listed_suffixes_are_read_as_whole_file_documents_in_sorted_order(tmp_path, code_tree):
     out, meta = _run(tmp_path, [code_tree], text_suffixes=(".py",))
     # a.PY (suffixes match case-insensitively), c.py.gz, pkg/b.py, readme.txt; not .md/.bin.
-    assert _documents(out) == ["A = 1\n", "C = 3\n", "def b():\n    return 2\n", "read me\n"]
+    expected = ["A = 1\n", "C = 3\n", "def b():\n    return 2\n", "read me\n"]
+    assert prepared_documents(out) == expected
     assert meta["sources"] == 4
 
 
 def test_without_the_option_only_the_built_in_formats_are_read(tmp_path, code_tree):
     out, _ = _run(tmp_path, [code_tree])
-    assert _documents(out) == ["read me\n"]
+    assert prepared_documents(out) == ["read me\n"]
 
 
 def test_several_suffixes(tmp_path, code_tree):
     out, _ = _run(tmp_path, [code_tree], text_suffixes=(".py", ".MD"))
-    assert "# notes\n" in _documents(out) and len(_documents(out)) == 5
+    assert "# notes\n" in prepared_documents(out) and len(prepared_documents(out)) == 5
 
 
 def test_an_explicit_file_of_another_suffix_says_how_to_read_it(tmp_path, code_tree):
     with pytest.raises(DataError, match=r"a\.PY: unsupported file type.*--text-suffix"):
         _run(tmp_path, [code_tree / "a.PY"])
     out, _ = _run(tmp_path, [code_tree / "a.PY"], text_suffixes=(".py",))
-    assert _documents(out) == ["A = 1\n"]
+    assert prepared_documents(out) == ["A = 1\n"]
 
 
 @pytest.mark.parametrize("suffix", ["py", ".", ".jsonl", ".txt", ".parquet", "a/.py"])
@@ -71,7 +72,7 @@ def test_a_non_utf8_file_stops_the_run_unless_skipped(tmp_path, code_tree, caplo
     assert not (tmp_path / "out" / "meta.json").exists()
     with caplog.at_level(logging.WARNING, logger="kempnerforge"):
         out, _ = _run(tmp_path, [code_tree], text_suffixes=(".py",), skip_non_utf8=True)
-    assert len(_documents(out)) == 4 and "caf" not in "".join(_documents(out))
+    assert len(prepared_documents(out)) == 4 and "caf" not in "".join(prepared_documents(out))
     assert f"{bad} is not valid UTF-8: left out" in caplog.text
 
 

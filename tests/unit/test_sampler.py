@@ -4,23 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 from kempnerforge.data.loader import build_train_loader, load_loader_state
 from kempnerforge.data.sampler import ShardedSampler, epoch_seed
-
-
-class _Indices(Dataset):
-    """Sample i is the tensor [i]: batches show exactly which indices were read."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i])
+from tests.support.data_files import IndexDataset
 
 
 def _drain(sampler: ShardedSampler) -> list[int]:
@@ -123,7 +110,7 @@ NUM_SAMPLES, BATCH = 13, 2  # 6 batches per epoch at dp_size 1 (one sample dropp
 
 def _loader(num_workers: int, dp_rank: int = 0, dp_size: int = 1):
     sampler = ShardedSampler(NUM_SAMPLES, dp_rank, dp_size, seed=11)
-    loader = build_train_loader(_Indices(NUM_SAMPLES), sampler, BATCH, num_workers, seed=11)
+    loader = build_train_loader(IndexDataset(NUM_SAMPLES), sampler, BATCH, num_workers, seed=11)
     return loader, sampler
 
 
