@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from kempnerforge.checkpoint.errors import FAILURES, CheckpointError
+from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.failures import FAILURES
 
 _T = TypeVar("_T")
 

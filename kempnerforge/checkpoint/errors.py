@@ -1,13 +1,11 @@
-"""CheckpointError, and the failures a save step may raise."""
+"""CheckpointError: what the CLI reports when a checkpoint cannot be saved, found or loaded.
+
+Imports nothing heavy: the CLI imports it at startup and must answer ``--help`` at once.
+"""
 
 from __future__ import annotations
 
 import os
-
-from torch.distributed.checkpoint.api import CheckpointException
-
-FAILURES = (Exception, CheckpointException)
-"""What a save step may raise; DCP's CheckpointException is a BaseException, not an Exception."""
 
 
 class CheckpointError(Exception):
@@ -18,12 +16,6 @@ class CheckpointError(Exception):
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 
-
-def describe_failure(error: BaseException) -> str:
-    """`error` in one line; DCP's multi-line CheckpointException becomes its first cause."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {type(cause).__name__}: {cause}"
-    if isinstance(error, CheckpointError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
+    def __reduce__(self) -> tuple[type[CheckpointError], tuple[str, str]]:
+        # DCP sends a rank's exception to the others pickled; rebuild from both fields.
+        return (type(self), (self.path, self.problem))

@@ -1,22 +1,20 @@
-"""The on-disk checkpoint format: names, durable writes, and checks that a checkpoint is whole."""
+"""The on-disk checkpoint format: names, the `latest` pointer, the marker, durable writes."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import io
 import json
 import os
-import pickle
 import re
-import zipfile
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 
 from kempnerforge.checkpoint.rng import capture_rng_state
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
 
 FORMAT_VERSION = 1
 MARKER = "complete.json"
@@ -25,7 +23,14 @@ DCP_METADATA = ".metadata"
 STEP_DIR = re.compile(r"step_(\d+)")
 LEFTOVER_DIR = re.compile(r"step_(\d+)\.(tmp|old|trash)")
 """A save in progress (.tmp), a copy being replaced (.old), a deletion in progress (.trash)."""
+MAX_WORLD_SIZE = 2**20
+"""The largest world size a marker may record: a bound, so a corrupt marker cannot make a
+check loop for hours over train-state files that were never written."""
+_LATEST_MAX_BYTES = 4096
+"""More than any pointer a save writes; a longer `latest` is not ours and is not read whole."""
 _RESERVED_KEYS = ("scheduler", "optimizer_initialized")
+_MISSING = object()
+_warned: set[str] = set()
 
 
 def train_state_name(rank: int) -> str:
@@ -36,24 +41,71 @@ def is_checkpoint_name(name: str) -> bool:
     return bool(STEP_DIR.fullmatch(name) or LEFTOVER_DIR.fullmatch(name))
 
 
+def is_real_dir(path: Path) -> bool:
+    """True when `path` is a directory and not a symbolic link: the only kind a save creates."""
+    return not path.is_symlink() and path.is_dir()
+
+
+def foreign_kind(path: Path) -> str:
+    """What `path` is, in words, when it is not a real directory: 'a symbolic link', ..."""
+    return "a symbolic link" if path.is_symlink() else "a file, not a directory"
+
+
+def warn_once(message: str) -> None:
+    """Log `message` as a warning the first time only: retention and resume meet the same
+    stray entry on every save."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
 def step_dirs(directory: Path) -> list[tuple[int, Path]]:
-    """The ``step_<N>`` directories under `directory`, newest first."""
+    """The ``step_<N>`` directories under `directory`, newest first.
+
+    A ``step_<N>`` that is a symbolic link or a file is none of ours: it is left out, with
+    a warning, so neither resume nor retention ever follows or deletes it.
+    """
     if not directory.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in directory.iterdir()
-        if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()
-    ]
+    found = []
+    for path in directory.iterdir():
+        match = STEP_DIR.fullmatch(path.name)
+        if not match:
+            continue
+        if is_real_dir(path):
+            found.append((int(match.group(1)), path))
+        else:
+            warn_once(
+                f"ignoring {path}: it is {foreign_kind(path)}, and checkpoints are the "
+                "directories a save writes (move it away to silence this)"
+            )
     return sorted(found, key=lambda item: item[0], reverse=True)
 
 
 def read_latest(directory: Path) -> str | None:
-    """The directory name `latest` holds, or None when there is no `latest`."""
+    """The checkpoint name `latest` holds, or None when there is no usable pointer.
+
+    A `latest` that is a directory, is not UTF-8 text or names something other than a
+    ``step_<N>`` (or a save's ``.tmp``/``.old`` copy) was not written by a save: it
+    counts as no pointer, with a warning, and resume falls back to the newest complete
+    checkpoint.
+    """
+    path = directory / LATEST
     try:
-        return (directory / LATEST).read_text().strip() or None
-    except (FileNotFoundError, IsADirectoryError):  # a directory: not our pointer format
+        with open(path, "rb") as f:
+            data = f.read(_LATEST_MAX_BYTES + 1)
+        name = data.decode("utf-8").strip()
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        problem = "is a directory" if path.is_dir() else f"is unreadable ({type(e).__name__})"
+        warn_once(f"ignoring {path}: it {problem}, not the pointer file a save writes")
+        return None
+    if not is_checkpoint_name(name):
+        shown = name if len(name) <= 40 and name.isprintable() else f"{name[:40]!r}..."
+        warn_once(f"ignoring {path}: it names {shown!r}, not a step_<N> checkpoint")
+        return None
+    return name
 
 
 def write_latest(directory: Path, name: str) -> None:
@@ -124,100 +176,59 @@ def write_marker(path: Path, marker: dict[str, Any]) -> None:
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
-    """The completion marker of checkpoint `path`, or None when absent or unreadable."""
-    try:
-        marker = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
-        return None
+    """The completion marker of checkpoint `path`, or None when absent, unreadable or
+    not a marker a save writes (see load_marker)."""
+    marker, _ = load_marker(path)
     return marker
 
 
-def checkpoint_problems(path: Path) -> list[str]:
-    """What keeps `path` from being a complete checkpoint; empty when it is one."""
-    return inspect_checkpoint(path)[0]
-
-
-def inspect_checkpoint(path: Path) -> tuple[list[str], Metadata | None]:
-    """The problems of checkpoint `path` (empty when complete) and its DCP metadata.
-
-    Checks the marker parses, each saved rank's train state is a whole zip (torch.save)
-    file, DCP's .metadata loads through an allow-list, and every file it references is
-    long enough. Reads no tensor data.
-    """
-    if not path.is_dir():
-        return ["the directory does not exist"], None
-    problems: list[str] = []
-    marker = read_marker(path)
-    if marker is None:
-        problems.append(f"{MARKER} is missing or unreadable (the save did not finish)")
-    else:
-        for rank in range(int(marker.get("world_size", 1))):
-            if not zipfile.is_zipfile(path / train_state_name(rank)):
-                problems.append(f"{train_state_name(rank)} is missing or truncated")
-    if not (path / DCP_METADATA).is_file():
-        return [*problems, f"{DCP_METADATA} (DCP) is missing"], None
+def load_marker(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The completion marker of checkpoint `path` and None, or None and what is wrong."""
     try:
-        metadata = read_dcp_metadata(path)
-    except Exception as e:
-        return [*problems, f"{DCP_METADATA} (DCP) is unreadable: {e}"], None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(end, needed.get(info.relative_path, 0))
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{name} (DCP) is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"{name} (DCP) is truncated ({file.stat().st_size} of {size} bytes)")
-    return problems, metadata
+        marker = json.loads((path / MARKER).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None, f"{MARKER} is missing (the save did not finish)"
+    except (OSError, ValueError) as e:
+        return None, f"{MARKER} is unreadable ({type(e).__name__}: {_one_line(e)})"
+    problem = marker_problem(marker)
+    return (None, f"{MARKER}: {problem}") if problem else (marker, None)
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    """DCP's .metadata of checkpoint `path`, unpickled through an allow-list.
-
-    ``dcp.load`` reads this file with plain ``pickle.load``, so a planted .metadata would
-    run code; checking it here first keeps loads as safe as the weights-only train state.
-    """
-    with open(path / DCP_METADATA, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
+def marker_problem(marker: Any) -> str | None:
+    """What makes a parsed marker not one a save writes (a wrong type, an absurd value)."""
+    if not isinstance(marker, dict):
+        return f"holds a JSON {_json_kind(marker)}, not an object"
+    version = marker.get("format_version", _MISSING)
+    if not _is_int(version) or version != FORMAT_VERSION:
+        return f"format_version is {_shown(version)}; this version reads {FORMAT_VERSION} only"
+    bounds = (("step", 0, None), ("tokens_seen", 0, None), ("world_size", 1, MAX_WORLD_SIZE))
+    for field, low, high in bounds:
+        value = marker.get(field, _MISSING)
+        if not _is_int(value) or value < low or (high is not None and value > high):
+            allowed = f"from {low} to {high}" if high is not None else f">= {low}"
+            return f"{field} is {_shown(value)}, not an integer {allowed}"
+    return None
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP's metadata records, torch dtypes/layouts and paths; nothing callable."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            # Only records: building a dataclass or an enum member runs no user code.
-            if isinstance(obj, type) and (
-                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
-            ):
-                return obj
-        elif module == "pathlib":
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and issubclass(obj, PurePath):
-                return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
-            return getattr(torch, name)
-        elif (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+def _shown(value: Any) -> str:
+    """A marker value for a message: JSON spelling, cut short (a marker may be huge)."""
+    if value is _MISSING:
+        return "missing"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _json_kind(value: Any) -> str:
+    kinds = ((list, "array"), (str, "string"), (bool, "boolean"), (int | float, "number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null")
+
+
+def _one_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
 
 
 def check_plain(value: Any, where: str = "train_state") -> None:

@@ -45,13 +45,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kempnerforge.checkpoint.background import BackgroundWriter, PendingSave, fault_save_delay
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
-from kempnerforge.checkpoint.errors import FAILURES, CheckpointError, describe_failure
+from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.failures import FAILURES, describe_failure
+from kempnerforge.checkpoint.integrity import checkpoint_problems
 from kempnerforge.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST,
-    LEFTOVER_DIR,
     build_train_state,
-    checkpoint_problems,
     fsync_dir,
     read_latest,
     torch_bytes,
@@ -59,7 +59,13 @@ from kempnerforge.checkpoint.layout import (
     write_durable,
     write_marker,
 )
-from kempnerforge.checkpoint.publish import apply_retention, publish, settle
+from kempnerforge.checkpoint.publish import (
+    apply_retention,
+    check_names_free,
+    publish,
+    remove_leftovers,
+    settle,
+)
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
     load_model_weights,
@@ -293,9 +299,10 @@ class CheckpointManager:
         latest = read_latest(self.directory)
         kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
         what = "the background write of" if background else "writing"
+        tmp = self.directory / f"step_{step}.tmp"
         return CheckpointError(
             self.directory,
-            f"{what} checkpoint step_{step} failed, so it was not committed "
+            f"{what} checkpoint step_{step} into {tmp} failed, so it was not committed "
             f"({describe_failure(error)}); {kept}",
         )
 
@@ -311,12 +318,9 @@ class CheckpointManager:
         with self._write_failures(step):
             self.directory.mkdir(parents=True, exist_ok=True)
         settle(self.directory)
-        latest = read_latest(self.directory)
         with self._write_failures(step):
-            for path in self.directory.iterdir():
-                if LEFTOVER_DIR.fullmatch(path.name) and path.name != latest:
-                    logger.info("removing %s, left by an interrupted save", path)
-                    shutil.rmtree(path)
+            remove_leftovers(self.directory)
+            check_names_free(self.directory, step)
             if tmp.exists():
                 raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
             tmp.mkdir()
@@ -368,6 +372,19 @@ class CheckpointManager:
         )
         extra = state.get("extra")
         return extra if isinstance(extra, dict) else {}
+
+    def read_train_state(self, path: str) -> dict[str, Any]:
+        """This rank's train state in checkpoint `path`, loading nothing else. Collective.
+
+        What load() returns, read the same way (weights-only; a rank the saving run did
+        not have gets rank 0's, with a warning), for a resume that loads the model by
+        itself, e.g. with a fresh optimizer. Raises CheckpointError naming `path` when it
+        is not a complete checkpoint.
+        """
+        state, _ = self._coord.on_every_rank(
+            lambda: read_train_state(Path(path), self.rank, self.world_size)
+        )
+        return state
 
     def is_complete(self, path: str | os.PathLike[str]) -> bool:
         """True when `path` holds a committed, intact checkpoint.

@@ -1,4 +1,5 @@
-"""Moving a marked checkpoint into place, pointing `latest` at it, and retention.
+"""Moving a marked checkpoint into place, pointing `latest` at it, retention, and clearing
+what interrupted saves left, touching only entries a save made.
 
 Rank 0 runs these, and only when no write is in flight: a save still being written is
 a ``step_<N>.tmp`` nothing here renames or deletes.
@@ -11,12 +12,17 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.layout import (
+    LATEST,
     LEFTOVER_DIR,
+    foreign_kind,
     fsync_dir,
+    is_real_dir,
     read_latest,
     read_marker,
     step_dirs,
+    warn_once,
     write_latest,
 )
 from kempnerforge.metrics.logging import get_logger
@@ -49,10 +55,50 @@ def publish(directory: Path, name: str) -> None:
             shutil.rmtree(old)
 
 
+def remove_leftovers(directory: Path) -> None:
+    """Delete what interrupted saves left (``step_<N>.tmp/.old/.trash``), except the copy
+    ``latest`` names; a link or file under such a name is no save's and stays (warned)."""
+    latest = read_latest(directory)
+    for path in directory.iterdir():
+        if not LEFTOVER_DIR.fullmatch(path.name) or path.name == latest:
+            continue
+        if not is_real_dir(path):
+            warn_once(
+                f"leaving {path} alone: it is {foreign_kind(path)}, which no save creates "
+                "(move it away to silence this)"
+            )
+            continue
+        logger.info("removing %s, left by an interrupted save", path)
+        shutil.rmtree(path)
+
+
+def check_names_free(directory: Path, step: int) -> None:
+    """Raise CheckpointError when a name that saving `step` would replace is not ours.
+
+    A save renames and deletes ``step_<N>`` and its .tmp and .old copies, and replaces
+    ``latest``: a symbolic link or a file there (or a directory named ``latest``) belongs
+    to someone else and is never replaced.
+    """
+    pointer = directory / LATEST
+    if pointer.is_dir() and not pointer.is_symlink():
+        raise CheckpointError(
+            pointer, "is a directory, where a save writes its pointer file; move it away"
+        )
+    for suffix in ("", ".tmp", ".old"):
+        path = directory / f"step_{step}{suffix}"
+        if (path.is_symlink() or path.exists()) and not is_real_dir(path):
+            raise CheckpointError(
+                path,
+                f"is {foreign_kind(path)}, which saving step {step} would replace; move it away",
+            )
+
+
 def settle(directory: Path) -> None:
     """Finish a publish that a crash left with ``latest`` on a .tmp or .old copy."""
-    match = LEFTOVER_DIR.fullmatch(read_latest(directory) or "")
-    if match:
+    latest = read_latest(directory) or ""
+    match = LEFTOVER_DIR.fullmatch(latest)
+    # Only a copy a save made: a link or file under that name is never renamed into place.
+    if match and is_real_dir(directory / latest):
         publish(directory, f"step_{match.group(1)}")
 
 
@@ -73,7 +119,8 @@ def apply_retention(
     """Delete the complete checkpoints `retained` does not keep; never the one `latest` names.
 
     Incomplete ``step_<N>`` directories are left alone: they count for nothing here and
-    a resume skips them with a warning.
+    a resume skips them with a warning. So are links and files (step_dirs leaves them
+    out), and a checkpoint whose ``.trash`` name something else already holds.
     """
     if keep_last_n == 0:
         return
@@ -85,6 +132,10 @@ def apply_retention(
             continue
         # Rename first: a half-deleted directory must never look like a checkpoint.
         trash = path.with_name(f"{path.name}.trash")
+        if trash.is_symlink() or trash.exists():
+            what = foreign_kind(trash) if not is_real_dir(trash) else "a directory"
+            warn_once(f"keeping {path}: {trash} is {what} that retention will not replace")
+            continue
         os.replace(path, trash)
         shutil.rmtree(trash)
         logger.info(

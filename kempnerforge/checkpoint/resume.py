@@ -17,17 +17,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from kempnerforge.checkpoint.coordination import quiet_single_process
-from kempnerforge.checkpoint.errors import FAILURES, CheckpointError, describe_failure
+from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.failures import FAILURES, describe_failure, first_cause
+from kempnerforge.checkpoint.integrity import checkpoint_problems, inspect_checkpoint
 from kempnerforge.checkpoint.layout import (
     LATEST,
-    checkpoint_problems,
-    inspect_checkpoint,
-    is_checkpoint_name,
+    foreign_kind,
+    is_real_dir,
     read_latest,
     read_marker,
     step_dirs,
     train_state_name,
 )
+from kempnerforge.checkpoint.planner import WeightsOnlyLoadPlanner, refusal
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
@@ -50,7 +52,11 @@ def resolve_resume_path(directory: Path, choice: str) -> str | None:
     latest = read_latest(directory)
     if latest is not None:
         path = directory / latest
-        problems = checkpoint_problems(path) if is_checkpoint_name(latest) else ["not a step name"]
+        if path.is_symlink() or (path.exists() and not is_real_dir(path)):
+            # Only a directory a save wrote counts; a link may lead anywhere.
+            problems = [f"it is {foreign_kind(path)}, not a checkpoint directory"]
+        else:
+            problems = checkpoint_problems(path)
         if not problems:
             return str(path)
         skipped.append(f"{path} named by '{LATEST}' ({problems[0]})")
@@ -60,7 +66,7 @@ def resolve_resume_path(directory: Path, choice: str) -> str | None:
             continue
         problems = checkpoint_problems(path)
         if not problems:
-            reason = f"skipped {'; '.join(skipped)}" if skipped else f"no '{LATEST}' file"
+            reason = f"skipped {'; '.join(skipped)}" if skipped else _no_pointer(directory)
             logger.warning("resuming from %s, the newest complete checkpoint (%s)", path, reason)
             return str(path)
         skipped.append(f"{path} ({problems[0]})")
@@ -74,6 +80,14 @@ def resolve_resume_path(directory: Path, choice: str) -> str | None:
     if skipped:
         logger.warning("no checkpoint to resume from: skipped %s", skipped[0])
     return None
+
+
+def _no_pointer(directory: Path) -> str:
+    """Why `latest` named nothing: absent, or present but not a pointer (warned apart)."""
+    pointer = directory / LATEST
+    if pointer.is_symlink() or pointer.exists():
+        return f"'{LATEST}' is unusable"
+    return f"no '{LATEST}' file"
 
 
 def newest_complete(directory: Path) -> str | None:
@@ -102,7 +116,7 @@ def read_train_state(
     """
     metadata = require_complete(root)
     marker = read_marker(root) or {}
-    saved_world_size = int(marker.get("world_size", 1))
+    saved_world_size = marker.get("world_size", 1)
     if saved_world_size != world_size and rank == 0 and not quiet:
         logger.warning(
             "%s was saved by %d ranks and this run has %d: model and optimizer are "
@@ -117,7 +131,9 @@ def read_train_state(
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(file, f"cannot be read as a weights-only torch file: {e}") from e
+        raise CheckpointError(
+            file, f"cannot be read as a weights-only torch file ({refusal(e)})"
+        ) from None
     if not isinstance(state, dict) or state.get("step") != marker.get("step"):
         raise CheckpointError(file, f"is not the train state of step {marker.get('step')}")
     return state, set(metadata.state_dict_metadata)
@@ -141,11 +157,7 @@ def load_model_and_optimizer(
     if not optim_sd.get("state") and any(k.startswith("optimizer.state.") for k in saved):
         raise CheckpointError(root, "the optimizer has no state to load the saved one into")
     to_load = {"model": model_sd, "optimizer": optim_sd}
-    try:
-        with quiet_single_process(no_dist):
-            dcp_load(to_load, checkpoint_id=str(root), process_group=process_group, no_dist=no_dist)
-    except FAILURES as e:
-        raise CheckpointError(root, f"model/optimizer do not load: {describe_failure(e)}") from e
+    read_dcp(root, to_load, "model/optimizer do not load", process_group, no_dist)
     set_state_dict(
         model,
         optimizer,
@@ -165,17 +177,36 @@ def load_model_weights(
     """Load only the ``model`` entries of `root` into `model`; the optimizer's are not read."""
     model_sd = get_model_state_dict(model)
     check_model_keys(root, saved, model_sd)
+    read_dcp(root, {"model": model_sd}, "the model weights do not load", process_group, no_dist)
+    set_model_state_dict(model, model_sd)
+
+
+def read_dcp(
+    root: Path,
+    state_dict: dict[str, Any],
+    failure: str,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool,
+) -> None:
+    """Load the DCP files of `root` into `state_dict` in place, pickled items weights-only.
+
+    Every DCP load of this package goes through here. A failure raises CheckpointError
+    naming `root`: the planner's own (a refused item) as it is, any other after `failure`.
+    """
     try:
         with quiet_single_process(no_dist):
             dcp_load(
-                {"model": model_sd},
+                state_dict,
                 checkpoint_id=str(root),
+                planner=WeightsOnlyLoadPlanner(root),
                 process_group=process_group,
                 no_dist=no_dist,
             )
     except FAILURES as e:
-        raise CheckpointError(root, f"the model weights do not load: {describe_failure(e)}") from e
-    set_model_state_dict(model, model_sd)
+        cause = first_cause(e)
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(cause.path, cause.problem) from None
+        raise CheckpointError(root, f"{failure}: {describe_failure(e)}") from e
 
 
 def check_model_keys(root: Path, saved: set[str], model_sd: dict[str, Any]) -> None:
