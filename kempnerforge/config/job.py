@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -16,6 +18,8 @@ from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.config.scheduler import SchedulerConfig
 from kempnerforge.config.train import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,15 +99,20 @@ class JobConfig:
                 "change train.grad_accum_steps or train.batch_size to keep the global batch",
             )
         self._validate_phases()
+        self._validate_mixture_weights()
         if train.seq_len > model.max_seq_len:
             raise ConfigError(
                 "train.seq_len", train.seq_len, f"<= model.max_seq_len = {model.max_seq_len}"
             )
-        if self.scheduler.warmup_steps > train.max_steps:
-            raise ConfigError(
-                "scheduler.warmup_steps",
+        if self.scheduler.name != "none" and self.scheduler.warmup_steps > train.max_steps:
+            # A short run of a long config (--train.max_steps=5 for a smoke test) is fine:
+            # the schedule warms up over the whole run instead (see lr_factor).
+            logger.warning(
+                "scheduler.warmup_steps = %d is longer than train.max_steps = %d: warming up "
+                "over %d steps instead, so the learning rate peaks at the last step",
                 self.scheduler.warmup_steps,
-                f"<= train.max_steps = {train.max_steps}",
+                train.max_steps,
+                train.max_steps,
             )
         if self.profiling.enable and self.profiling.start_step > train.max_steps:
             raise ConfigError(
@@ -111,6 +120,34 @@ class JobConfig:
                 self.profiling.start_step,
                 f"<= train.max_steps = {train.max_steps} when profiling.enable is true",
             )
+
+    def _validate_mixture_weights(self) -> None:
+        """The sampler draws source i with probability w_i ** (1 / data.mix_temperature) over
+        their sum, for the weights in force at each phase: that must be a finite, non-zero sum
+        of finite floats (a low temperature overflows large weights and flushes small ones to
+        0)."""
+        if not self.data.datasets:
+            return
+        temperature = self.data.mix_temperature
+        in_force = {d.name: float(d.weight) for d in self.data.datasets}
+        where = "data.datasets weights"
+        for i, phase in enumerate([None, *self.train.phases]):
+            if phase is not None:
+                in_force.update(phase.dataset_weights)
+                where = f"the weights in force from train.phases[{i - 1}]"
+            try:
+                scaled = [w ** (1.0 / temperature) for w in in_force.values() if w > 0]
+            except OverflowError:
+                scaled = [math.inf]
+            total = sum(scaled)  # inf when it overflows (math.fsum would raise)
+            if not (math.isfinite(total) and total > 0):
+                raise ConfigError(
+                    "data.mix_temperature",
+                    temperature,
+                    "a temperature for which every weight ** (1 / temperature) and their sum "
+                    "are finite and not all 0",
+                    f"{where} are {in_force}",
+                )
 
     def _validate_phases(self) -> None:
         """Phase weights must name mixture datasets and leave some weight on.

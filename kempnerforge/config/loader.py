@@ -8,6 +8,7 @@ including file, e.g. a model preset), then the file itself, then CLI overrides.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -21,11 +22,12 @@ from kempnerforge.config.errors import ConfigError, unknown_key_error
 from kempnerforge.config.job import JobConfig
 
 _MAX_INCLUDE_DEPTH = 8
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Build a JobConfig from a TOML file (None: defaults only) and CLI overrides."""
-    merged: dict[str, Any] = _read_toml_with_includes(path, depth=0) if path else {}
+    merged: dict[str, Any] = {} if path is None else _read_toml_with_includes(path, depth=0)
     for override in overrides:
         dotted, value = parse_override(override)
         _set_dotted(merged, dotted, value)
@@ -49,7 +51,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         return dotted, True
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except ValueError:  # not TOML (TOMLDecodeError), or an integer of over 4300 digits
         value = raw
     return dotted, _RawText(raw, value)
 
@@ -62,16 +64,17 @@ class _RawText:
         self.value = value
 
 
-def _read_toml_with_includes(path: str, depth: int) -> dict[str, Any]:
+def _read_toml_with_includes(
+    path: str, depth: int, field: str = "<config file>", hint: str = ""
+) -> dict[str, Any]:
+    """Read one TOML file and, first, the files its ``include`` names.
+
+    ``field`` and ``hint`` say where the path came from in error messages: "<config file>"
+    for the file named on the command line, "include" (with the including file) otherwise.
+    """
     if depth > _MAX_INCLUDE_DEPTH:
         raise ConfigError("include", path, f"at most {_MAX_INCLUDE_DEPTH} levels of include")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError("<config file>", path, "an existing TOML file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("<config file>", path, "valid TOML", str(e)) from None
+    data = _read_toml(path, field, hint)
     includes = data.pop("include", [])
     if isinstance(includes, str):
         includes = [includes]
@@ -80,9 +83,36 @@ def _read_toml_with_includes(path: str, depth: int) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     base = os.path.dirname(os.path.abspath(path))
     for included in includes:
-        _deep_merge(merged, _read_toml_with_includes(os.path.join(base, included), depth + 1))
+        child = _read_toml_with_includes(
+            os.path.join(base, included), depth + 1, "include", f"included by {path}"
+        )
+        _deep_merge(merged, child)
     _deep_merge(merged, data)
     return merged
+
+
+def _read_toml(path: str, field: str, hint: str) -> dict[str, Any]:
+    """Parse one TOML file; every way it can fail to be one is a ConfigError naming it."""
+
+    def error(allowed: str, detail: str = "") -> ConfigError:
+        return ConfigError(field, path, allowed, "; ".join(t for t in (detail, hint) if t))
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+        raise error("an existing TOML file") from None
+    except IsADirectoryError:
+        raise error("a TOML file", "it is a directory") from None
+    except UnicodeDecodeError as e:
+        detail = f"byte 0x{e.object[e.start]:02x} at offset {e.start} is not UTF-8"
+        raise error("a UTF-8 TOML file", detail) from None
+    except tomllib.TOMLDecodeError as e:
+        raise error("valid TOML", str(e)) from None
+    except ValueError as e:  # an integer literal longer than Python converts (4300 digits)
+        raise error("valid TOML", str(e).split(";")[0]) from None
+    except OSError as e:
+        raise error("a readable TOML file", e.strerror or type(e).__name__) from None
 
 
 def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> None:
@@ -168,13 +198,23 @@ def coerce(hint: Any, value: Any, field: str) -> Any:
             return value.lower() == "true"
         raise ConfigError(field, value, "true or false")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(field, value, "an integer")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(field, value, "an integer")
+        # TOML integers are unbounded in Python; every int field ends up in a C int64
+        # somewhere (a tensor, a seed), so larger ones are refused here whatever the field.
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ConfigError(field, value, "an integer in [-2**63, 2**63 - 1]")
+        return value
     if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(field, value, "a number")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(field, value, "a number")
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(field, value, "a finite number")
+        return number
     if hint is str:
         if isinstance(value, str):
             return value

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import check_at_least, check_choice, check_positive
+from kempnerforge.config.checks import (
+    MAX_LR,
+    MAX_STEPS,
+    check_at_least,
+    check_choice,
+    check_positive,
+)
 from kempnerforge.config.errors import ConfigError
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
@@ -16,14 +22,15 @@ class OptimizerConfig:
     """Optimizer by registered name: 'adamw', 'lion', 'muon' or 'schedule_free_adamw'
     (see docs/optimizers.md)."""
     lr: float = 3e-4
-    """Peak learning rate; the scheduler scales it."""
+    """Peak learning rate; the scheduler scales it. > 0 and at most 10."""
     weight_decay: float = 0.1
-    """Decoupled weight decay applied to matrices (see the two switches below for the rest)."""
+    """Decoupled weight decay applied to matrices (see the two switches below for the rest);
+    0 to 10."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam (beta1, beta2); Lion's interpolation and momentum coefficients; schedule-free
     AdamW's interpolation (beta1) and second-moment (beta2) coefficients."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon, added to the root of the second moment; > 0 and at most 1."""
     decay_norms_and_biases: bool = False
     """Also apply weight decay to norm weights and biases (1-D parameters)."""
     decay_embeddings: bool = False
@@ -33,22 +40,30 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     """Muon only: Nesterov momentum coefficient of the orthogonalised matrix updates."""
     muon_ns_steps: int = 5
-    """Muon only: Newton-Schulz iterations that orthogonalise each matrix update."""
+    """Muon only: Newton-Schulz iterations that orthogonalise each matrix update; 1 to 100."""
     muon_adam_lr: float = 0.0
     """Muon only: peak LR of the internal AdamW (embeddings, output head, 1-D parameters);
-    0 means optimizer.lr."""
+    0 means optimizer.lr; at most 10."""
     schedule_free_warmup_steps: int = 0
-    """Schedule-free AdamW only: steps of linear LR warmup inside the optimizer; 0 = none."""
+    """Schedule-free AdamW only: steps of linear LR warmup inside the optimizer; 0 = none;
+    at most 2**62 - 1."""
 
     def __post_init__(self) -> None:
-        check_positive("optimizer.lr", self.lr)
-        check_at_least("optimizer.weight_decay", self.weight_decay, 0.0)
-        check_positive("optimizer.eps", self.eps)
+        check_positive("optimizer.lr", self.lr, MAX_LR)
+        # Each step scales weights by 1 - lr * weight_decay; usual values are 0 to 0.1 (Lion
+        # up to about 1), and above 10 the decay flips weights' signs at any usual lr.
+        check_at_least("optimizer.weight_decay", self.weight_decay, 0.0, 10.0)
+        # Epsilon guards a division by a gradient scale of ~1e-3 and below; above 1 it
+        # would swamp every update.
+        check_positive("optimizer.eps", self.eps, 1.0)
         check_choice("optimizer.implementation", self.implementation, IMPLEMENTATIONS)
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError("optimizer.muon_momentum", self.muon_momentum, "a number in [0, 1)")
-        check_positive("optimizer.muon_ns_steps", self.muon_ns_steps)
-        check_at_least("optimizer.muon_adam_lr", self.muon_adam_lr, 0.0)
-        check_at_least("optimizer.schedule_free_warmup_steps", self.schedule_free_warmup_steps, 0)
+        # Five iterations converge; each costs matmuls of every weight matrix per step.
+        check_positive("optimizer.muon_ns_steps", self.muon_ns_steps, 100)
+        check_at_least("optimizer.muon_adam_lr", self.muon_adam_lr, 0.0, MAX_LR)
+        check_at_least(
+            "optimizer.schedule_free_warmup_steps", self.schedule_free_warmup_steps, 0, MAX_STEPS
+        )
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError("optimizer.betas", self.betas, "two numbers in [0, 1)")

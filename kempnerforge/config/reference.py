@@ -63,7 +63,9 @@ def config_reference_markdown() -> str:
         "other files first (paths relative to the including file).",
     ]
     for section in dataclasses.fields(JobConfig):
-        cls = section.default_factory  # type: ignore[misc]
+        cls = section.default_factory
+        if not isinstance(cls, type):
+            raise TypeError(f"JobConfig.{section.name} has no section class as its default")
         docs = field_docs(cls)
         lines += ["", f"## [{section.name}]", ""]
         lines += ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]

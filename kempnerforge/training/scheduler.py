@@ -68,15 +68,18 @@ def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int) -> float:
     """LR multiplier used for optimizer step ``step + 1`` (``step`` steps already taken).
 
     Warmup ramps linearly so the first step already trains (factor 1/warmup), reaching the
-    peak after warmup_steps steps; the decay shape then runs from progress 0 to 1 at
-    max_steps. The 'none' schedule has no warmup: factor 1 from step 0.
+    peak after warmup steps; the decay shape then runs from progress 0 to 1 at max_steps.
+    The warmup is min(warmup_steps, max_steps): a run shorter than its warmup still reaches
+    the peak, at its last step (JobConfig.validate warns). The 'none' schedule has no warmup:
+    factor 1 from step 0.
     """
     if cfg.name == "none":
         return 1.0
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    decay_steps = max(max_steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    warmup = min(cfg.warmup_steps, max_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_steps = max(max_steps - warmup, 1)
+    progress = min((step - warmup) / decay_steps, 1.0)
     return SCHEDULES.get(cfg.name)(progress, cfg)
 
 

@@ -71,6 +71,93 @@ def test_known_devices_use_the_dense_bf16_table(fake_cuda, name, capability, pea
     assert peak_flops_per_sec(torch.device("cuda", 0)) == peak
 
 
+@pytest.fixture
+def tf32():
+    """Set torch.backends.cuda.matmul.allow_tf32 for one test; restored afterwards."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+
+    def set_tf32(allowed: bool) -> None:
+        matmul.allow_tf32 = allowed
+
+    yield set_tf32
+    matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "tf32_peak", "fp32_peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0), 494.7e12, 67e12),
+        ("NVIDIA H100 PCIe", (9, 0), 378e12, 51e12),
+        ("NVIDIA H100 NVL", (9, 0), 417.5e12, 60e12),
+        ("NVIDIA H200", (9, 0), 494.7e12, 67e12),
+        ("NVIDIA H200 NVL", (9, 0), 417.5e12, 60e12),
+        ("NVIDIA GH200 480GB", (9, 0), 494.7e12, 67e12),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), 156e12, 19.5e12),
+        ("NVIDIA L40S", (8, 9), 183e12, 91.6e12),
+        ("NVIDIA GeForce RTX 4090", (8, 9), 82.6e12, 82.6e12),
+        ("NVIDIA GeForce RTX 3090", (8, 6), 35.6e12, 35.6e12),
+    ],
+)
+def test_fp32_uses_the_tf32_peak_only_when_tf32_is_allowed(
+    fake_cuda, tf32, name, capability, tf32_peak, fp32_peak
+):
+    fake_cuda(name, capability)
+    tf32(True)
+    assert peak_flops_per_sec(torch.device("cuda", 0), "fp32") == tf32_peak
+    tf32(False)
+    assert peak_flops_per_sec(torch.device("cuda", 0), "fp32") == fp32_peak
+
+
+def test_precision_picks_the_column(fake_cuda, tf32):
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    tf32(False)
+    device = torch.device("cuda", 0)
+    assert peak_flops_per_sec(device, "bf16") == 989e12
+    assert peak_flops_per_sec(device) == 989e12  # bf16 unless told otherwise
+    assert peak_flops_per_sec(device, "fp32") == 67e12
+    tf32(True)
+    assert peak_flops_per_sec(device, "bf16") == 989e12  # TF32 does not touch bf16 matmuls
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cpu_has_no_peak_in_any_precision(precision):
+    assert peak_flops_per_sec(torch.device("cpu"), precision) is None
+
+
+def test_unknown_precision_is_a_programming_error():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        peak_flops_per_sec(torch.device("cpu"), "fp16")
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_a_device_without_an_fp32_figure_gets_no_mfu(fake_cuda, tf32, warnings_seen, allow_tf32):
+    fake_cuda("NVIDIA A10G", (8, 6))
+    tf32(allow_tf32)
+    assert peak_flops_per_sec(torch.device("cuda"), "fp32") is None
+    assert peak_flops_per_sec(torch.device("cuda"), "bf16") == 125e12
+    dtype = "tf32" if allow_tf32 else "fp32"
+    assert [r.getMessage() for r in warnings_seen] == [
+        f"no {dtype} peak known for 'NVIDIA A10G'; MFU is not reported"
+    ]
+
+
+def test_unknown_datacenter_device_falls_back_by_capability_per_precision(
+    fake_cuda, tf32, warnings_seen
+):
+    fake_cuda("NVIDIA Ampere Engineering Sample", (8, 0))
+    tf32(False)
+    assert peak_flops_per_sec(torch.device("cuda"), "fp32") == 19.5e12
+    tf32(True)
+    assert peak_flops_per_sec(torch.device("cuda"), "fp32") == 156e12
+    assert [r.getMessage() for r in warnings_seen] == [
+        "no fp32 peak known for 'NVIDIA Ampere Engineering Sample'; assuming 20 TFLOP/s from "
+        "compute capability 8.0",
+        "no tf32 peak known for 'NVIDIA Ampere Engineering Sample'; assuming 156 TFLOP/s from "
+        "compute capability 8.0",
+    ]
+
+
 def test_unknown_datacenter_device_falls_back_by_capability(fake_cuda, warnings_seen):
     fake_cuda("NVIDIA Hopper Engineering Sample", (9, 0))
     assert peak_flops_per_sec(torch.device("cuda")) == 989e12

@@ -164,6 +164,31 @@ def test_scheduler_first_step_trains_and_unknown_name_fails_at_build():
         build_scheduler(opt, SchedulerConfig(name="cosin"), max_steps=10)
 
 
+@pytest.mark.parametrize("name", ["cosine", "linear", "wsd", "rex", "constant"])
+def test_warmup_longer_than_the_run_is_cut_to_the_run(name):
+    # warmup_steps = 20 on a 5-step run: the warmup spans the run and peaks at its last step.
+    cfg = SchedulerConfig(name=name, warmup_steps=20, min_lr_ratio=0.1)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=2.0)
+    sched = build_scheduler(opt, cfg, max_steps=5)
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.4, 0.8, 1.2, 1.6, 2.0])
+
+
+def test_warmup_equal_to_the_run_is_unchanged():
+    cfg = SchedulerConfig(warmup_steps=5)
+    assert [lr_factor(s, cfg, max_steps=5) for s in range(5)] == pytest.approx(
+        [0.2, 0.4, 0.6, 0.8, 1.0]
+    )
+    long = SchedulerConfig(warmup_steps=4)
+    assert [lr_factor(s, long, max_steps=100) for s in range(5)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0, 1.0]
+    )
+
+
 def test_cross_entropy_sum_ignores_masked_labels():
     logits = torch.randn(2, 3, 5)
     labels = torch.tensor([[1, IGNORE_INDEX, 2], [IGNORE_INDEX, IGNORE_INDEX, 4]])
