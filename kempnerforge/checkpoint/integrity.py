@@ -1,7 +1,7 @@
 """Is a checkpoint whole? Cheap checks of its marker, train states and DCP files, no tensor read.
 
 Also the only way this package reads DCP's ``.metadata``: through an allow-list, since
-``dcp.load`` itself unpickles that file with plain ``pickle.load``.
+``dcp.load`` itself unpickles that file with plain ``pickle.load`` (loads use reader.py).
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ def _find_end_record(f: BinaryIO, offset: int, length: int) -> tuple[int, bytes]
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's .metadata of checkpoint `path`, unpickled through an allow-list.
 
-    ``dcp.load`` reads this file with plain ``pickle.load``, so a planted .metadata would
-    run code; checking it here first keeps loads as safe as the weights-only train state.
+    torch's FileSystemReader reads this file with plain ``pickle.load``, so a planted
+    .metadata would run code; the completeness check and every DCP load (through
+    reader.AllowListedReader) read it here instead.
     """
     with open(path / DCP_METADATA, "rb") as f:
         metadata = _MetadataUnpickler(f).load()

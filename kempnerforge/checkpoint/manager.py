@@ -9,63 +9,23 @@ On disk, under the checkpoint directory::
         complete.json         completion marker, written last
     step_40.tmp/              a save in progress (or left by a crash; removed by the next save)
 
-A save fills ``step_<N>.tmp/``, writes the marker, renames the directory to ``step_<N>/``
-and only then moves ``latest``, so a crash at any point leaves ``latest`` on a complete
-checkpoint. Rank 0 does every rename and deletion; the other ranks wait for it.
-
-With checkpoint.async_mode = 'async', save() copies the model and optimizer state, starts
-the DCP write in the background and returns. The commit (marker, rename, ``latest``,
-retention) waits until the files are durable and happens in the next save(), wait(),
-load(), load_weights() or find_resume_path(), or in a poll() that finds the write done.
-At most one save is in flight. A failed background write is raised by that call as a
-CheckpointError, with the previous checkpoint and ``latest`` untouched.
-
-Fault injection, for tests only and off by default: ``KEMPNERFORGE_FAULT_SAVE_DELAY_S``
-(float seconds) sleeps between a save's DCP files and its marker (in the background
-when async), and ``KEMPNERFORGE_FAULT_SAVE_DELAY_FROM_STEP`` (int, default 0) delays only
-saves of that step or later; see ``background.fault_save_delay``.
+Saving (atomic commits, async mode, fault injection) is saver.py; finding and reading a
+checkpoint back is resume.py. A save in flight is committed before anything is found or
+loaded, so a load never misses the newest checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from kempnerforge.checkpoint.background import BackgroundWriter, PendingSave, fault_save_delay
-from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
+from kempnerforge.checkpoint.coordination import Coordinator
 from kempnerforge.checkpoint.errors import CheckpointError
-from kempnerforge.checkpoint.failures import FAILURES, describe_failure
 from kempnerforge.checkpoint.integrity import checkpoint_problems
-from kempnerforge.checkpoint.layout import (
-    FORMAT_VERSION,
-    LATEST,
-    build_train_state,
-    fsync_dir,
-    read_latest,
-    torch_bytes,
-    train_state_name,
-    write_durable,
-    write_marker,
-)
-from kempnerforge.checkpoint.publish import (
-    apply_retention,
-    check_names_free,
-    publish,
-    remove_leftovers,
-    settle,
-)
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
     load_model_weights,
@@ -74,6 +34,7 @@ from kempnerforge.checkpoint.resume import (
     require_complete,
     resolve_resume_path,
 )
+from kempnerforge.checkpoint.saver import CheckpointSaver, CommitCallback
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.metrics.logging import get_logger
 
@@ -117,24 +78,33 @@ class CheckpointManager:
         self._coord = Coordinator(
             self.directory, rank=rank, world_size=world_size, process_group=process_group
         )
-        # Background DCP writes get a group of their own too: the training step's
-        # collectives run on the default group from the main thread meanwhile.
-        self._write_group = (
-            new_gloo_group(process_group)
-            if world_size > 1 and cfg.async_mode == "async"
-            else process_group
+        self._saver = CheckpointSaver(
+            cfg,
+            self.directory,
+            self._coord,
+            rank=rank,
+            world_size=world_size,
+            process_group=process_group,
+            no_dist=self._no_dist,
+            config_sha256=config_sha256,
         )
-        self._writer = BackgroundWriter()
-        self._pending: PendingSave | None = None
-        self.on_commit: Callable[[int, str, float], None] | None = None
+
+    @property
+    def on_commit(self) -> CommitCallback | None:
         """Called on every rank once a checkpoint is committed (its directory and ``latest``
         in place), with its step, its path and the seconds since its save started: in sync
         mode before save() returns, in async mode from poll(), wait() or the next save()."""
+        return self._saver.on_commit
+
+    @on_commit.setter
+    def on_commit(self, callback: CommitCallback | None) -> None:
+        self._saver.on_commit = callback
 
     @property
     def pending_step(self) -> int | None:
         """The step of the async save being written and not yet committed, or None."""
-        return None if self._pending is None else self._pending.step
+        pending = self._saver.pending
+        return None if pending is None else pending.step
 
     def is_on_schedule(self, step: int) -> bool:
         """True when `step` is a positive multiple of checkpoint.interval (never if it is 0)."""
@@ -171,64 +141,14 @@ class CheckpointManager:
         save() has committed it. A write that fails raises CheckpointError naming the
         directory; the previous checkpoint stays complete and ``latest`` stays on it.
         """
-        self._finish_pending()
-        started = time.monotonic()
-        name = f"step_{step}"
-        tmp = self.directory / f"{name}.tmp"
-        state = self._coord.on_every_rank(
-            lambda: build_train_state(step, scheduler.state_dict(), train_state)
+        return self._saver.save(
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_state=train_state,
+            config_sha256=config_sha256,
         )
-        self._coord.on_rank0(lambda: self._prepare(tmp, step))
-        # get_state_dict initializes an optimizer that has never stepped by taking a
-        # zero-LR step; undo that so saving at step 0 does not change the run.
-        fresh = not optimizer.state
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        if fresh:
-            optimizer.state.clear()
-        state["optimizer_initialized"] = not fresh
-        # Serialized now: the bytes are the state at this call, whenever they are written.
-        train_state_file, train_state_data = tmp / train_state_name(self.rank), torch_bytes(state)
-        with self._write_failures(step):
-            future = self._coord.on_every_rank(
-                lambda: self._write(
-                    {"model": model_sd, "optimizer": optim_sd},
-                    tmp,
-                    step,
-                    lambda: write_durable(train_state_file, train_state_data),
-                )
-            )
-        marker = self._marker(step, int(state.get("tokens_seen", 0)), config_sha256)
-        path = self.directory / name
-        if future is not None:
-            self._pending = PendingSave(step, tmp, marker, future, started)
-            if self.rank == 0:
-                logger.info(
-                    "saving checkpoint %s in the background (%.2f s to stage)",
-                    path,
-                    time.monotonic() - started,
-                )
-            return str(path)
-        fault_save_delay(step)
-        self._coord.on_rank0(lambda: self._commit(tmp, marker))
-        elapsed = time.monotonic() - started
-        if self.rank == 0:
-            logger.info("saved checkpoint %s (%.2f s)", path, elapsed)
-        self._committed(step, str(path), elapsed)
-        return str(path)
-
-    def _committed(self, step: int, path: str, elapsed: float) -> None:
-        if self.on_commit is not None:
-            self.on_commit(step, path, elapsed)
-
-    def _marker(self, step: int, tokens_seen: int, config_sha256: str) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "tokens_seen": tokens_seen,
-            "world_size": self.world_size,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "config_sha256": config_sha256 or self.config_sha256,
-        }
 
     def poll(self) -> str | None:
         """Commit the save in flight if its write has finished, without waiting for it.
@@ -238,11 +158,7 @@ class CheckpointManager:
         step: nothing when no save is in flight, else one future check and, across
         ranks, a one-integer all-reduce on the manager's group. Collective.
         """
-        if self._pending is None:
-            return None
-        if not self._coord.all_true(self._pending.future.done()):
-            return None
-        return self._finish_pending()
+        return self._saver.poll()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is durable, then commit it. Collective.
@@ -250,91 +166,7 @@ class CheckpointManager:
         Raises CheckpointError when its background write failed. In sync mode, or with
         nothing in flight, returns at once. The loop calls it before teardown.
         """
-        self._finish_pending()
-
-    def _write(
-        self, state_dict: dict[str, Any], tmp: Path, step: int, then: Callable[[], None]
-    ) -> Future[None] | None:
-        """Write the DCP files, then run `then` (the train state): now, returning None, or
-        in the background, returning the future of both."""
-        if self.cfg.async_mode == "async":
-            return self._writer.start(
-                state_dict,
-                tmp,
-                step=step,
-                process_group=self._write_group,
-                no_dist=self._no_dist,
-                then=then,
-            )
-        with quiet_single_process(self._no_dist):
-            dcp_save(
-                state_dict,
-                checkpoint_id=str(tmp),
-                process_group=self.process_group,
-                no_dist=self._no_dist,
-            )
-        then()
-        return None
-
-    def _finish_pending(self) -> str | None:
-        """Wait for the save in flight, if any, and commit it; return its path. Collective."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            self._coord.on_every_rank(pending.future.result)
-        except FAILURES as e:
-            # Free what the failed write left (a full disk needs the space back).
-            self._coord.on_rank0(lambda: shutil.rmtree(pending.tmp, ignore_errors=True))
-            raise self._save_failed(pending.step, e, background=True) from e
-        self._coord.on_rank0(lambda: self._commit(pending.tmp, pending.marker))
-        path = self.directory / f"step_{pending.step}"
-        elapsed = time.monotonic() - pending.started_s
-        if self.rank == 0:
-            logger.info("saved checkpoint %s (committed %.2f s after save)", path, elapsed)
-        self._committed(pending.step, str(path), elapsed)
-        return str(path)
-
-    def _save_failed(self, step: int, error: BaseException, *, background: bool) -> CheckpointError:
-        latest = read_latest(self.directory)
-        kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
-        what = "the background write of" if background else "writing"
-        tmp = self.directory / f"step_{step}.tmp"
-        return CheckpointError(
-            self.directory,
-            f"{what} checkpoint step_{step} into {tmp} failed, so it was not committed "
-            f"({describe_failure(error)}); {kept}",
-        )
-
-    @contextlib.contextmanager
-    def _write_failures(self, step: int) -> Iterator[None]:
-        """Turn an OS or DCP failure while writing ``step_<step>`` into a CheckpointError."""
-        try:
-            yield
-        except (OSError, CheckpointException) as e:
-            raise self._save_failed(step, e, background=False) from e
-
-    def _prepare(self, tmp: Path, step: int) -> None:
-        with self._write_failures(step):
-            self.directory.mkdir(parents=True, exist_ok=True)
-        settle(self.directory)
-        with self._write_failures(step):
-            remove_leftovers(self.directory)
-            check_names_free(self.directory, step)
-            if tmp.exists():
-                raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
-            tmp.mkdir()
-
-    def _commit(self, tmp: Path, marker: dict[str, Any]) -> None:
-        write_marker(tmp, marker)
-        fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
-        publish(self.directory, f"step_{marker['step']}")
-        apply_retention(
-            self.directory,
-            keep_last_n=self.cfg.keep_last_n,
-            keep_every=self.cfg.keep_every,
-            is_complete=self.is_complete,
-        )
+        self._saver.finish_pending()
 
     def find_resume_path(self) -> str | None:
         """The checkpoint checkpoint.resume_from selects, or None to start fresh. Collective.
@@ -346,7 +178,7 @@ class CheckpointManager:
         ones this raises, rather than silently starting over. A save in flight is
         committed first.
         """
-        self._finish_pending()
+        self._saver.finish_pending()
         return self._coord.on_rank0(
             lambda: resolve_resume_path(self.directory, self.cfg.resume_from)
         )
@@ -358,7 +190,7 @@ class CheckpointManager:
         ``step_<N>``; checkpoint.resume_from plays no part. A save in flight is committed
         first.
         """
-        self._finish_pending()
+        self._saver.finish_pending()
         return self._coord.on_rank0(lambda: newest_complete(self.directory))
 
     def read_extra(self, path: str) -> dict[str, Any]:
@@ -411,7 +243,7 @@ class CheckpointManager:
         rank 0's train state, with a warning. A save in flight is committed first.
         Collective.
         """
-        self._finish_pending()
+        self._saver.finish_pending()
         root = Path(path)
         state, saved = self._coord.on_every_rank(
             lambda: read_train_state(root, self.rank, self.world_size)
@@ -438,7 +270,7 @@ class CheckpointManager:
         Raises CheckpointError naming `path` when it is incomplete or does not fit
         `model`. A save in flight is committed first.
         """
-        self._finish_pending()
+        self._saver.finish_pending()
         root = Path(path)
         metadata = self._coord.on_every_rank(lambda: require_complete(root))
         load_model_weights(

@@ -30,6 +30,7 @@ from kempnerforge.checkpoint.layout import (
     train_state_name,
 )
 from kempnerforge.checkpoint.planner import WeightsOnlyLoadPlanner, refusal
+from kempnerforge.checkpoint.reader import AllowListedReader
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
@@ -156,7 +157,7 @@ def load_model_and_optimizer(
     check_model_keys(root, saved, model_sd)
     if not optim_sd.get("state") and any(k.startswith("optimizer.state.") for k in saved):
         raise CheckpointError(root, "the optimizer has no state to load the saved one into")
-    to_load = {"model": model_sd, "optimizer": optim_sd}
+    to_load: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     read_dcp(root, to_load, "model/optimizer do not load", process_group, no_dist)
     set_state_dict(
         model,
@@ -190,20 +191,24 @@ def read_dcp(
 ) -> None:
     """Load the DCP files of `root` into `state_dict` in place, pickled items weights-only.
 
-    Every DCP load of this package goes through here. A failure raises CheckpointError
-    naming `root`: the planner's own (a refused item) as it is, any other after `failure`.
+    Every DCP load of this package goes through here, and reads ``.metadata`` through the
+    allow-list again (it may have changed since the completeness check). A failure raises
+    CheckpointError naming `root`: the reader's or the planner's own (a refused metadata
+    file or item) as it is, any other after `failure`.
     """
+    reader = AllowListedReader(root)
     try:
         with quiet_single_process(no_dist):
             dcp_load(
                 state_dict,
-                checkpoint_id=str(root),
+                storage_reader=reader,
                 planner=WeightsOnlyLoadPlanner(root),
                 process_group=process_group,
                 no_dist=no_dist,
             )
     except FAILURES as e:
-        cause = first_cause(e)
+        # DCP reports a refused .metadata only as text inside its own AssertionError.
+        cause = reader.refusal or first_cause(e)
         if isinstance(cause, CheckpointError):
             raise CheckpointError(cause.path, cause.problem) from None
         raise CheckpointError(root, f"{failure}: {describe_failure(e)}") from e

@@ -107,6 +107,7 @@ class Transformer(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=cfg.init_std)
         for layer in self.layers:
+            assert isinstance(layer, TransformerBlock)  # __init__ fills layers with blocks only
             layer.init_weights(cfg.init_std, out_std)
         self.norm.reset_parameters()
         if not cfg.tie_embeddings:

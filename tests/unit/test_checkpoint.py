@@ -148,7 +148,7 @@ def test_crash_before_the_marker_keeps_latest_on_the_previous_checkpoint(tmp_pat
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("kempnerforge.checkpoint.manager.write_marker", crash)
+    monkeypatch.setattr("kempnerforge.checkpoint.saver.write_marker", crash)
     with pytest.raises(OSError, match="disk full"):
         _save(manager, 6)
     assert _latest(manager) == "step_3"

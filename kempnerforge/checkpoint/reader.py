@@ -1,0 +1,54 @@
+"""The DCP storage reader every load here uses: ``.metadata`` is unpickled through an allow-list.
+
+torch's FileSystemReader reads ``.metadata`` with plain ``pickle.load``, so a file swapped in
+after the completeness check would still run code inside ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.integrity import read_dcp_metadata
+from kempnerforge.checkpoint.layout import DCP_METADATA
+
+
+class AllowListedReader(FileSystemReader):
+    """FileSystemReader whose ``.metadata`` goes through ``integrity.read_dcp_metadata``.
+
+    A ``.metadata`` the allow-list refuses (or that cannot be read) raises CheckpointError
+    naming the checkpoint. DCP catches what read_metadata raises and reports only its text,
+    so the first such error is also kept in `refusal` for the caller to raise as it is.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike[str]) -> None:
+        super().__init__(checkpoint)
+        self.refusal: CheckpointError | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's DCP metadata, tagged with this load's id as torch's reader does."""
+        root = Path(self.path)
+        if kwargs.get("rank") is not None:
+            # DCP falls back to a rank's own metadata file when the global one fails; a save
+            # here never writes one, and reading it would bypass the failure just recorded.
+            raise self._refuse(CheckpointError(root, "has no rank-local DCP metadata to read"))
+        try:
+            metadata = read_dcp_metadata(root)
+        except Exception as e:
+            raise self._refuse(
+                CheckpointError(root, f"{DCP_METADATA} (DCP) is unreadable: {e}")
+            ) from None
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _refuse(self, error: CheckpointError) -> CheckpointError:
+        if self.refusal is None:
+            self.refusal = error
+        return error

@@ -1,0 +1,267 @@
+"""The save path of CheckpointManager: stage, write (sync or async), commit, report failures.
+
+A save fills ``step_<N>.tmp/``, writes the marker, renames the directory to ``step_<N>/``
+and only then moves ``latest``, so a crash at any point leaves ``latest`` on a complete
+checkpoint. Rank 0 does every rename and deletion; the other ranks wait for it.
+
+With checkpoint.async_mode = 'async', save() copies the model and optimizer state, starts
+the DCP write in the background and returns. The commit (marker, rename, ``latest``,
+retention) waits until the files are durable and happens in the next save(), in
+finish_pending() (the manager's wait(), load(), load_weights() and find_resume_path() call
+it first) or in a poll() that finds the write done. At most one save is in flight. A
+failed background write is raised by that call as a CheckpointError, with the previous
+checkpoint and ``latest`` untouched.
+
+Fault injection, for tests only and off by default: ``KEMPNERFORGE_FAULT_SAVE_DELAY_S``
+(float seconds) sleeps between a save's DCP files and its marker (in the background
+when async), and ``KEMPNERFORGE_FAULT_SAVE_DELAY_FROM_STEP`` (int, default 0) delays only
+saves of that step or later; see ``background.fault_save_delay``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from kempnerforge.checkpoint.background import BackgroundWriter, PendingSave, fault_save_delay
+from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
+from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.failures import FAILURES, describe_failure
+from kempnerforge.checkpoint.integrity import checkpoint_problems
+from kempnerforge.checkpoint.layout import (
+    FORMAT_VERSION,
+    LATEST,
+    build_train_state,
+    fsync_dir,
+    read_latest,
+    torch_bytes,
+    train_state_name,
+    write_durable,
+    write_marker,
+)
+from kempnerforge.checkpoint.publish import (
+    apply_retention,
+    check_names_free,
+    publish,
+    remove_leftovers,
+    settle,
+)
+from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+CommitCallback = Callable[[int, str, float], None]
+"""Called with a committed checkpoint's step, its path and the seconds since its save began."""
+
+
+class CheckpointSaver:
+    """Writes and commits this run's checkpoints; at most one async save in flight.
+
+    Collective like the manager that owns it: every rank calls the same methods in the
+    same order. ``on_commit`` is called on every rank once a checkpoint is committed.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        directory: Path,
+        coord: Coordinator,
+        *,
+        rank: int,
+        world_size: int,
+        process_group: dist.ProcessGroup | None,
+        no_dist: bool,
+        config_sha256: str,
+    ) -> None:
+        self.cfg = cfg
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.process_group = process_group
+        self.config_sha256 = config_sha256
+        self._coord = coord
+        self._no_dist = no_dist
+        # Background DCP writes get a group of their own too: the training step's
+        # collectives run on the default group from the main thread meanwhile.
+        self._write_group = (
+            new_gloo_group(process_group)
+            if world_size > 1 and cfg.async_mode == "async"
+            else process_group
+        )
+        self._writer = BackgroundWriter()
+        self.pending: PendingSave | None = None
+        self.on_commit: CommitCallback | None = None
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        train_state: dict[str, Any],
+        config_sha256: str = "",
+    ) -> str:
+        """Write checkpoint ``step_<step>``; return its final path (see CheckpointManager.save)."""
+        self.finish_pending()
+        started = time.monotonic()
+        name = f"step_{step}"
+        tmp = self.directory / f"{name}.tmp"
+        state = self._coord.on_every_rank(
+            lambda: build_train_state(step, scheduler.state_dict(), train_state)
+        )
+        self._coord.on_rank0(lambda: self._prepare(tmp, step))
+        # get_state_dict initializes an optimizer that has never stepped by taking a
+        # zero-LR step; undo that so saving at step 0 does not change the run.
+        fresh = not optimizer.state
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if fresh:
+            optimizer.state.clear()
+        state["optimizer_initialized"] = not fresh
+        # Serialized now: the bytes are the state at this call, whenever they are written.
+        train_state_file, train_state_data = tmp / train_state_name(self.rank), torch_bytes(state)
+        with self._write_failures(step):
+            future = self._coord.on_every_rank(
+                lambda: self._write(
+                    {"model": model_sd, "optimizer": optim_sd},
+                    tmp,
+                    step,
+                    lambda: write_durable(train_state_file, train_state_data),
+                )
+            )
+        marker = self._marker(step, int(state.get("tokens_seen", 0)), config_sha256)
+        path = self.directory / name
+        if future is not None:
+            self.pending = PendingSave(step, tmp, marker, future, started)
+            if self.rank == 0:
+                logger.info(
+                    "saving checkpoint %s in the background (%.2f s to stage)",
+                    path,
+                    time.monotonic() - started,
+                )
+            return str(path)
+        fault_save_delay(step)
+        self._coord.on_rank0(lambda: self._commit(tmp, marker))
+        elapsed = time.monotonic() - started
+        if self.rank == 0:
+            logger.info("saved checkpoint %s (%.2f s)", path, elapsed)
+        self._committed(step, str(path), elapsed)
+        return str(path)
+
+    def poll(self) -> str | None:
+        """Commit the save in flight if its write has finished (see CheckpointManager.poll)."""
+        if self.pending is None:
+            return None
+        if not self._coord.all_true(self.pending.future.done()):
+            return None
+        return self.finish_pending()
+
+    def finish_pending(self) -> str | None:
+        """Wait for the save in flight, if any, and commit it; return its path. Collective."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        try:
+            self._coord.on_every_rank(pending.future.result)
+        except FAILURES as e:
+            # Free what the failed write left (a full disk needs the space back).
+            self._coord.on_rank0(lambda: shutil.rmtree(pending.tmp, ignore_errors=True))
+            raise self._save_failed(pending.step, e, background=True) from e
+        self._coord.on_rank0(lambda: self._commit(pending.tmp, pending.marker))
+        path = self.directory / f"step_{pending.step}"
+        elapsed = time.monotonic() - pending.started_s
+        if self.rank == 0:
+            logger.info("saved checkpoint %s (committed %.2f s after save)", path, elapsed)
+        self._committed(pending.step, str(path), elapsed)
+        return str(path)
+
+    def _committed(self, step: int, path: str, elapsed: float) -> None:
+        if self.on_commit is not None:
+            self.on_commit(step, path, elapsed)
+
+    def _marker(self, step: int, tokens_seen: int, config_sha256: str) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "world_size": self.world_size,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "config_sha256": config_sha256 or self.config_sha256,
+        }
+
+    def _write(
+        self, state_dict: dict[str, Any], tmp: Path, step: int, then: Callable[[], None]
+    ) -> Future[None] | None:
+        """Write the DCP files, then run `then` (the train state): now, returning None, or
+        in the background, returning the future of both."""
+        if self.cfg.async_mode == "async":
+            return self._writer.start(
+                state_dict,
+                tmp,
+                step=step,
+                process_group=self._write_group,
+                no_dist=self._no_dist,
+                then=then,
+            )
+        with quiet_single_process(self._no_dist):
+            dcp_save(
+                state_dict,
+                checkpoint_id=str(tmp),
+                process_group=self.process_group,
+                no_dist=self._no_dist,
+            )
+        then()
+        return None
+
+    def _save_failed(self, step: int, error: BaseException, *, background: bool) -> CheckpointError:
+        latest = read_latest(self.directory)
+        kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
+        what = "the background write of" if background else "writing"
+        tmp = self.directory / f"step_{step}.tmp"
+        return CheckpointError(
+            self.directory,
+            f"{what} checkpoint step_{step} into {tmp} failed, so it was not committed "
+            f"({describe_failure(error)}); {kept}",
+        )
+
+    @contextlib.contextmanager
+    def _write_failures(self, step: int) -> Iterator[None]:
+        """Turn an OS or DCP failure while writing ``step_<step>`` into a CheckpointError."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            raise self._save_failed(step, e, background=False) from e
+
+    def _prepare(self, tmp: Path, step: int) -> None:
+        with self._write_failures(step):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        settle(self.directory)
+        with self._write_failures(step):
+            remove_leftovers(self.directory)
+            check_names_free(self.directory, step)
+            if tmp.exists():
+                raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
+            tmp.mkdir()
+
+    def _commit(self, tmp: Path, marker: dict[str, Any]) -> None:
+        write_marker(tmp, marker)
+        fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
+        publish(self.directory, f"step_{marker['step']}")
+        apply_retention(
+            self.directory,
+            keep_last_n=self.cfg.keep_last_n,
+            keep_every=self.cfg.keep_every,
+            is_complete=lambda path: not checkpoint_problems(path),
+        )
