@@ -8,22 +8,30 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: train test lint install bench clean
+.PHONY: train test lint typecheck install install-dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# What training needs: torch and the package's own dependencies, nothing for development.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+# The test and lint tools and the optional readers the tests exercise, on top.
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 train: install
 	$(BIN)/kempnerforge train configs/train/debug.toml
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
@@ -34,4 +42,4 @@ bench: install
 	$(BIN)/python bench/throughput.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs data

@@ -1,7 +1,8 @@
 """Example hook: warn when the training loss spikes above its running mean.
 
-Enable it with `train.hooks = ["examples.loss_spike_alert:LossSpikeAlert"]`, run from the
-repository root (or with the root on PYTHONPATH).
+Enable it with `train.hooks = ["examples.loss_spike_alert:LossSpikeAlert"]` and launch from
+the repository root (hook modules are looked up in the working directory first), or from
+anywhere with the repository root on PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -1,62 +1,143 @@
 """The `kempnerforge` command: train, eval and prepare-data.
 
-train: load config -> validate -> runtime -> build -> resume -> loop -> exit code.
-User-caused problems print one line and exit with a documented code, never a traceback.
+train: load config -> validate -> preflight -> runtime -> directories and locks -> plan
+the resume -> build -> record the config -> resume -> loop -> exit code. User-caused
+problems print one line and exit with a documented code, never a traceback. Importing
+this module stays light (no torch) so that `--help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kempnerforge.checkpoint.manager import CheckpointError
+from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.data.errors import DataError
 from kempnerforge.resilience import exit_codes
 from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.resilience.run_lock import RunLockError
 
+if TYPE_CHECKING:
+    from kempnerforge.resilience.shutdown import ShutdownHandler
+
+SECTIONS = (
+    "model",
+    "train",
+    "optimizer",
+    "scheduler",
+    "data",
+    "eval",
+    "distributed",
+    "checkpoint",
+    "metrics",
+    "profiling",
+)
+TRAIN_EPILOG = (
+    "Overrides: --section.field=value, the value read as TOML (--train.max_steps=100, "
+    "--optimizer.betas=[0.9,0.95], --train.name=run1). Sections: "
+    + ", ".join(f"[{s}]" for s in SECTIONS)
+    + ". Every field, its default and its meaning: docs/config.md "
+    "(or python -m kempnerforge.config.reference). Exit codes: 0 finished, 1 failed, "
+    "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue)."
+)
+
+# OS errors that say something about the machine (a full disk, a missing permission),
+# reported in one line with the path; other OS errors are bugs and keep their traceback.
+MACHINE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EIO,
+    errno.ENOMEM,
+    errno.EMFILE,
+    errno.ENFILE,
+}
+
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from kempnerforge.resilience.shutdown import ShutdownHandler
+
+    shutdown = ShutdownHandler()
+    # Installed before anything slow, so a stop signal during the build (preparing data,
+    # a long checkpoint load) still ends in a clean requeue exit. It stays installed until
+    # the run is over; then a stopped run ignores further stop signals, so a late second
+    # signal during teardown cannot turn the requeue exit code into a kill.
+    with shutdown:
+        code = _train_under(args, overrides, shutdown)
+    if code == exit_codes.PREEMPTED:
+        _ignore_stop_signals()
+    return code
+
+
+def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: ShutdownHandler) -> int:
     # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
     from kempnerforge.config.loader import load_config
-    from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
-    from kempnerforge.metrics.logging import configure_logging
-    from kempnerforge.resilience.run_lock import RunLock
-    from kempnerforge.training.build import build_session, resume_session
+    from kempnerforge.distributed.runtime import (
+        init_runtime,
+        rank_from_env,
+        teardown_runtime,
+        world_size_from_env,
+    )
+    from kempnerforge.metrics.logging import configure_logging, get_logger
+    from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.loop import run_training_loop
+    from kempnerforge.training.preflight import preflight
+    from kempnerforge.training.resume import apply_resume, plan_resume
     from kempnerforge.training.sample import print_sample
+    from kempnerforge.training.workspace import check_directories, locked_directories, record_config
 
+    started = time.time()
+    configure_logging(rank_from_env())  # before validate, which may warn
     config = load_config(args.config, overrides)
     config.validate(world_size_from_env())
+    preflight(config)
     runtime = init_runtime(config.distributed, config.train.device)
-    configure_logging(runtime.rank)
-    lock = RunLock(config.run_dir) if runtime.is_main else contextlib.nullcontext()
+    logger = get_logger("kempnerforge.cli")
     try:
-        with lock:
-            session = build_session(config, runtime)
-            # The handler stays installed until the run is over; then a stopped run ignores
-            # further stop signals, so a late second signal during teardown cannot turn
-            # the requeue exit code into a kill.
-            with session.shutdown_handler:
-                with session.tracker:
-                    step, tokens_seen = resume_session(session)
-                    step, tokens_seen = run_training_loop(
-                        session, step=step, tokens_seen=tokens_seen
-                    )
-                preempted = session.shutdown_handler.requested
-                if not preempted and runtime.is_main:
+        if runtime.is_main:
+            check_directories(config)
+        with locked_directories(config) if runtime.is_main else contextlib.nullcontext():
+            checkpointer = build_checkpointer(config, runtime)
+            plan = plan_resume(config, checkpointer)
+            if plan is not None and plan.step == config.train.max_steps:
+                if runtime.is_main:
                     print(
-                        f"finished at step {step} ({tokens_seen:,} tokens); run: {config.run_dir}"
+                        f"nothing to train: {plan.path} is already at train.max_steps = "
+                        f"{plan.step}; raise --train.max_steps to continue this run, or use "
+                        "another --train.name to start a new one"
                     )
-                    print_sample(session)
-            if preempted:
-                _ignore_stop_signals()
+                return exit_codes.FINISHED
+            session = build_session(
+                config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown
+            )
+            if shutdown.requested:
+                logger.warning(
+                    "stop requested by %s while the run was being built: exiting before the "
+                    "first step, nothing new to save",
+                    shutdown.reason,
+                )
+                session.tracker.close()
                 return exit_codes.PREEMPTED
+            if runtime.is_main:
+                record_config(config, started)
+            with session.tracker:
+                step, tokens_seen = apply_resume(session, plan)
+                step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+            if shutdown.requested:
+                return exit_codes.PREEMPTED
+            if runtime.is_main:
+                print(f"finished at step {step} ({tokens_seen:,} tokens); run: {config.run_dir}")
+                print_sample(session)
             return exit_codes.FINISHED
     finally:
         teardown_runtime(runtime)
@@ -66,6 +147,12 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.training.eval_cli import run_eval
 
     return run_eval(args, overrides)
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from kempnerforge.data.prepare import run_prepare_data
+
+    return run_prepare_data(args)
 
 
 def _ignore_stop_signals() -> None:
@@ -78,13 +165,16 @@ def _build_parser() -> argparse.ArgumentParser:
     from kempnerforge.training.eval_cli import add_eval_arguments
 
     parser = argparse.ArgumentParser(
-        prog="kempnerforge", description="Fault-tolerant training of foundation models."
+        prog="kempnerforge",
+        description="Fault-tolerant training of foundation models.",
+        epilog="Run `kempnerforge COMMAND --help` for a command's options.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
         help="train a model from a TOML config",
         description="Train from CONFIG; any --section.field=value argument overrides the file.",
+        epilog=TRAIN_EPILOG,
     )
     train.add_argument("config", help="path to a TOML config, e.g. configs/train/debug.toml")
     evaluate = commands.add_parser(
@@ -101,27 +191,33 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _describe_os_error(error: OSError) -> str:
+    where = error.filename if error.filename is not None else "the run"
+    return f"{where}: {error.strerror or error}"
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, MemoryError) or (
+        isinstance(error, RuntimeError)
+        and ("out of memory" in text.lower() or "can't allocate memory" in text)
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # torchdata's StatefulDataLoader calls an API this torch deprecates; nothing to act on.
     warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
-        if args.command == "train":
+        if args.command in ("train", "eval"):
             unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
             if unknown:
                 parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-            return _train(args, extra)
-        if args.command == "eval":
-            unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
-            if unknown:
-                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-            return _eval(args, extra)
+            return _train(args, extra) if args.command == "train" else _eval(args, extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        from kempnerforge.data.prepare import run_prepare_data
-
-        return run_prepare_data(args)
+        return _prepare_data(args)
     except (ConfigError, DataError, RunLockError) as e:
         print(f"kempnerforge: error: {e}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
@@ -131,6 +227,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NaNAbortError as e:
         print(f"kempnerforge: stopped: {e}", file=sys.stderr)
         return exit_codes.NAN_ABORT
+    except OSError as e:
+        if e.errno not in MACHINE_ERRNOS:
+            raise
+        print(f"kempnerforge: error: {_describe_os_error(e)}", file=sys.stderr)
+        return exit_codes.FAILED
+    except (MemoryError, RuntimeError) as e:
+        if not _is_out_of_memory(e):
+            raise
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"kempnerforge: error: out of memory ({first_line}); lower train.batch_size or "
+            "train.seq_len, or use a smaller model",
+            file=sys.stderr,
+        )
+        return exit_codes.FAILED
+    except KeyboardInterrupt:
+        print("kempnerforge: interrupted", file=sys.stderr)
+        return exit_codes.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kempnerforge.config.checks import check_at_least, check_choice
+from kempnerforge.config.checks import MAX_STEPS, check_at_least, check_choice
 from kempnerforge.config.errors import ConfigError
 
 ASYNC_MODES = ("disabled", "async")
@@ -13,31 +13,38 @@ ASYNC_MODES = ("disabled", "async")
 @dataclass
 class CheckpointConfig:
     interval: int = 100
-    """Save every N optimizer steps; 0 saves only at the end of the run."""
+    """Save every N optimizer steps; 0 saves only at the end of the run; at most 2**62 - 1."""
     dir: str = ""
     """Checkpoint directory; empty means <train.run_dir>/checkpoints."""
     resume_from: str = "auto"
-    """'auto' (the newest complete checkpoint in dir; broken ones are skipped with a warning),
-    'none', or a checkpoint path (absolute, or a name such as step_30 inside dir)."""
+    """Where a run without checkpoints of its own starts: 'auto' (nothing to load), 'none',
+    or a checkpoint path (absolute, or a name such as step_30 inside dir). Once the run has
+    a complete checkpoint in dir it always resumes from its newest one (broken ones are
+    skipped with a warning), whatever this says; 'none' always starts at step 0."""
     load_weights_only: bool = False
-    """Start a new run from the resumed checkpoint's model weights only: fresh optimizer,
-    scheduler and data position, step 0."""
+    """Start a new run from resume_from's model weights only: fresh optimizer, scheduler and
+    data position, step 0. Ignored (with a log line) once the run has checkpoints of its
+    own: a requeued run resumes fully from its newest."""
     allow_config_change: bool = False
-    """Resume even when a field that changes the math (model shape, vocab, seq_len, batch,
-    grad accumulation) differs from the checkpoint's; the change is logged."""
+    """Resume even when a field that changes what the saved state means (model, seq_len,
+    batch, seed, precision, loss, tokenizer, document masking, phases) differs from the
+    checkpoint's; each change is logged. See docs/fault-tolerance.md for every field."""
+    reset_optimizer: bool = False
+    """On resume, load the weights, step, schedule position and data position but start the
+    optimizer state afresh (logged); needed to resume with another optimizer.name."""
     async_mode: str = "disabled"
     """'disabled' (the loop waits for each save) or 'async' (the write happens in the
     background while training goes on; at most one save is in flight)."""
     keep_last_n: int = 0
-    """Keep only the newest N checkpoints; 0 keeps all. The one 'latest' names is never deleted."""
+    """Keep only the newest N checkpoints; 0 keeps all; at most 2**62 - 1. The one 'latest'
+    names is never deleted."""
     keep_every: int = 0
-    """Also keep every checkpoint whose step is a multiple of this, whatever keep_last_n says;
-    0 marks none."""
+    """Also keep every checkpoint whose step is a multiple of this (in optimizer steps),
+    whatever keep_last_n says; 0 marks none; at most 2**62 - 1."""
 
     def __post_init__(self) -> None:
-        check_at_least("checkpoint.interval", self.interval, 0)
-        check_at_least("checkpoint.keep_last_n", self.keep_last_n, 0)
-        check_at_least("checkpoint.keep_every", self.keep_every, 0)
+        for name in ("interval", "keep_last_n", "keep_every"):
+            check_at_least(f"checkpoint.{name}", getattr(self, name), 0, MAX_STEPS)
         check_choice("checkpoint.async_mode", self.async_mode, ASYNC_MODES)
         if not self.resume_from:
             raise ConfigError(

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import check_at_least, check_choice, check_positive
+from kempnerforge.config.checks import (
+    MAX_LOSS_WEIGHT,
+    MAX_LR,
+    MAX_SEED,
+    MAX_SIZE,
+    MAX_STEPS,
+    check_at_least,
+    check_choice,
+    check_in_range,
+    check_positive,
+)
 from kempnerforge.config.errors import ConfigError
 
 LOSS_NAMES = ("cross_entropy",)
+
+# A run name becomes a directory under runs/: one path component that is never '.', '..',
+# hidden, or taken for a command-line option, and that every filesystem spells the same way.
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+RUN_NAME_RULE = "1 to 128 of [A-Za-z0-9._-], not starting with '.' or '-'"
+MAX_THREADS = 65536
+"""More intra-op threads than any machine has cores."""
 
 
 @dataclass
@@ -15,17 +33,19 @@ class PhaseConfig:
     """One [[train.phases]] entry: from start_step on, new mixture weights and an LR scale."""
 
     start_step: int = 0
-    """Optimizer step from which the phase applies (0: from the first step)."""
+    """Optimizer step from which the phase applies (0: from the first step); at most
+    2**62 - 1."""
     dataset_weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights by data.datasets name; datasets not named keep the weight in force
     (the configured one, or the one an earlier phase set)."""
     lr_scale: float = 1.0
-    """Multiplies the scheduler's learning rate while this phase is in force."""
+    """Multiplies the scheduler's learning rate while this phase is in force; > 0 and at
+    most 10."""
 
     def check(self, field: str) -> None:
         """Section-local rules; ``field`` is this entry's dotted name (train.phases[i])."""
-        check_at_least(f"{field}.start_step", self.start_step, 0)
-        check_positive(f"{field}.lr_scale", self.lr_scale)
+        check_at_least(f"{field}.start_step", self.start_step, 0, MAX_STEPS)
+        check_positive(f"{field}.lr_scale", self.lr_scale, MAX_LR)
         for name, weight in self.dataset_weights.items():
             check_at_least(f"{field}.dataset_weights.{name}", weight, 0.0)
 
@@ -37,25 +57,31 @@ PRECISIONS = ("fp32", "bf16")
 @dataclass
 class TrainConfig:
     name: str = "debug"
-    """Run name; also the default run directory runs/<name>."""
+    """Run name; also the default run directory runs/<name>. 1 to 128 letters, digits, '.',
+    '_' or '-', not starting with '.' or '-' (so never '.', '..', a path or an option)."""
     run_dir: str = ""
     """Directory for config.toml, metrics.jsonl and checkpoints/; empty means runs/<name>."""
+    use_existing_dir: bool = False
+    """Allow run_dir or checkpoint.dir to be an existing, non-empty directory that no run
+    wrote (by default such a directory is refused, so a typo never writes into it)."""
     batch_size: int = 8
-    """Micro-batch size per data-parallel rank, in sequences."""
+    """Micro-batch size per data-parallel rank, in sequences; 1 to 2**31 - 1."""
     seq_len: int = 256
     """Tokens per training sequence; at most model.max_seq_len."""
     max_steps: int = 1000
-    """Optimizer steps to train for; a resumed run continues up to this step."""
+    """Optimizer steps to train for, 1 to 2**62 - 1; a resumed run continues up to this
+    step."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated into one optimizer step."""
+    """Micro-batches accumulated into one optimizer step; 1 to 2**31 - 1."""
     global_batch_size: int = 0
     """Optional guard, in sequences per optimizer step: when > 0 it must equal
     batch_size * grad_accum_steps * data-parallel degree, so a relaunch at another world
-    size cannot silently change the batch. 0 skips the check."""
+    size cannot silently change the batch. 0 skips the check; at most 2**62 - 1."""
     grad_clip_norm: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    """Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still
+    logged); at most 1e6."""
     seed: int = 42
-    """Seeds model init, data order and every RNG (python, numpy, torch)."""
+    """Seeds model init, data order and every RNG (python, numpy, torch); 0 to 2**63 - 1."""
     deterministic: bool = False
     """Use deterministic kernels so that a CPU run repeats bitwise (slower on GPU)."""
     device: str = "auto"
@@ -65,18 +91,19 @@ class TrainConfig:
     compile: bool = False
     """Compile the model with torch.compile before training."""
     num_threads: int = 0
-    """CPU intra-op threads for torch; 0 keeps torch's default."""
+    """CPU intra-op threads for torch; 0 keeps torch's default; at most 65536."""
     loss_fn: str = "cross_entropy"
     """Training loss, by name."""
     z_loss_weight: float = 0.0
-    """Weight of the output z-loss, mean(logsumexp(logits)^2); 0 disables it."""
+    """Weight of the output z-loss, mean(logsumexp(logits)^2); 0 disables it; at most 1000."""
     nan_consecutive_max: int = 5
     """After this many consecutive steps with a non-finite loss or gradient norm, roll back
-    to the last complete checkpoint (or stop when nan_max_rollbacks is used up)."""
+    to the last complete checkpoint (or stop when nan_max_rollbacks is used up); at least 1."""
     nan_max_rollbacks: int = 3
     """Rollbacks allowed per run before a NaN streak stops it (exit code 3); 0 stops at once."""
     nan_rollback_lr_scale: float = 1.0
-    """Multiply the learning rate by this after each rollback (e.g. 0.5); 1 keeps it."""
+    """Multiply the learning rate by this after each rollback (e.g. 0.5); 1 keeps it.
+    > 0 and at most 1."""
     hooks: list[str] = field(default_factory=list)
     """Training hooks by import path, 'package.module:ClassName', each built with no arguments."""
     phases: list[PhaseConfig] = field(default_factory=list)
@@ -84,21 +111,25 @@ class TrainConfig:
     sample_prompt: str = "def "
     """At the end of a run, greedily continue this prompt and print it; empty disables it."""
     sample_tokens: int = 120
-    """Number of tokens generated for the end-of-run sample."""
+    """Number of tokens generated for the end-of-run sample; 0 to 2**31 - 1."""
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ConfigError("train.name", self.name, "a non-empty name without '/'")
-        for name in ("batch_size", "seq_len", "max_steps", "grad_accum_steps"):
-            check_positive(f"train.{name}", getattr(self, name))
-        for name in ("grad_clip_norm", "z_loss_weight"):
-            check_at_least(f"train.{name}", getattr(self, name), 0.0)
-        check_at_least("train.global_batch_size", self.global_batch_size, 0)
-        check_at_least("train.num_threads", self.num_threads, 0)
-        check_at_least("train.nan_consecutive_max", self.nan_consecutive_max, 1)
-        check_at_least("train.nan_max_rollbacks", self.nan_max_rollbacks, 0)
-        check_positive("train.nan_rollback_lr_scale", self.nan_rollback_lr_scale)
-        check_at_least("train.sample_tokens", self.sample_tokens, 0)
+        if not RUN_NAME.fullmatch(self.name):
+            raise ConfigError("train.name", self.name, RUN_NAME_RULE, "it names runs/<name>")
+        for name in ("batch_size", "seq_len", "grad_accum_steps"):
+            check_positive(f"train.{name}", getattr(self, name), MAX_SIZE)
+        check_positive("train.max_steps", self.max_steps, MAX_STEPS)
+        # A gradient norm above 1e6 means the run has diverged; 0 already turns clipping off.
+        check_at_least("train.grad_clip_norm", self.grad_clip_norm, 0.0, 1e6)
+        check_at_least("train.z_loss_weight", self.z_loss_weight, 0.0, MAX_LOSS_WEIGHT)
+        check_at_least("train.global_batch_size", self.global_batch_size, 0, MAX_STEPS)
+        check_in_range("train.seed", self.seed, 0, MAX_SEED)
+        check_at_least("train.num_threads", self.num_threads, 0, MAX_THREADS)
+        check_at_least("train.nan_consecutive_max", self.nan_consecutive_max, 1, MAX_STEPS)
+        check_at_least("train.nan_max_rollbacks", self.nan_max_rollbacks, 0, MAX_STEPS)
+        # A rollback follows a divergence: the learning rate may stay or drop, never grow.
+        check_positive("train.nan_rollback_lr_scale", self.nan_rollback_lr_scale, 1.0)
+        check_at_least("train.sample_tokens", self.sample_tokens, 0, MAX_SIZE)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
         check_choice("train.loss_fn", self.loss_fn, LOSS_NAMES)

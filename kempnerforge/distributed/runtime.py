@@ -38,6 +38,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
 
 
+def rank_from_env() -> int:
+    """RANK as torchrun or SLURM set it; 0 for a plain `python` launch."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """train.device -> a torch.device; 'cuda' without a GPU is a config error."""
     if name == "auto":
@@ -52,7 +57,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
     """Join the process group when launched with several processes; pick this rank's device."""
     world_size = world_size_from_env()
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = rank_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
     device = resolve_device(device_name, local_rank)
     if device.type == "cuda":

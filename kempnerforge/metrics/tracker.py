@@ -18,8 +18,18 @@ from kempnerforge.metrics.mfu import mfu
 METRICS_FILE = "metrics.jsonl"
 """File name of the metrics log inside the run directory."""
 
-STEP_KEYS = ("step", "loss", "loss_avg", "grad_norm", "lr", "tokens_seen")
-STEP_KEYS += ("tokens_per_sec", "step_time_s", "mfu", "time")
+STEP_KEYS = (
+    "step",
+    "loss",
+    "loss_avg",
+    "grad_norm",
+    "lr",
+    "tokens_seen",
+    "tokens_per_sec",
+    "step_time_s",
+    "mfu",
+    "time",
+)
 """Keys of a training row, in order; 'mfu' only when a peak is known. Extra keys follow."""
 
 _RECENT_STEPS = 20  # steps averaged for the ETA and the bar's tok/s
@@ -76,9 +86,9 @@ class MetricsTracker:
         self._flops_per_token = flops_per_token
         self._peak = peak_flops_per_sec
         self._file = open_append(self.path) if rank == 0 else None
-        stream = stream if stream is not None else sys.stdout
-        mode = resolve_progress(cfg.progress, stream) if rank == 0 else "off"
-        self._console = Console(stream, bar=mode == "bar") if mode != "off" else None
+        out: IO[str] = stream if stream is not None else sys.stdout
+        mode = resolve_progress(cfg.progress, out) if rank == 0 else "off"
+        self._console = Console(out, bar=mode == "bar") if mode != "off" else None
 
         now = time.perf_counter()
         self._created = now
@@ -230,9 +240,12 @@ class MetricsTracker:
                 self._console.draw_bar(self._bar_text())
             self._console.close()
             self._console = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, self.path) from e
 
     def __enter__(self) -> MetricsTracker:
         return self
@@ -272,8 +285,12 @@ class MetricsTracker:
     def _write(self, row: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(jsonable(row), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(jsonable(row), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as e:
+            # A full disk surfaces here with no file name; the user needs to know which.
+            raise OSError(e.errno, e.strerror, self.path) from e
 
     def _recent_rates(self) -> tuple[float | None, float | None]:
         """(tokens/s, seconds/step) over the recent steps, for the ETA and the bar."""

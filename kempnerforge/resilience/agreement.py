@@ -1,4 +1,4 @@
-"""Cross-rank agreement on per-rank decisions: stop now, skip this step.
+"""Cross-rank agreement on per-rank decisions, such as stopping now.
 
 A signal reaches ranks at different times, and a rank-local check can differ across
 pipeline stages. A decision that changes which collectives run next (saving, skipping
@@ -25,17 +25,6 @@ def agree_on_stop(
     for nccl.
     """
     return any_rank([local_stop], device, group)[0]
-
-
-def agree_on_bad_step(
-    local_bad: bool, device: torch.device, group: dist.ProcessGroup | None = None
-) -> bool:
-    """True on every rank when any rank judged this step bad (non-finite loss or norm).
-
-    The NaN check's counterpart of `agree_on_stop`, with the same contract: called by every
-    rank once per step, before the optimizer step, so all ranks skip it together.
-    """
-    return any_rank([local_bad], device, group)[0]
 
 
 def any_rank(

@@ -22,6 +22,8 @@ NAN_ABORT (3)
     train.nan_consecutive_max steps in a row had a non-finite loss or gradient norm.
     The last checkpoint predates the divergence; lower the learning rate or change data
     before resuming. Requeueing unchanged repeats the divergence.
+INTERRUPTED (130)
+    Ctrl-C outside training (prepare-data, eval): nothing was left half-written.
 PREEMPTED (75, EX_TEMPFAIL from sysexits.h)
     A signal (SIGTERM, SIGINT or SIGUSR1, e.g. from ``#SBATCH --signal=B:USR1@120``)
     arrived, the run saved a checkpoint of its last good step and exited cleanly.
@@ -40,3 +42,5 @@ NAN_ABORT = 3
 """Too many consecutive non-finite steps; change the run before resuming."""
 PREEMPTED = 75
 """Saved after a stop signal (EX_TEMPFAIL): requeue and it resumes where it stopped."""
+INTERRUPTED = 130
+"""Interrupted (Ctrl-C) outside a training run, which would have saved and exited 75."""

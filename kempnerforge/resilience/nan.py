@@ -3,28 +3,58 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 
-_KEPT_STEP_IDS = 100
+_KEPT_SKIPS = 100
+
+
+@dataclass(frozen=True)
+class SkippedAttempt:
+    """One attempt at a step that was skipped: the step it tried to make, which try of that
+    step it was (1 for the first), and where in the data its batches came from."""
+
+    step: int
+    attempt: int
+    data: str = ""
+
+
+def describe_attempts(skips: Sequence[SkippedAttempt]) -> str:
+    """'step 6, attempts 1-3 (data: ...; ...)' for a run of skips, grouped by step."""
+    groups: list[list[SkippedAttempt]] = []
+    for skip in skips:
+        if groups and groups[-1][0].step == skip.step:
+            groups[-1].append(skip)
+        else:
+            groups.append([skip])
+    parts = []
+    for group in groups:
+        first, last = group[0].attempt, group[-1].attempt
+        tries = f"attempt {first}" if first == last else f"attempts {first}-{last}"
+        data = "; ".join(s.data for s in group if s.data)
+        parts.append(f"step {group[0].step}, {tries}" + (f" (data: {data})" if data else ""))
+    return "; ".join(parts)
 
 
 class NaNAbortError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops (the CLI exits with NAN_ABORT)."""
 
-    def __init__(self, steps: list[int], rollbacks: int = 0, reason: str = "") -> None:
-        self.steps = list(steps)
+    def __init__(
+        self, skips: Sequence[SkippedAttempt], rollbacks: int = 0, reason: str = ""
+    ) -> None:
+        self.skips = list(skips)
         self.rollbacks = rollbacks
-        shown = ", ".join(str(s) for s in self.steps)
         after = f" after {rollbacks} rollback(s)" if rollbacks else ""
         why = f" ({reason})" if reason else ""
         super().__init__(
-            f"{len(self.steps)} consecutive steps had a non-finite loss or gradient norm "
-            f"(steps {shown}){after}{why}; lower the learning rate or resume from an "
-            "earlier checkpoint"
+            f"{len(self.skips)} consecutive attempts had a non-finite loss or gradient norm "
+            f"({describe_attempts(self.skips)}){after}{why}; lower the learning rate, check "
+            "the data named, or resume from an earlier checkpoint"
         )
 
 
@@ -33,7 +63,9 @@ class NaNDetector:
 
     A step is good only when both values are finite: a finite loss with an inf/NaN
     gradient norm would otherwise let the clip scale the gradients by NaN. The caller
-    skips the optimizer step for a bad one and stops once `exhausted` is True.
+    skips the optimizer step for a bad one and stops once `exhausted` is True. A skipped
+    step is tried again with the next batches, so one step number can fail several times:
+    each failure is a numbered attempt of that step, recorded with its data position.
     """
 
     def __init__(self, max_consecutive: int) -> None:
@@ -41,18 +73,43 @@ class NaNDetector:
             raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}")
         self.max_consecutive = max_consecutive
         self.consecutive = 0
-        """Bad steps in a row, reset by a good step."""
+        """Bad attempts in a row, reset by a good step."""
         self.total_skipped = 0
-        """Bad steps over the whole run, resumes included."""
-        self.skipped_steps: list[int] = []
-        """Ids of the most recent bad steps, oldest first (the last 100)."""
+        """Bad attempts over the whole run, resumes included."""
+        self.skipped: list[SkippedAttempt] = []
+        """The most recent bad attempts, oldest first (the last 100)."""
         self.rollbacks = 0
         """Rollbacks to a checkpoint after a streak of bad steps, over the whole run."""
         self.lr_scale = 1.0
         """Product of the LR scales applied by those rollbacks."""
 
-    def check(self, loss: float, grad_norm: float, step: int) -> bool:
-        """True when the step is good (loss and gradient norm both finite); logs a bad one."""
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The step numbers of the recorded bad attempts (a step appears once per attempt)."""
+        return [skip.step for skip in self.skipped]
+
+    @property
+    def attempt(self) -> int:
+        """Which attempt at its step the last bad one was (0 before any)."""
+        return self.skipped[-1].attempt if self.skipped else 0
+
+    @property
+    def last_data_position(self) -> str:
+        """Where the data of the last bad attempt came from ('' if unknown)."""
+        return self.skipped[-1].data if self.skipped else ""
+
+    def check(
+        self,
+        loss: float,
+        grad_norm: float,
+        step: int,
+        data_position: Callable[[], str] | None = None,
+    ) -> bool:
+        """True when the step is good (loss and gradient norm both finite); logs a bad one.
+
+        ``data_position`` describes where the step's batches came from; it is called only
+        for a bad step, so it may be slow.
+        """
         bad = [
             name for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not _finite(value)
         ]
@@ -61,14 +118,19 @@ class NaNDetector:
             return True
         self.consecutive += 1
         self.total_skipped += 1
-        self.skipped_steps = [*self.skipped_steps, step][-_KEPT_STEP_IDS:]
+        previous = self.skipped[-1] if self.skipped and self.consecutive > 1 else None
+        attempt = previous.attempt + 1 if previous and previous.step == step else 1
+        data = data_position() if data_position is not None else ""
+        self.skipped = [*self.skipped, SkippedAttempt(step, attempt, data)][-_KEPT_SKIPS:]
         logger.warning(
-            "step %d: non-finite %s (loss=%s, grad_norm=%s); skipping the update (%d in a row, "
-            "limit %d)",
+            "step %d, attempt %d: non-finite %s (loss=%s, grad_norm=%s)%s; skipping the update "
+            "(%d bad attempts in a row, limit %d)",
             step,
+            attempt,
             " and ".join(bad),
             loss,
             grad_norm,
+            f"; data: {data}" if data else "",
             self.consecutive,
             self.max_consecutive,
         )
@@ -76,8 +138,13 @@ class NaNDetector:
 
     @property
     def exhausted(self) -> bool:
-        """True once `max_consecutive` bad steps have come in a row."""
+        """True once `max_consecutive` bad attempts have come in a row."""
         return self.consecutive >= self.max_consecutive
+
+    @property
+    def streak(self) -> list[SkippedAttempt]:
+        """The bad attempts of the current streak, oldest first."""
+        return self.skipped[-self.consecutive :] if self.consecutive else []
 
     def record_rollback(self, lr_scale: float) -> None:
         """A rollback happened: the streak starts over, the LR scale compounds."""
@@ -89,7 +156,7 @@ class NaNDetector:
         return {
             "consecutive": self.consecutive,
             "total_skipped": self.total_skipped,
-            "skipped_steps": list(self.skipped_steps),
+            "skipped": [[s.step, s.attempt, s.data] for s in self.skipped],
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
         }
@@ -97,7 +164,11 @@ class NaNDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state["consecutive"])
         self.total_skipped = int(state["total_skipped"])
-        self.skipped_steps = [int(s) for s in state["skipped_steps"]][-_KEPT_STEP_IDS:]
+        if "skipped" in state:
+            records = [SkippedAttempt(int(s), int(a), str(d)) for s, a, d in state["skipped"]]
+        else:  # saved before attempts were numbered: step ids only
+            records = [SkippedAttempt(int(s), 1) for s in state.get("skipped_steps", [])]
+        self.skipped = records[-_KEPT_SKIPS:]
         self.rollbacks = int(state.get("rollbacks", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
 

@@ -1,7 +1,13 @@
-"""RunLock: one training run per run directory, enforced with an exclusive flock."""
+"""RunLock: one training run per directory, enforced with an exclusive flock.
+
+A run locks its run directory and its checkpoint directory. The lock belongs to the
+process that took it: forked children (dataloader workers) do not keep it, so a killed
+run's orphaned workers never block the requeue that follows.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -19,21 +25,42 @@ logger = get_logger(__name__)
 LOCK_NAME = ".lock"
 _READ_TRIES = 3  # the holder writes its record right after locking: give it a moment
 
+# Descriptors of the locks this process holds, closed in every forked child: a flock
+# belongs to the open file, which fork shares, so a child left holding the descriptor
+# would keep the lock alive after this process dies.
+_held_fds: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in list(_held_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the child's copy only: the parent's lock stays held
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
 
 class RunLockError(Exception):
-    """Another live process holds the run directory; the message names it."""
+    """Another live process holds the directory; the message names it."""
 
-    def __init__(self, run_dir: str, holder: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        holder: dict[str, Any] | None,
+        what: str = "run directory",
+        field: str = "train.run_dir",
+    ) -> None:
         self.run_dir = run_dir
         self.holder = holder
         super().__init__(
-            f"run directory {run_dir} is in use by {_describe(holder)}; "
-            "stop that run or choose another train.run_dir"
+            f"{what} {run_dir} is in use by {_describe(holder)}; "
+            f"stop that run or choose another {field}"
         )
 
 
 class RunLock:
-    """Holds `<run_dir>/.lock` so two runs never write the same checkpoints and metrics.
+    """Holds `<directory>/.lock` so two runs never write the same checkpoints and metrics.
 
     `acquire` takes an exclusive, non-blocking ``fcntl.flock`` on the file and writes the
     holder's pid, hostname and start time into it; a second run on the same directory gets
@@ -45,16 +72,26 @@ class RunLock:
     Only rank 0 should take it (the caller decides): ranks on other nodes sharing the
     directory would otherwise lock each other out. Across nodes the filesystem must honour
     flock (NFS and Lustre mounted with ``flock`` do; Lustre's ``localflock`` only guards one
-    node). The lock is inherited by forked children (dataloader workers) and released when
-    the last of them exits. Usable as a context manager::
+    node). Forked children (dataloader workers) close their copy of the descriptor at once,
+    so the lock dies with the process that took it, not with its last child. ``what`` and
+    ``field`` name the directory in the error ("checkpoint directory", "checkpoint.dir").
+    Usable as a context manager::
 
         with RunLock(config.run_dir):
             ...  # train
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        what: str = "run directory",
+        field: str = "train.run_dir",
+    ) -> None:
         self.run_dir = str(run_dir)
         self.path = Path(run_dir) / LOCK_NAME
+        self.what = what
+        self.field = field
         self._fd: int | None = None
 
     @property
@@ -76,7 +113,7 @@ class RunLock:
         except BlockingIOError:
             holder = _read_record(fd, retries=_READ_TRIES)
             os.close(fd)
-            raise RunLockError(self.run_dir, holder) from None
+            raise RunLockError(self.run_dir, holder, self.what, self.field) from None
         except OSError as e:
             os.close(fd)
             # e.g. ENOLCK on an NFS mount without lock support: say which file and why.
@@ -94,16 +131,22 @@ class RunLock:
                     _why_stale(previous),
                 )
             _write_record(fd, _this_process())
-        except BaseException:
+        except OSError as e:
             os.close(fd)  # closing drops the flock too
+            # pwrite on a full disk names no file: say which one.
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
+        except BaseException:
+            os.close(fd)
             raise
         self._fd = fd
+        _held_fds.add(fd)
 
     def release(self) -> None:
         """Clear the record and drop the lock; a no-op when not held."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        _held_fds.discard(fd)
         try:
             # Truncate, never unlink: a waiter may already have the file open, and unlinking
             # would let it lock an orphaned inode while a third run creates a fresh one.

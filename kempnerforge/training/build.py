@@ -1,19 +1,17 @@
-"""The build phase: config + runtime -> a TrainingSession, and resuming it from a checkpoint."""
+"""The build phase: config + runtime -> a TrainingSession."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import random
-from typing import Any
 
 import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
-from kempnerforge.config.loader import dump_config, save_config
-from kempnerforge.config.profiling import ProfilingConfig
+from kempnerforge.config.loader import dump_config
 from kempnerforge.data.phases import PhaseState, TrainingPhase
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
@@ -26,9 +24,10 @@ from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import build_loss_fn
-from kempnerforge.training.optimizer import build_optimizer, set_optimizer_mode
+from kempnerforge.training.optimizer import build_optimizer
+from kempnerforge.training.preflight import check_model_fits
+from kempnerforge.training.profiling import build_profiler
 from kempnerforge.training.scheduler import build_scheduler
-from kempnerforge.training.state import check_resume_compatible, restore_train_state
 
 logger = get_logger(__name__)
 
@@ -49,39 +48,36 @@ def config_sha256(config: JobConfig) -> str:
     return hashlib.sha256(dump_config(config).encode()).hexdigest()
 
 
-def build_profiler(cfg: ProfilingConfig, run_dir: str, first_step: int) -> Any | None:
-    """A torch.profiler over optimizer steps start_step..end_step, or None.
-
-    The loop calls profiler.step() after each optimizer step, counting from first_step
-    (the step the loop starts at), so the window is shifted for a resumed run.
-    """
-    if not cfg.enable or cfg.end_step <= first_step:
-        return None
-    wait = max(cfg.start_step - 1 - first_step, 0)
-    active = cfg.end_step - max(cfg.start_step - 1, first_step)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    trace_dir = cfg.trace_dir or os.path.join(run_dir, "profiler")
-    return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=wait, warmup=0, active=active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
-        record_shapes=True,
-        with_flops=True,
+def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> CheckpointManager:
+    """The run's CheckpointManager (collective when distributed: it creates its groups)."""
+    return CheckpointManager(
+        config.checkpoint,
+        config.checkpoint_dir,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        config_sha256=config_sha256(config),
     )
 
 
-def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession:
-    """Everything the loop needs, built in dependency order from a validated config."""
+def build_session(
+    config: JobConfig,
+    runtime: RuntimeContext,
+    *,
+    checkpointer: CheckpointManager | None = None,
+    shutdown_handler: ShutdownHandler | None = None,
+) -> TrainingSession:
+    """Everything the loop needs, built in dependency order from a validated config.
+
+    Writes nothing into the run directory but metrics.jsonl (the tracker opens it); the
+    CLI records config.toml once the build has succeeded. ``checkpointer`` and
+    ``shutdown_handler`` are the CLI's when it made them before the build (to plan the
+    resume, and to catch a stop signal during the build); fresh ones otherwise.
+    """
     tc = config.train
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
+    check_model_fits(config.model, runtime.device)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
-    run_dir = config.run_dir
-    if runtime.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        save_config(config, os.path.join(run_dir, "config.toml"))
     data = build_data_pipeline(
         config.data,
         seq_len=tc.seq_len,
@@ -104,10 +100,10 @@ def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession
         # In place, so parameter names (and so checkpoints) are the same compiled or not.
         model.compile()
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
-    peak = peak_flops_per_sec(runtime.device)
+    peak = peak_flops_per_sec(runtime.device, tc.mixed_precision)
     tracker = MetricsTracker(
         config.metrics,
-        run_dir,
+        config.run_dir,
         max_steps=tc.max_steps,
         rank=runtime.rank,
         flops_per_token=flops_per_token,
@@ -126,44 +122,10 @@ def build_session(config: JobConfig, runtime: RuntimeContext) -> TrainingSession
         phases=PhaseState(
             [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases]
         ),
-        checkpointer=CheckpointManager(
-            config.checkpoint,
-            config.checkpoint_dir,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            config_sha256=config_sha256(config),
-        ),
+        checkpointer=checkpointer or build_checkpointer(config, runtime),
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
         nan_detector=NaNDetector(tc.nan_consecutive_max),
-        shutdown_handler=ShutdownHandler(),
-        profiler=build_profiler(config.profiling, run_dir, first_step=0),
+        shutdown_handler=shutdown_handler or ShutdownHandler(),
+        profiler=build_profiler(config.profiling, config.run_dir, first_step=0),
     )
-
-
-def resume_session(session: TrainingSession) -> tuple[int, int]:
-    """Load the checkpoint checkpoint.resume_from points at, if any; return (step, tokens_seen).
-
-    A config change that alters the math is refused before anything is loaded (see
-    check_resume_compatible). With checkpoint.load_weights_only only the model weights
-    are taken and the run starts at step 0 with a fresh optimizer and data order.
-    """
-    cfg = session.config
-    path = session.checkpointer.find_resume_path()
-    if path is None:
-        return 0, 0
-    if cfg.checkpoint.load_weights_only:
-        session.checkpointer.load_weights(path, model=session.model)
-        session.tracker.log_event(0, "load_weights", path=path)
-        logger.info("initialised the model from %s (weights only); starting at step 0", path)
-        return 0, 0
-    check_resume_compatible(cfg, session.checkpointer.read_extra(path), path)
-    state = session.checkpointer.load(
-        path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
-    )
-    set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
-    step, tokens_seen = restore_train_state(session, state)
-    session.profiler = build_profiler(cfg.profiling, cfg.run_dir, first_step=step)
-    session.tracker.log_event(step, "resume", path=path, tokens_seen=tokens_seen)
-    logger.info("resumed from %s at step %d (%d tokens seen)", path, step, tokens_seen)
-    return step, tokens_seen

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from kempnerforge.config.job import JobConfig
+from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.training.loss import IGNORE_INDEX, cross_entropy_sum
-
-if TYPE_CHECKING:
-    from kempnerforge.training.loop import TrainingSession
+from kempnerforge.training.loss import cross_entropy_sum
+from kempnerforge.training.session import TrainingSession
 
 # exp() of a diverged loss overflows a float; report perplexity as inf past this.
 _MAX_LOG_PPL = 700.0

@@ -6,6 +6,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 
 def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -21,7 +24,7 @@ def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
     else:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):
+    if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return norm
 
@@ -37,13 +40,13 @@ def maybe_no_sync(model: torch.nn.Module, micro: int, num_micro: int) -> Iterato
     if last or num_micro == 1:
         yield
         return
-    if hasattr(model, "set_requires_gradient_sync"):
+    if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
-    elif hasattr(model, "no_sync"):
+    elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
     else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,20 +132,38 @@ def load_hooks(paths: list[str]) -> list[TrainingHook]:
     Raises ConfigError("train.hooks", path, ...) when the module cannot be imported, the
     name is missing from it, it is not a TrainingHook subclass, or building it fails.
     """
-    return [_load_hook(path) for path in paths]
+    hooks = []
+    for path in paths:
+        cls = hook_class(path)
+        try:
+            hooks.append(cls())
+        except Exception as e:
+            attr = path.partition(":")[2]
+            hint = f"{attr}() failed: {type(e).__name__}: {e}; hooks are built with no arguments"
+            raise ConfigError("train.hooks", path, _ALLOWED, hint) from e
+    return hooks
 
 
-def _load_hook(path: str) -> TrainingHook:
+def hook_class(path: str) -> type[TrainingHook]:
+    """The TrainingHook subclass 'package.module:ClassName' names, imported but not built.
+
+    Modules are looked up the way ``python -m`` does, the working directory first, so a
+    hook file next to where the run is launched imports with the installed command too.
+    Raises the ConfigError load_hooks documents.
+    """
     module_name, _, attr_path = path.partition(":")
     if not module_name or not attr_path:
         raise ConfigError("train.hooks", path, _ALLOWED, "expected exactly one ':'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         hint = f"cannot import {module_name!r}: {type(e).__name__}: {e}"
         missing = e.name if isinstance(e, ModuleNotFoundError) else None
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            hint += "; is its directory on PYTHONPATH?"
+            hint += f"; is its directory the working directory ({cwd}) or on PYTHONPATH?"
         raise ConfigError("train.hooks", path, _ALLOWED, hint) from e
 
     obj: Any = module
@@ -163,8 +183,4 @@ def _load_hook(path: str) -> TrainingHook:
         what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
         hint = f"{attr_path} is not a TrainingHook subclass (it is a {what})"
         raise ConfigError("train.hooks", path, _ALLOWED, hint)
-    try:
-        return obj()
-    except Exception as e:
-        hint = f"{attr_path}() failed: {type(e).__name__}: {e}; hooks are built with no arguments"
-        raise ConfigError("train.hooks", path, _ALLOWED, hint) from e
+    return obj

@@ -6,21 +6,23 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from kempnerforge.training.loss import IGNORE_INDEX
+from kempnerforge.data.dataset import IGNORE_INDEX
+from kempnerforge.training.loss import token_losses
 
 
 class DatasetSums:
     """Accumulates, per source dataset, CE sums and token counts over a step's micro-batches.
 
     Rows are attributed by the batch's ``dataset_idx``. Everything stays on the device
-    (index_add) and is read back in one transfer by ``finish``; the loss is the plain
-    cross-entropy, so with z-loss on, the per-dataset losses exclude the z term.
+    (index_add) and is read back in one transfer by ``finish``. The loss is the training
+    objective (cross-entropy plus ``z_loss_weight`` times the z-loss, as the step's loss),
+    so the per-dataset sums add up to the step's loss sum.
     """
 
-    def __init__(self, names: list[str], device: torch.device) -> None:
+    def __init__(self, names: list[str], device: torch.device, z_loss_weight: float = 0.0) -> None:
         self.names = names
+        self.z_loss_weight = z_loss_weight
         self.loss_sums = torch.zeros(len(names), dtype=torch.float64, device=device)
         self.loss_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
         self.token_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
@@ -28,12 +30,7 @@ class DatasetSums:
     @torch.no_grad()
     def add(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         labels, source = batch["labels"], batch["dataset_idx"]
-        per_token = F.cross_entropy(
-            logits.detach().flatten(0, -2).float(),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
+        per_token = token_losses(logits.detach(), labels, self.z_loss_weight)
         supervised = labels != IGNORE_INDEX
         self.loss_sums.index_add_(0, source, per_token.sum(1).double())
         self.loss_counts.index_add_(0, source, supervised.sum(1))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kempnerforge.metrics.logging import get_logger
-
-if TYPE_CHECKING:
-    from kempnerforge.training.loop import TrainingSession
+from kempnerforge.training.lr import refresh_learning_rates
+from kempnerforge.training.session import TrainingSession
 
 logger = get_logger(__name__)
 
@@ -30,18 +27,4 @@ def advance_phases(session: TrainingSession, step: int) -> None:
             step, "phase", start_step=phase.start_step, lr_scale=phase.lr_scale
         )
     session.batches.reset()  # the next batch is drawn under the new weights
-    apply_phase_lr_scale(session)
-
-
-def apply_phase_lr_scale(session: TrainingSession) -> None:
-    """Set each group's LR to the scheduler's value times the phase's factor.
-
-    Computed from the scheduler's last value, not the group's current LR, so applying it
-    twice in one step (a phase firing right after the scheduler's step) never compounds.
-    """
-    if not session.phases.active:
-        return
-    for group, lr in zip(
-        session.optimizer.param_groups, session.scheduler.get_last_lr(), strict=True
-    ):
-        group["lr"] = lr * session.phases.lr_scale
+    refresh_learning_rates(session)

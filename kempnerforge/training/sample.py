@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.model import generate_greedy
 from kempnerforge.training.optimizer import optimizer_eval_mode
-
-if TYPE_CHECKING:
-    from kempnerforge.data.tokenizer import Tokenizer
-    from kempnerforge.training.loop import TrainingSession
+from kempnerforge.training.session import TrainingSession
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str, bos_per_document: bool) -> list[int]:

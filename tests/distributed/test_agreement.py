@@ -1,11 +1,11 @@
-"""agree_on_stop / agree_on_bad_step on two real gloo ranks: any rank's vote binds all."""
+"""agree_on_stop / any_rank on two real gloo ranks: any rank's vote binds all."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kempnerforge.resilience.agreement import agree_on_bad_step, agree_on_stop, any_rank
+from kempnerforge.resilience.agreement import agree_on_stop, any_rank
 from tests.support.dist import run_distributed
 
 CPU = torch.device("cpu")
@@ -17,8 +17,6 @@ def _votes(rank: int, world_size: int) -> dict[str, object]:
     return {
         "stop_rank_1": agree_on_stop(only_rank_1, CPU),
         "stop_none": agree_on_stop(False, CPU),
-        "bad_rank_1": agree_on_bad_step(only_rank_1, CPU),
-        "bad_none": agree_on_bad_step(False, CPU),
         "any_rank": any_rank([False, only_rank_1, rank == 0], CPU),
     }
 
@@ -39,16 +37,6 @@ def test_no_rank_wanting_to_stop_means_no_stop(votes):
 
 
 @pytest.mark.distributed
-def test_a_bad_step_on_rank_1_alone_is_skipped_by_both_ranks(votes):
-    assert [v["bad_rank_1"] for v in votes] == [True, True]
-
-
-@pytest.mark.distributed
-def test_no_bad_step_on_any_rank_means_no_skip(votes):
-    assert [v["bad_none"] for v in votes] == [False, False]
-
-
-@pytest.mark.distributed
 def test_any_rank_agrees_on_each_flag_in_one_collective(votes):
     assert [v["any_rank"] for v in votes] == [(False, True, True), (False, True, True)]
 
@@ -56,5 +44,4 @@ def test_any_rank_agrees_on_each_flag_in_one_collective(votes):
 def test_without_a_process_group_the_local_decision_stands():
     assert agree_on_stop(True, CPU) is True
     assert agree_on_stop(False, CPU) is False
-    assert agree_on_bad_step(True, CPU) is True
     assert any_rank([True, False], CPU) == (True, False)

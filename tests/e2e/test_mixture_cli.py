@@ -121,8 +121,8 @@ def read_rows(run_dir: pathlib.Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> pathlib.Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(builtin_cache) -> pathlib.Path:
+    return builtin_cache
 
 
 def _write_inputs(root: pathlib.Path) -> dict[str, list[str]]:

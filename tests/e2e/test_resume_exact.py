@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kempnerforge.training.build import resume_session
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import TrainingSession, run_training_loop
+from kempnerforge.training.resume import resume_session
 from tests.conftest import TINY_MODEL
 from tests.support.resume import (
     assert_optimizer_states_bitwise_equal,

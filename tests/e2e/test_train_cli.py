@@ -43,8 +43,8 @@ def train_rows(run_dir: pathlib.Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> pathlib.Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(builtin_cache) -> pathlib.Path:
+    return builtin_cache
 
 
 def test_debug_run_trains_then_resumes_from_latest(tmp_path, cache):
@@ -114,7 +114,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, ca
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     step = int(latest.removeprefix("step_"))

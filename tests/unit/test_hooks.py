@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -209,8 +210,21 @@ def test_missing_module_names_the_import_error(hook_module):
     assert load_error("no_such_hooks_mod:Hook") == (
         f"train.hooks = 'no_such_hooks_mod:Hook': {ALLOWED} (cannot import 'no_such_hooks_mod':"
         " ModuleNotFoundError: No module named 'no_such_hooks_mod';"
-        " is its directory on PYTHONPATH?)"
+        f" is its directory the working directory ({os.getcwd()}) or on PYTHONPATH?)"
     )
+
+
+def test_a_hook_module_in_the_working_directory_imports_without_pythonpath(tmp_path, monkeypatch):
+    # The installed `kempnerforge` script does not put the working directory on sys.path.
+    (tmp_path / "cwd_hooks_mod.py").write_text(
+        "from kempnerforge.training.hooks import TrainingHook\n"
+        "class Hook(TrainingHook):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    [hook] = load_hooks(["cwd_hooks_mod:Hook"])
+    assert type(hook).__name__ == "Hook"
+    sys.modules.pop("cwd_hooks_mod", None)
 
 
 def test_module_failing_to_import_names_its_missing_dependency(hook_module):

@@ -13,7 +13,7 @@ import torch
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.nan import NaNAbortError
-from kempnerforge.training.build import build_session, resume_session
+from kempnerforge.training.build import build_session
 from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import (
     BatchStream,
@@ -26,6 +26,7 @@ from kempnerforge.training.loop import (
     vlm_step,
 )
 from kempnerforge.training.loss import IGNORE_INDEX
+from kempnerforge.training.resume import resume_session
 
 
 def make_session(overrides: list[str]):
@@ -256,16 +257,41 @@ def test_non_finite_grad_norm_under_finite_loss_is_skipped(tiny_overrides):
     assert session.scheduler.last_epoch == 2
 
 
+class StopAfter(TrainingHook):
+    """Asks for a stop at the end of step `step`, as a signal arriving mid-step would."""
+
+    def __init__(self, session, step: int) -> None:
+        self.session, self.step = session, step
+
+    def on_step_end(self, ctx):
+        if ctx.step == self.step:
+            self.session.shutdown_handler.request("test")
+
+
 def test_shutdown_request_saves_and_stops_at_the_step_boundary(tiny_overrides):
     session = make_session(tiny_overrides + ["--train.max_steps=50"])
     hook = RecordingHook()
     session.hooks.add(hook)
-    session.shutdown_handler.request("test")
+    session.hooks.add(StopAfter(session, 1))
     with session.tracker:
         step, _ = run_training_loop(session)
     assert step == 1
     assert ("save", 1, "step_1") in hook.events
     assert session.checkpointer.find_resume_path().endswith("step_1")
+
+
+def test_a_stop_before_the_first_step_trains_nothing_and_saves_nothing(tiny_overrides):
+    session = make_session(tiny_overrides + ["--train.max_steps=50"])
+    hook = RecordingHook()
+    session.hooks.add(hook)
+    session.shutdown_handler.request("test")  # e.g. a SIGTERM while the data was prepared
+    with session.tracker:
+        step, tokens = run_training_loop(session)
+    assert (step, tokens) == (0, 0)
+    assert [e for e in hook.events if e[0] in ("step", "save")] == []
+    assert session.checkpointer.find_resume_path() is None
+    shutdown = [r for r in read_rows(session.config.run_dir) if r.get("event") == "shutdown"]
+    assert [r["step"] for r in shutdown] == [0]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lion", "muon", "schedule_free_adamw"])
@@ -285,7 +311,7 @@ def test_resume_continues_bitwise_equal(tiny_overrides, optimizer):
     run2 = [o for o in deterministic if not o.startswith("--train.run_dir")]
     run2 += [f"--train.run_dir={full.config.run_dir}-split"]
     first = make_session([*run2, "--train.max_steps=8", "--checkpoint.interval=3"])
-    first.shutdown_handler.request("test")  # stop after step 1 ... then resume
+    first.hooks.add(StopAfter(first, 1))  # stop after step 1 ... then resume
     with first.tracker:
         run_training_loop(first)
     second = make_session(run2)
@@ -297,13 +323,16 @@ def test_resume_continues_bitwise_equal(tiny_overrides, optimizer):
     assert got == expected
 
 
-def test_checkpoint_extra_records_phase_state_and_math_fields(tiny_job_config):
+def test_checkpoint_extra_records_phase_state_and_the_resolved_config(tiny_job_config):
+    from kempnerforge.config.loader import build_dataclass
+    from kempnerforge.config.job import JobConfig
     from kempnerforge.data.phases import PhaseState
 
     extra = checkpoint_extra(tiny_job_config, 7, PhaseState())
     assert extra["step"] == 7
     assert extra["phases"] == {"next_index": 0, "lr_scale": 1.0}
-    assert extra["math"]["train.seq_len"] == 32
+    assert extra["config"]["train"]["seq_len"] == 32
+    assert build_dataclass(JobConfig, extra["config"], prefix="") == tiny_job_config
     assert "vlm_freeze" not in extra
 
 

@@ -12,8 +12,10 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.nan import NaNAbortError
-from kempnerforge.training.build import build_session, resume_session
+from kempnerforge.training.build import build_session
+from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.resume import resume_session
 
 
 def make_session(overrides):
@@ -96,7 +98,7 @@ def test_rollback_state_survives_a_resume(tiny_overrides):
     session.loss_fn = PoisonedLoss(session.loss_fn, {5, 6})
     with session.tracker:
         run_training_loop(session)
-    resumed = make_session(overrides)
+    resumed = make_session([*overrides, "--train.max_steps=9"])
     with resumed.tracker:
         assert resume_session(resumed)[0] == 8
     assert resumed.nan_detector.rollbacks == 1
@@ -137,8 +139,8 @@ def test_shutdown_during_a_bad_streak_saves_the_last_good_step(tiny_overrides):
 
     real_check = session.nan_detector.check
 
-    def check_then_signal(loss, grad_norm, step):
-        good = real_check(loss, grad_norm, step)
+    def check_then_signal(loss, grad_norm, step, data_position=None):
+        good = real_check(loss, grad_norm, step, data_position)
         if not good:
             session.shutdown_handler.request("test")
         return good
@@ -197,3 +199,61 @@ def test_load_weights_only_starts_a_new_run_from_the_model(tiny_overrides, tmp_p
         assert torch.equal(a, b), name
     assert fresh.optimizer.state_dict()["state"] == {}
     assert fresh.scheduler.last_epoch == 0
+
+
+def test_the_stop_message_counts_attempts_of_one_step_and_names_their_data(tiny_overrides):
+    session = make_session(tiny_overrides + ["--train.nan_consecutive_max=3"])
+    poisoned = PoisonedLoss(session.loss_fn, set(), forever_from=6)
+    session.loss_fn = poisoned
+    with session.tracker, pytest.raises(NaNAbortError) as info:
+        run_training_loop(session)
+    message = str(info.value)
+    assert message.startswith("3 consecutive attempts had a non-finite loss or gradient norm")
+    assert "step 6, attempts 1-3 (data: epoch 0: windows " in message
+    assert "steps 6, 6, 6" not in message
+    # Each attempt names the windows its batch was read from, in the order drawn.
+    dataset = session.data.dataset
+    for attempt, labels in zip(session.nan_detector.streak, poisoned.labels_seen[5:], strict=True):
+        assert attempt.data.endswith(f" of {dataset.path}")
+        windows = [int(w) for w in attempt.data.split("windows ")[1].split(" of ")[0].split(", ")]
+        expected = torch.stack([dataset[w]["labels"] for w in windows]).numpy().tobytes()
+        assert expected == labels
+    skips = events(session, "nan_skip")
+    assert [(e["step"], e["attempt"]) for e in skips] == [(6, 1), (6, 2), (6, 3)]
+    assert all(e["data"].startswith("epoch 0: windows ") for e in skips)
+
+
+class RecordLR(TrainingHook):
+    def __init__(self):
+        self.lrs: dict[int, float] = {}
+
+    def on_step_end(self, ctx):
+        self.lrs[ctx.step] = ctx.lr
+
+
+def test_after_a_rollback_the_lr_keeps_the_phase_scale(tiny_overrides, tmp_path):
+    phases = tmp_path / "phases.toml"
+    phases.write_text("[[train.phases]]\nstart_step = 0\nlr_scale = 0.5\n")
+    config = load_config(
+        str(phases),
+        tiny_overrides
+        + [
+            "--train.max_steps=8",
+            "--checkpoint.interval=3",
+            "--train.nan_consecutive_max=2",
+            "--train.nan_rollback_lr_scale=0.5",
+            "--scheduler.name=constant",
+            "--scheduler.warmup_steps=0",
+        ],
+    )
+    config.validate(1)
+    session = build_session(config, RuntimeContext())
+    session.loss_fn = PoisonedLoss(session.loss_fn, {5, 6})
+    hook = RecordLR()
+    session.hooks.add(hook)
+    with session.tracker:
+        run_training_loop(session)
+    peak = config.optimizer.lr
+    assert hook.lrs[3] == pytest.approx(0.5 * peak)  # the phase scale before the rollback
+    # Every update after the rollback (steps 4..8 again) uses phase scale x rollback scale.
+    assert [hook.lrs[s] for s in range(4, 9)] == pytest.approx([0.25 * peak] * 5)

@@ -11,8 +11,9 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.phases import PhaseState, TrainingPhase
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.training.build import build_session, resume_session
+from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.resume import resume_session
 
 PHASES = "--train.phases=[{start_step=3, lr_scale=0.5}, {start_step=5, lr_scale=0.25}]"
 

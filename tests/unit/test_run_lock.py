@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -117,3 +120,40 @@ def test_acquire_creates_the_run_dir_and_is_idempotent(tmp_path, log):
     lock.release()
     assert not lock.held
     assert not log.records  # an empty lock file is not stale: no warning
+
+
+# A process that takes the lock, forks a child the way a dataloader worker is forked (and
+# that outlives it), then waits to be killed.
+FORKING_HOLDER = textwrap.dedent(
+    """
+    import multiprocessing, sys, time
+    from kempnerforge.resilience.run_lock import RunLock
+
+    def worker():
+        time.sleep(120)
+
+    lock = RunLock(sys.argv[1])
+    lock.acquire()
+    child = multiprocessing.get_context("fork").Process(target=worker, daemon=False)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_the_lock_dies_with_its_process_not_with_its_forked_children(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKING_HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        proc.kill()  # SIGKILL: no cleanup runs in the holder, its child lives on
+        proc.wait(timeout=30)
+        with RunLock(run_dir) as lock:  # at once, while the orphan still runs
+            assert lock.held
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

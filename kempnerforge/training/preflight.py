@@ -1,0 +1,66 @@
+"""Checks of a validated config that need the training layer, run before anything is written.
+
+JobConfig.validate knows the config alone. These also need what the config names (the
+optimizer and schedule registries, the hook classes) or the device (check_model_fits).
+A launch that fails here has built nothing and written nothing, so the run directory's
+config.toml still holds the last launch that started.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.job import JobConfig
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.training.hooks import hook_class
+from kempnerforge.training.optimizer import OPTIMIZERS
+from kempnerforge.training.scheduler import SCHEDULES
+
+
+def preflight(config: JobConfig) -> None:
+    """Raise the ConfigError the build would raise later for a bad name or hook."""
+    OPTIMIZERS.get(config.optimizer.name)
+    SCHEDULES.get(config.scheduler.name)
+    for path in config.train.hooks:
+        hook_class(path)
+
+
+# fp32 weights and gradients plus two fp32 moments per parameter (AdamW; Lion and Muon
+# keep less): what one process holds for the model before any activation.
+TRAINING_BYTES_PER_PARAM = 16
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of `device` (RAM for the CPU), or None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_model_fits(config: ModelConfig, device: torch.device) -> None:
+    """Refuse a model whose weights, gradients and optimizer state alone exceed the device.
+
+    Run before the model is built: an absurd size (model.dim = 2**30) is then a one-line
+    ConfigError instead of an allocation failure, or a machine swapping itself to a halt.
+    """
+    available = device_memory_bytes(device)
+    if available is None:
+        return
+    num_params = config.num_params()
+    needed = num_params * TRAINING_BYTES_PER_PARAM
+    if needed > available:
+        raise ConfigError(
+            "model.dim",
+            config.dim,
+            f"a model whose {TRAINING_BYTES_PER_PARAM} bytes per parameter (fp32 weights, "
+            f"gradients, optimizer moments) fit this {device.type} device's "
+            f"{available / 2**30:.1f} GiB",
+            f"this config builds {num_params:.3g} parameters, {needed / 2**30:.1f} GiB; "
+            "lower model.dim, model.n_layers or model.vocab_size",
+        )

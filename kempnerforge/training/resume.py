@@ -1,0 +1,159 @@
+"""Which checkpoint a launch resumes from, and loading it into a built session.
+
+The rule, checked before anything is built: a run's own checkpoint directory wins. When
+it holds a complete checkpoint, the run resumes fully from the newest one, whatever
+checkpoint.resume_from and checkpoint.load_weights_only say: those name where a run
+*starts*, and a requeued run must continue, not start again. Only a run without
+checkpoints of its own loads an explicit checkpoint.resume_from (fully, or its weights
+alone with load_weights_only). resume_from = "none" always starts afresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.job import JobConfig
+from kempnerforge.metrics.logging import get_logger
+from kempnerforge.training.lr import refresh_learning_rates
+from kempnerforge.training.optimizer import set_optimizer_mode
+from kempnerforge.training.profiling import build_profiler
+from kempnerforge.training.resume_guard import check_config_changes
+from kempnerforge.training.session import TrainingSession
+from kempnerforge.training.state import restore_train_state
+
+logger = get_logger(__name__)
+
+FULL, WEIGHTS, FRESH_OPTIMIZER = "full", "weights", "fresh_optimizer"
+
+# Optimizer group entries that come from the config, not from training: after a load they
+# are set back to this launch's values, so a changed hyperparameter takes effect. Entries
+# a group accumulates while training (schedule-free's step count, weight sum) stay loaded.
+CONFIG_GROUP_KEYS = (
+    "initial_lr",
+    "weight_decay",
+    "betas",
+    "eps",
+    "momentum",
+    "ns_steps",
+    "warmup_steps",
+    "foreach",
+    "fused",
+)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """A checkpoint to load and how: FULL, WEIGHTS (model only, step 0) or FRESH_OPTIMIZER
+    (everything but the optimizer state); ``step`` is the checkpoint's."""
+
+    path: str
+    mode: str
+    step: int
+
+
+def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePlan | None:
+    """The checkpoint this launch resumes from and how, or None to start at step 0.
+
+    Reads markers and train-state files only. Raises ConfigError for a config change the
+    checkpoint refuses and for a checkpoint past train.max_steps (one exactly at it has
+    nothing left to train: the caller says so), and CheckpointError for a named
+    checkpoint that is broken.
+    """
+    cfg = config.checkpoint
+    own = checkpointer.newest_complete_path()
+    if cfg.resume_from == "none":
+        if own is not None:
+            logger.warning(
+                "checkpoint.resume_from = 'none': starting at step 0 although %s holds "
+                "checkpoints (newest %s); this run's saves will replace them",
+                checkpointer.directory,
+                own,
+            )
+        return None
+    if own is not None:
+        if cfg.resume_from != "auto" or cfg.load_weights_only:
+            logger.info(
+                "resuming from %s, the newest checkpoint of this run: a run's own checkpoints "
+                "win over checkpoint.resume_from = %r%s, which only name where a run starts",
+                own,
+                cfg.resume_from,
+                " and checkpoint.load_weights_only" if cfg.load_weights_only else "",
+            )
+        path, mode = own, FULL
+    else:
+        found = checkpointer.find_resume_path()  # raises when only broken checkpoints exist
+        if found is None:
+            return None
+        path, mode = found, WEIGHTS if cfg.load_weights_only else FULL
+    extra = checkpointer.read_extra(path)
+    step = int(extra.get("step", 0))
+    if mode == WEIGHTS:
+        return ResumePlan(path, mode, step)
+    if check_config_changes(config, extra.get("config"), path):
+        mode = FRESH_OPTIMIZER
+    max_steps = config.train.max_steps
+    if step > max_steps:
+        raise ConfigError(
+            "train.max_steps",
+            max_steps,
+            f">= {step}, the step of the checkpoint {path} this run resumes",
+            "nothing to train: raise --train.max_steps to continue this run, or use another "
+            "train.name to start a new one",
+        )
+    return ResumePlan(path, mode, step)
+
+
+def _config_hyperparameters(session: TrainingSession) -> list[dict[str, Any]]:
+    return [
+        {k: group[k] for k in CONFIG_GROUP_KEYS if k in group}
+        for group in session.optimizer.param_groups
+    ]
+
+
+def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:
+    """Load `plan` into the session; return (step, tokens_seen), (0, 0) without a plan.
+
+    After the load every optimizer group takes this launch's hyperparameters (see
+    CONFIG_GROUP_KEYS) and its LR is recomputed from this launch's schedule at the resumed
+    step, so the first step after a resume already uses the new values.
+    """
+    if plan is None:
+        return 0, 0
+    checkpointer, model = session.checkpointer, session.model
+    if plan.mode == WEIGHTS:
+        checkpointer.load_weights(plan.path, model=model)
+        session.tracker.log_event(0, "load_weights", path=plan.path)
+        logger.info("initialised the model from %s (weights only); starting at step 0", plan.path)
+        return 0, 0
+    configured = _config_hyperparameters(session)
+    if plan.mode == FULL:
+        state = checkpointer.load(
+            plan.path, model=model, optimizer=session.optimizer, scheduler=session.scheduler
+        )
+    else:
+        checkpointer.load_weights(plan.path, model=model)
+        state = checkpointer.read_train_state(plan.path)
+        session.scheduler.last_epoch = int(state["step"])
+        logger.warning(
+            "resumed %s with a fresh %s optimizer state (checkpoint.reset_optimizer)",
+            plan.path,
+            session.config.optimizer.name,
+        )
+    for group, values in zip(session.optimizer.param_groups, configured, strict=True):
+        group.update(values)
+    set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
+    step, tokens_seen = restore_train_state(session, state)
+    refresh_learning_rates(session)
+    cfg = session.config
+    session.profiler = build_profiler(cfg.profiling, cfg.run_dir, first_step=step)
+    session.tracker.log_event(step, "resume", path=plan.path, tokens_seen=tokens_seen)
+    logger.info("resumed from %s at step %d (%d tokens seen)", plan.path, step, tokens_seen)
+    return step, tokens_seen
+
+
+def resume_session(session: TrainingSession) -> tuple[int, int]:
+    """plan_resume then apply_resume on a built session; (step, tokens_seen)."""
+    return apply_resume(session, plan_resume(session.config, session.checkpointer))

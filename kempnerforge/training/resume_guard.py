@@ -1,0 +1,186 @@
+"""What a resume does with each config field that differs from the checkpoint's.
+
+Every checkpoint carries the resolved config of the run that saved it. On resume each
+differing field falls in one of three kinds, and none is ever silent:
+
+- applied: the new value takes effect from the resumed step, with a warning naming the
+  field and both values: learning rate, weight decay, betas, eps and the other optimizer
+  hyperparameters, gradient clipping, the schedule, max_steps, the NaN thresholds, and
+  the data sources (the sampler restarts its epoch over changed data, and says so);
+- operational: logged (info) and used: names, directories, intervals, logging, hooks,
+  threads and workers, eval, checkpoint and profiling settings;
+- refused: anything else, because it changes what the saved state means: the model, the
+  sequence length and batch, the seed, precision, the loss and z-loss, document masking,
+  the tokenizer, the phase schedule, the optimizer and its parameter groups. The resume
+  stops with a ConfigError naming the field and both values, unless
+  checkpoint.allow_config_change is set (then each is logged). A different optimizer.name
+  is refused unless checkpoint.reset_optimizer is set, which starts its state afresh.
+
+A field added to the config later and not listed here is refused by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.job import JobConfig
+from kempnerforge.config.loader import config_to_dict
+from kempnerforge.metrics.logging import get_logger
+
+logger = get_logger(__name__)
+
+APPLIED = (
+    "optimizer.lr",
+    "optimizer.weight_decay",
+    "optimizer.betas",
+    "optimizer.eps",
+    "optimizer.implementation",
+    "optimizer.muon_momentum",
+    "optimizer.muon_ns_steps",
+    "optimizer.muon_adam_lr",
+    "optimizer.schedule_free_warmup_steps",
+    "train.grad_clip_norm",
+    "train.max_steps",
+    "train.global_batch_size",
+    "train.nan_consecutive_max",
+    "train.nan_max_rollbacks",
+    "train.nan_rollback_lr_scale",
+    "scheduler.",
+    "data.path",
+    "data.eval_path",
+    "data.datasets",
+    "data.mix_temperature",
+    "data.shuffle",
+    "data.builtin_eval_fraction",
+)
+"""Fields (or section prefixes ending in '.') whose new value takes effect on resume."""
+
+OPERATIONAL = (
+    "train.name",
+    "train.run_dir",
+    "train.use_existing_dir",
+    "train.hooks",
+    "train.sample_prompt",
+    "train.sample_tokens",
+    "train.num_threads",
+    "train.device",
+    "train.compile",
+    "train.deterministic",
+    "data.num_workers",
+    "data.cache_dir",
+    "eval.",
+    "checkpoint.",
+    "metrics.",
+    "profiling.",
+    "distributed.",
+)
+"""Fields that change how the run is operated, not what it computes; logged at info."""
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str
+    saved: Any
+    current: Any
+
+    def describe(self) -> str:
+        return f"{self.field} changed from {self.saved!r} to {self.current!r}"
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of the nested sections; lists (betas, phases, datasets) stay whole."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and not prefix:
+            flat.update(_flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def config_changes(saved: dict[str, Any], config: JobConfig) -> list[Change]:
+    """The fields whose value in ``config`` differs from the ``saved`` config dict."""
+    old, new = _flatten(saved), _flatten(config_to_dict(config))
+    return [
+        Change(field, old.get(field), new.get(field))
+        for field in sorted(old.keys() | new.keys())
+        if old.get(field) != new.get(field)
+    ]
+
+
+def _matches(field: str, patterns: tuple[str, ...]) -> bool:
+    return any(field.startswith(p) if p.endswith(".") else field == p for p in patterns)
+
+
+def kind_of(field: str) -> str:
+    """'applied', 'operational' or 'refused' for a dotted config field."""
+    if _matches(field, APPLIED):
+        return "applied"
+    if _matches(field, OPERATIONAL):
+        return "operational"
+    return "refused"
+
+
+def check_config_changes(config: JobConfig, saved: dict[str, Any] | None, path: str) -> bool:
+    """Refuse, apply or log each config change against checkpoint `path`.
+
+    Returns True when the optimizer state must start afresh (a changed optimizer.name
+    with checkpoint.reset_optimizer, or reset_optimizer alone). Raises ConfigError naming
+    the first refused field. ``saved`` None (a checkpoint without a config) checks nothing
+    and says so.
+    """
+    cfg = config.checkpoint
+    if saved is None:
+        logger.warning(
+            "%s holds no config of the run that saved it: changed settings cannot be "
+            "checked on this resume",
+            path,
+        )
+        return cfg.reset_optimizer
+    changes = config_changes(saved, config)
+    name_change = next((c for c in changes if c.field == "optimizer.name"), None)
+    if name_change is not None and not cfg.reset_optimizer:
+        raise ConfigError(
+            "optimizer.name",
+            name_change.current,
+            f"{name_change.saved!r} as in the checkpoint {path}",
+            f"its saved state belongs to {name_change.saved}; set "
+            "checkpoint.reset_optimizer=true to resume the weights, step and data with a "
+            f"fresh {name_change.current} state, or start a new run",
+        )
+    refused = [c for c in changes if kind_of(c.field) == "refused" and c.field != "optimizer.name"]
+    if refused and not cfg.allow_config_change:
+        first = refused[0]
+        more = f"; also changed: {', '.join(c.field for c in refused[1:])}" if refused[1:] else ""
+        raise ConfigError(
+            first.field,
+            first.current,
+            f"{first.saved!r} as in the checkpoint {path}",
+            "this change alters what the saved state means; set "
+            "checkpoint.allow_config_change=true to resume anyway, or use another "
+            f"train.name to start a new run{more}",
+        )
+    for change in changes:
+        kind = kind_of(change.field)
+        if change.field == "optimizer.name":
+            logger.warning(
+                "resuming %s with %s: the optimizer state starts afresh", path, change.describe()
+            )
+        elif kind == "operational":
+            logger.info("resuming %s with %s", path, change.describe())
+        elif kind == "applied":
+            logger.warning(
+                "resuming %s with %s: the new value takes effect from this step",
+                path,
+                change.describe(),
+            )
+        else:
+            logger.warning(
+                "resuming %s with %s (checkpoint.allow_config_change = true)",
+                path,
+                change.describe(),
+            )
+    return cfg.reset_optimizer

@@ -1,0 +1,106 @@
+"""After a streak of non-finite steps: roll back to the last checkpoint, or stop the run."""
+
+from __future__ import annotations
+
+from kempnerforge.data.loader import sampler_state_of
+from kempnerforge.data.mixture import MixtureDataset
+from kempnerforge.metrics.logging import get_logger
+from kempnerforge.resilience.nan import NaNAbortError, describe_attempts
+from kempnerforge.training.lr import refresh_learning_rates
+from kempnerforge.training.optimizer import set_optimizer_mode
+from kempnerforge.training.session import TrainingSession
+from kempnerforge.training.state import restore_train_state
+
+logger = get_logger(__name__)
+
+_SHOWN_WINDOWS = 8
+
+
+def data_position(session: TrainingSession) -> str:
+    """Where the batches of the step just taken came from: epoch and dataset windows.
+
+    Read from the loader's own state (exact also with worker processes, which prefetch
+    ahead of the sampler). A window w of a prepared directory holds its tokens
+    ``[w * seq_len, w * seq_len + seq_len]``. Empty when the loader keeps no position.
+    """
+    data, tc = session.data, session.config.train
+    if data.dataloader is None or data.sampler is None or data.dataset is None:
+        return ""
+    sampler_state = sampler_state_of(data.dataloader.state_dict())
+    if not sampler_state:
+        return ""
+    epoch, end = int(sampler_state["epoch"]), int(sampler_state["yielded"])
+    start = max(end - tc.batch_size * tc.grad_accum_steps, 0)
+    indices = data.sampler.epoch_indices(epoch)[start:end].tolist()
+    by_source: dict[str, list[int]] = {}
+    dataset = data.dataset
+    for index in indices:
+        if isinstance(dataset, MixtureDataset):
+            source = max(i for i, offset in enumerate(dataset.offsets[:-1]) if offset <= index)
+            name = f"{dataset.names[source]} ({dataset.datasets[source].path})"
+            by_source.setdefault(name, []).append(index - dataset.offsets[source])
+        else:
+            by_source.setdefault(dataset.path, []).append(index)
+    parts = []
+    for name, windows in by_source.items():
+        shown = ", ".join(map(str, windows[:_SHOWN_WINDOWS]))
+        more = f" and {len(windows) - _SHOWN_WINDOWS} more" if len(windows) > _SHOWN_WINDOWS else ""
+        parts.append(f"windows {shown}{more} of {name}")
+    rank = f", rank {data.dp_rank}" if data.dp_size > 1 else ""
+    return f"epoch {epoch}{rank}: " + "; ".join(parts)
+
+
+def roll_back(session: TrainingSession, path: str, step: int) -> tuple[int, int]:
+    """Reload `path` after a NaN streak at `step`; keep the data position; return its step.
+
+    Model, optimizer, scheduler and RNG come from the checkpoint. The data stays where it
+    is, past every batch consumed since the checkpoint, so the bad batches are not replayed.
+    The LR is scaled by train.nan_rollback_lr_scale (compounding over rollbacks), on top of
+    the schedule and the phase in force.
+    """
+    tc = session.config.train
+    streak = describe_attempts(session.nan_detector.streak)
+    session.checkpointer.wait()
+    state = session.checkpointer.load(
+        path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
+    )
+    set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
+    new_step, tokens_seen = restore_train_state(session, state, keep_live_position=True)
+    session.nan_detector.record_rollback(tc.nan_rollback_lr_scale)
+    refresh_learning_rates(session)
+    logger.warning(
+        "rolled back from step %d to %s (step %d) after %d non-finite attempts in a row (%s); "
+        "the data position is kept, so the batches consumed since step %d (the bad ones "
+        "included) are not replayed; LR scale now %g (rollback %d of %d)",
+        step,
+        path,
+        new_step,
+        tc.nan_consecutive_max,
+        streak,
+        new_step,
+        session.nan_detector.lr_scale,
+        session.nan_detector.rollbacks,
+        tc.nan_max_rollbacks,
+    )
+    return new_step, tokens_seen
+
+
+def roll_back_or_stop(session: TrainingSession, step: int) -> tuple[int, int]:
+    """After a NaN streak: reload the newest complete checkpoint, or raise NaNAbortError."""
+    detector, tc = session.nan_detector, session.config.train
+    if detector.rollbacks >= tc.nan_max_rollbacks:
+        raise NaNAbortError(detector.streak, detector.rollbacks, "train.nan_max_rollbacks used up")
+    session.checkpointer.wait()  # a save in flight may be the newest good checkpoint
+    path = session.checkpointer.newest_complete_path()
+    if path is None:
+        raise NaNAbortError(detector.streak, detector.rollbacks, "no checkpoint to roll back to")
+    new_step, tokens_seen = roll_back(session, path, step)
+    session.tracker.log_event(
+        new_step,
+        "nan_rollback",
+        from_step=step,
+        path=path,
+        rollbacks=detector.rollbacks,
+        lr_scale=detector.lr_scale,
+    )
+    return new_step, tokens_seen

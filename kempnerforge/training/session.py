@@ -1,0 +1,141 @@
+"""The objects the loop and its step bodies share: the session, the batch stream, a step's result.
+
+They live apart from loop.py so that the modules the loop calls (eval, phasing, state, the
+sample) can name the session without importing the loop; loop.py re-exports all three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.job import JobConfig
+from kempnerforge.data.phases import PhaseState
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.pipeline import PipelineBundle
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.metrics.tracker import MetricsTracker
+from kempnerforge.resilience.nan import NaNDetector
+from kempnerforge.resilience.shutdown import ShutdownHandler
+from kempnerforge.training.hooks import HookRunner
+
+
+class BatchStream:
+    """The training dataloader plus its live iterator.
+
+    Wraps the epoch-boundary restart and the "no dataloader configured" case so the step
+    bodies don't each re-implement them. The loader is read off the pipeline on every
+    access, so swapping pipeline.dataloader takes effect on the next step instead of
+    leaving a stale snapshot.
+    """
+
+    def __init__(self, pipeline: DataPipeline) -> None:
+        self._pipeline = pipeline
+        self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
+        self._iterator_loader: Any = None  # the loader the live iterator came from
+
+    @property
+    def dataloader(self) -> Any:
+        return self._pipeline.dataloader
+
+    @property
+    def has_data(self) -> bool:
+        return self.dataloader is not None
+
+    def ensure_started(self) -> None:
+        """Materialize the iterator, if it isn't already, for the loader in use.
+
+        next_batch does this itself; the loop calls it up front so building an iterator
+        (which spawns dataloader workers) stays outside the region MetricsTracker times.
+        """
+        loader = self.dataloader
+        if loader is None:
+            raise RuntimeError(
+                "no training data is configured (the data pipeline has no dataloader); "
+                "set data.path or leave it empty for the built-in corpus"
+            )
+        if self._iterator is None or self._iterator_loader is not loader:
+            self._iterator = iter(loader)
+            self._iterator_loader = loader
+
+    def reset(self) -> None:
+        """Drop the iterator so the next step takes a fresh one from the loader.
+
+        A StatefulDataLoader re-applies its recorded skip, so this picks up inside the
+        current epoch rather than restarting it.
+        """
+        loader = self.dataloader
+        if self._iterator is not None and hasattr(loader, "state_dict"):
+            # Record the exact position (prefetched-but-unconsumed batches excluded) and
+            # have the loader start its next iterator there.
+            loader.load_state_dict(loader.state_dict())
+        self._iterator = None
+        self._iterator_loader = None
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        self.ensure_started()
+        assert self._iterator is not None
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            # Epoch boundary: a new iterator starts the next epoch.
+            self._iterator = iter(self._iterator_loader)
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                raise RuntimeError(
+                    "the training dataloader yields no batches: the dataset has fewer "
+                    "windows than one batch per data-parallel rank"
+                ) from None
+
+
+@dataclass
+class StepResult:
+    """What one training step reports back to the loop.
+
+    The per-dataset fields stay empty for step bodies that don't produce them;
+    text_tokens stays None, which a VLM run treats as an error rather than logging a zero.
+    """
+
+    loss: float
+    grad_norm: float
+    text_tokens: int | None = None
+    dataset_token_counts: dict[str, int] = field(default_factory=dict)
+    dataset_loss_sums: dict[str, float] = field(default_factory=dict)
+    dataset_loss_counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingSession:
+    """Everything one training run needs after the build phase."""
+
+    config: JobConfig
+    runtime: RuntimeContext
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    step_fn: Callable[[TrainingSession, int], StepResult]
+    data: DataPipeline
+    phases: PhaseState
+    checkpointer: CheckpointManager
+    tracker: MetricsTracker
+    hooks: HookRunner
+    nan_detector: NaNDetector
+    shutdown_handler: ShutdownHandler
+    pipeline: PipelineBundle | None = None
+    eval_dataloader: Any | None = None
+    profiler: Any | None = None
+
+    @property
+    def batches(self) -> BatchStream:
+        """The live batch iterator. Rebuilt if data is replaced wholesale."""
+        stream = self.__dict__.get("_batches")
+        if stream is None or stream._pipeline is not self.data:
+            stream = BatchStream(self.data)
+            self.__dict__["_batches"] = stream
+        return stream

@@ -1,0 +1,119 @@
+"""The directories a run writes into: which it may take, its locks, and its config history.
+
+A run writes only into its run directory (config.toml, config_history/, metrics.jsonl,
+.lock) and its checkpoint directory (step_<N>/, latest, .lock). Before it writes anything
+it checks that each is new, empty, or already one of its kind, and it locks both, so
+two runs can share neither even when only their checkpoint.dir is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.job import JobConfig
+from kempnerforge.config.loader import dump_config
+from kempnerforge.metrics.logging import get_logger
+from kempnerforge.resilience.run_lock import LOCK_NAME, RunLock
+
+logger = get_logger(__name__)
+
+CONFIG_FILE = "config.toml"
+CONFIG_HISTORY = "config_history"
+_RUN_DIR_ENTRIES = {CONFIG_FILE, CONFIG_HISTORY, "metrics.jsonl", LOCK_NAME, "checkpoints"}
+_CHECKPOINT_ENTRY = re.compile(r"latest|\.lock|step_\d+(\.(tmp|old|trash))?")
+
+
+def _foreign_entries(path: Path, is_ours: re.Pattern[str] | set[str]) -> list[str]:
+    """Names in an existing directory that a run of ours would not have written."""
+    if not path.is_dir():
+        return []
+    names = sorted(os.listdir(path))
+    if isinstance(is_ours, set):
+        ours = [n for n in names if n in is_ours]
+    else:
+        ours = [n for n in names if is_ours.fullmatch(n)]
+    # A directory holding any of our entries is one of ours: a run or a checkpoint
+    # directory resumed later may also hold the user's notes, which we leave alone.
+    return [] if ours else names
+
+
+def check_directories(config: JobConfig) -> None:
+    """Refuse a run directory or checkpoint directory that exists, is not empty and is
+    not one a run wrote, unless train.use_existing_dir; ConfigError naming the field."""
+    if config.train.use_existing_dir:
+        return
+    checks = [
+        (
+            "train.run_dir" if config.train.run_dir else "train.name",
+            config.run_dir,
+            _RUN_DIR_ENTRIES,
+        ),
+        ("checkpoint.dir", config.checkpoint_dir, _CHECKPOINT_ENTRY),
+    ]
+    for field, directory, ours in checks:
+        path = Path(directory)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(field, directory, "a directory", "a file of that name exists")
+        foreign = _foreign_entries(path, ours)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ConfigError(
+                field,
+                directory,
+                "a new or empty directory, or one a previous run wrote",
+                f"it already holds {len(foreign)} other entries ({shown}); choose another "
+                "directory, or set train.use_existing_dir=true to write into it anyway",
+            )
+
+
+@contextlib.contextmanager
+def locked_directories(config: JobConfig) -> Iterator[contextlib.ExitStack]:
+    """Hold the run directory's and the checkpoint directory's locks (rank 0 calls this)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(RunLock(config.run_dir))
+        stack.enter_context(
+            RunLock(config.checkpoint_dir, what="checkpoint directory", field="checkpoint.dir")
+        )
+        yield stack
+
+
+def record_config(config: JobConfig, started: float | None = None) -> str:
+    """Write the resolved config as config.toml and into config_history/; return the
+    history file's path.
+
+    config.toml is always this launch's config (``kempnerforge train runs/x/config.toml``
+    reruns it); config_history/ keeps one file per launch, named by its start time in UTC,
+    so the settings every part of a resumed run trained with stay recoverable.
+    """
+    text = dump_config(config)
+    run_dir = Path(config.run_dir)
+    history = run_dir / CONFIG_HISTORY
+    history.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started or time.time()))
+    entry = history / f"config-{stamp}.toml"
+    suffix = 1
+    while entry.exists():  # two launches in one second
+        suffix += 1
+        entry = history / f"config-{stamp}-{suffix}.toml"
+    _write_atomic(entry, text)
+    _write_atomic(run_dir / CONFIG_FILE, text)
+    return str(entry)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e

@@ -1,0 +1,80 @@
+"""End to end: README.md's "Using it" commands, run as written and in order, do what their
+comments say, after `make train` has left a finished runs/debug behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+REPO = pathlib.Path(__file__).parents[2]
+COMMAND = ".venv/bin/kempnerforge"
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the first sh block under '## Using it', comments left out."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Using it", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def run(line: str, cwd: pathlib.Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    argv = shlex.split(line)
+    assert argv[0] == COMMAND, f"README command does not start with {COMMAND}: {line}"
+    argv[0] = str(pathlib.Path(sys.executable).parent / "kempnerforge")
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def train_steps(run_dir: pathlib.Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r and "event" not in r]
+
+
+def latest(run_dir: pathlib.Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache):
+    # A checkout's inputs, linked into a fresh working directory so runs/ and data/ land
+    # in tmp_path and not in the repository.
+    for name in ("configs", "kempnerforge", "docs"):
+        (tmp_path / name).symlink_to(REPO / name)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(builtin_cache)}
+    common = " --metrics.progress=off --train.sample_tokens=8"
+    # What `make train` leaves: a finished runs/debug (shortened here to 2 steps).
+    made = run(
+        f"{COMMAND} train configs/train/debug.toml --train.max_steps=2{common}", tmp_path, env
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    debug_metrics = (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text()
+
+    commands = readme_commands()
+    assert len(commands) == 5, commands
+    results = []
+    for line in commands:
+        result = run(line, tmp_path, env)
+        assert result.returncode == 0, f"{line}\n{result.stderr[-3000:]}"
+        results.append(result)
+
+    quick = tmp_path / "runs" / "quick"
+    assert train_steps(quick) == list(range(1, 41))  # 30 steps, then resumed at 31
+    assert latest(quick) == "step_40"
+    assert "resumed from" in results[1].stderr
+    for prepared in ("data/mycorpus", "data/mycorpus-eval"):
+        assert (tmp_path / prepared / "meta.json").is_file(), prepared
+    mycorpus = tmp_path / "runs" / "mycorpus"
+    assert train_steps(mycorpus) == list(range(1, 51))
+    assert latest(mycorpus) == "step_50"
+    report = json.loads((mycorpus / "checkpoints" / "step_50" / "eval.json").read_text())
+    assert report["step"] == 50 and report["metrics"]["eval_tokens"] > 0
+    assert "eval_loss" in report["metrics"]
+    # None of them touched the run `make train` made.
+    assert (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text() == debug_metrics

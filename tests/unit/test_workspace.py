@@ -1,0 +1,118 @@
+"""The directories a run may take, their locks, and the config history of a run directory."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.loader import load_config
+from kempnerforge.resilience.run_lock import RunLockError
+from kempnerforge.training.workspace import (
+    CONFIG_FILE,
+    CONFIG_HISTORY,
+    check_directories,
+    locked_directories,
+    record_config,
+)
+
+
+def config_for(tmp_path, *overrides):
+    return load_config(None, [f"--train.run_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_a_new_or_empty_directory_is_taken(tmp_path):
+    check_directories(config_for(tmp_path))
+    (tmp_path / "run").mkdir()
+    check_directories(config_for(tmp_path))
+
+
+def test_a_directory_of_other_files_is_refused_naming_the_field(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "thesis.tex").write_text("years of work")
+    (run / "data.csv").write_text("1,2,3")
+    with pytest.raises(ConfigError) as info:
+        check_directories(config_for(tmp_path))
+    message = str(info.value)
+    assert message.startswith(f"train.run_dir = '{run}': expected a new or empty directory")
+    assert "it already holds 2 other entries (data.csv, thesis.tex)" in message
+    assert "train.use_existing_dir=true" in message
+    check_directories(config_for(tmp_path, "--train.use_existing_dir=true"))
+
+
+def test_a_run_directory_a_previous_run_wrote_is_taken(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG_FILE).write_text("")
+    (run / "notes.txt").write_text("mine")
+    check_directories(config_for(tmp_path))
+
+
+def test_a_checkpoint_dir_of_other_files_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "results.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir = .*results.json"):
+        check_directories(config_for(tmp_path, f"--checkpoint.dir={shared}"))
+    (shared / "step_3").mkdir()
+    check_directories(config_for(tmp_path, f"--checkpoint.dir={shared}"))
+
+
+def test_a_run_name_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(ConfigError, match="a file of that name exists"):
+        check_directories(config_for(tmp_path))
+
+
+def test_two_runs_sharing_only_a_checkpoint_dir_cannot_both_start(tmp_path):
+    shared = f"--checkpoint.dir={tmp_path / 'ckpt'}"
+    first = load_config(None, [f"--train.run_dir={tmp_path / 'a'}", shared])
+    second = load_config(None, [f"--train.run_dir={tmp_path / 'b'}", shared])
+    with locked_directories(first), pytest.raises(RunLockError) as info:
+        locked_directories(second).__enter__()
+    message = str(info.value)
+    assert message.startswith(f"checkpoint directory {tmp_path / 'ckpt'} is in use by pid")
+    assert message.endswith("stop that run or choose another checkpoint.dir")
+    with locked_directories(second):  # free once the first run is over
+        pass
+
+
+def test_every_launch_keeps_its_config_and_config_toml_is_the_latest(tmp_path):
+    first = config_for(tmp_path, "--optimizer.lr=0.001")
+    second = config_for(tmp_path, "--optimizer.lr=0.05")
+    record_config(first, started=1_700_000_000)
+    record_config(second, started=1_700_000_500)
+    record_config(second, started=1_700_000_500)  # a second launch within the same second
+    run = tmp_path / "run"
+    latest = tomllib.loads((run / CONFIG_FILE).read_text())
+    assert latest["optimizer"]["lr"] == 0.05
+    history = sorted(p.name for p in (run / CONFIG_HISTORY).iterdir())
+    assert history == [
+        "config-20231114T221320Z.toml",
+        "config-20231114T222140Z-2.toml",
+        "config-20231114T222140Z.toml",
+    ]
+    lrs = [
+        tomllib.loads((run / CONFIG_HISTORY / name).read_text())["optimizer"]["lr"]
+        for name in history
+    ]
+    assert lrs == [0.001, 0.05, 0.05]
+    assert load_config(str(run / CONFIG_HISTORY / history[0])) == first
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built():
+    import torch
+
+    from kempnerforge.training.preflight import check_model_fits, device_memory_bytes
+
+    huge = load_config(None, ["--model.dim=1048576", "--model.n_heads=8"]).model
+    memory = device_memory_bytes(torch.device("cpu"))
+    assert memory is not None
+    with pytest.raises(ConfigError) as info:
+        check_model_fits(huge, torch.device("cpu"))
+    message = str(info.value)
+    assert message.startswith("model.dim = 1048576: expected a model whose 16 bytes per parameter")
+    assert f"{memory / 2**30:.1f} GiB" in message and "lower model.dim" in message
+    check_model_fits(load_config(None).model, torch.device("cpu"))  # the default fits
