@@ -13,6 +13,10 @@ from kempnerforge.config.checks import (
 )
 from kempnerforge.config.errors import ConfigError
 
+MAX_NUM_WORKERS = 256
+"""Most dataloader worker processes per rank: each is a forked copy of the training process,
+and loading memory-mapped windows keeps a few busy; far more only exhausts memory and pids."""
+
 
 @dataclass
 class DatasetSourceConfig:
@@ -43,7 +47,8 @@ class DataConfig:
     """Start each built-in corpus document with the tokenizer's BOS token (prepared data gets
     this from `prepare-data --bos`); needs a tokenizer whose BOS is not its EOS."""
     num_workers: int = 0
-    """Dataloader worker processes; 0 loads in the training process."""
+    """Dataloader worker processes, 0 to 256; 0 loads in the training process. Workers ignore
+    stop signals: the training process saves and stops them."""
     shuffle: bool = True
     """Shuffle training windows each epoch (seeded by train.seed and the epoch)."""
     document_masking: bool = True
@@ -57,7 +62,7 @@ class DataConfig:
     weight_i ** (1 / T); T > 1 flattens the mixture, T < 1 sharpens it, 1 keeps the weights."""
 
     def __post_init__(self) -> None:
-        check_at_least("data.num_workers", self.num_workers, 0)
+        check_at_least("data.num_workers", self.num_workers, 0, MAX_NUM_WORKERS)
         check_in_range("data.builtin_eval_fraction", self.builtin_eval_fraction, 0.0, 0.5)
         if not self.tokenizer:
             raise ConfigError("data.tokenizer", self.tokenizer, "'byte' or a tokenizer.json path")

@@ -1,21 +1,53 @@
-"""Data: tokenizers, prepare-data, memory-mapped windows, the sharded sampler and the pipeline."""
+"""Data: tokenizers, prepare-data, memory-mapped windows, the sharded sampler and the pipeline.
 
-from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_dir
-from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.errors import DataError
-from kempnerforge.data.loader import TrainDataLoader
-from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline
-from kempnerforge.data.prepare import add_prepare_data_arguments, prepare_data, run_prepare_data
-from kempnerforge.data.sampler import ShardedSampler
-from kempnerforge.data.token_file import read_meta
-from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+The names below load on first use, so ``import kempnerforge.data.errors`` (what the CLI
+needs at startup) does not import torch or numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_dir
+    from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
+    from kempnerforge.data.errors import DataError
+    from kempnerforge.data.loader import TrainDataLoader
+    from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline
+    from kempnerforge.data.prepare import prepare_data, run_prepare_data
+    from kempnerforge.data.prepare_args import add_prepare_data_arguments
+    from kempnerforge.data.sampler import ShardedSampler
+    from kempnerforge.data.token_file import read_meta
+    from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+_HOMES = {
+    "IGNORE_INDEX": "kempnerforge.data.dataset",
+    "ByteTokenizer": "kempnerforge.data.tokenizer",
+    "DataError": "kempnerforge.data.errors",
+    "DataPipeline": "kempnerforge.data.pipeline",
+    "HFTokenizer": "kempnerforge.data.tokenizer",
+    "MemoryMappedDataset": "kempnerforge.data.dataset",
+    "ShardedSampler": "kempnerforge.data.sampler",
+    "Tokenizer": "kempnerforge.data.tokenizer",
+    "TrainDataLoader": "kempnerforge.data.loader",
+    "add_prepare_data_arguments": "kempnerforge.data.prepare_args",
+    "build_data_pipeline": "kempnerforge.data.pipeline",
+    "builtin_corpus": "kempnerforge.data.builtin",
+    "default_cache_dir": "kempnerforge.data.builtin",
+    "load_tokenizer": "kempnerforge.data.tokenizer",
+    "prepare_data": "kempnerforge.data.prepare",
+    "read_meta": "kempnerforge.data.token_file",
+    "run_prepare_data": "kempnerforge.data.prepare",
+    "stdlib_dir": "kempnerforge.data.builtin",
+}
 
 __all__ = [
-    "IGNORE_INDEX",
     "ByteTokenizer",
     "DataError",
     "DataPipeline",
     "HFTokenizer",
+    "IGNORE_INDEX",
     "MemoryMappedDataset",
     "ShardedSampler",
     "Tokenizer",
@@ -30,3 +62,11 @@ __all__ = [
     "run_prepare_data",
     "stdlib_dir",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines `name` the first time someone asks for it."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

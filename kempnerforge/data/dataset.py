@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from kempnerforge.data.errors import DataError
-from kempnerforge.data.token_file import DTYPES, check_tokens_file, read_meta
+from kempnerforge.data.token_file import DTYPES, check_token_ids, check_tokens_file, read_meta
 
 IGNORE_INDEX = -100
 
@@ -32,6 +32,11 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
     its document, and it predicts the document's first token. Without masking, ``doc_ids`` is
     all zeros: the window is one sequence.
 
+    Opening checks meta.json's fields, the size of tokens.bin, the tokenizer and vocabulary
+    against ``expected_tokenizer`` and ``model_vocab_size``, and every id of tokens.bin
+    against the vocabulary (one chunked scan), so bad data fails here with a DataError naming
+    the file rather than as an IndexError mid-run.
+
     The memory map is opened lazily and never pickled, so worker processes reopen it.
     """
 
@@ -49,8 +54,10 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
         self.seq_len = seq_len
         self.document_masking = document_masking
         self.meta: dict[str, Any] = read_meta(path)
-        self._tokens_path = str(check_tokens_file(path, self.meta))
+        tokens_path = check_tokens_file(path, self.meta)
         self._check_fits(expected_tokenizer, model_vocab_size)
+        check_token_ids(tokens_path, self.meta, model_vocab_size)
+        self._tokens_path = str(tokens_path)
         self.num_tokens = int(self.meta["num_tokens"])
         self.eos_id = int(self.meta["eos_id"])
         self.bos_per_document: bool = self.meta["bos_per_document"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -9,10 +12,15 @@ from torch.utils.data import Dataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from kempnerforge.data.mixture import MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
+
+# Signals the training process turns into a clean stop (save, then exit 75). A group signal
+# (slurmd ending a job step, Ctrl-C in a terminal) reaches the loader's workers as well.
+_IGNORED_IN_WORKERS = (signal.SIGINT, signal.SIGUSR1)
 
 
 class TrainDataLoader(StatefulDataLoader):
@@ -37,14 +45,53 @@ class TrainDataLoader(StatefulDataLoader):
         return super().__iter__()
 
 
+def leave_stop_signals_to_parent(worker_id: int) -> None:
+    """Worker init: stop signals from anyone but the training process leave the worker running.
+
+    torch's worker handler ends a worker on a SIGTERM from anywhere, and the training process
+    then fails on the lost worker instead of saving; so the stop is left to the training
+    process, which shuts the workers down itself. SIGINT and SIGUSR1 are ignored. SIGTERM
+    cannot be: the training process and multiprocessing's exit handler stop leftover workers
+    with it, and an ignoring worker would hang that exit. So it is blocked and taken by a
+    thread that exits the worker when the training process sent it, as torch's handler does.
+    A worker whose training process died still exits on its own (torch's watchdog).
+
+    Runs after torch's own worker signal setup, which it overrides.
+    """
+    for signum in _IGNORED_IN_WORKERS:
+        signal.signal(signum, signal.SIG_IGN)
+    # Blocked before the thread starts, and before torch starts threads of its own here,
+    # so every thread of the worker inherits the block and only sigwaitinfo receives it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = os.getppid()
+    threading.Thread(
+        target=_exit_on_sigterm_from,
+        args=(parent,),
+        name=f"sigterm-from-{parent}",
+        daemon=True,
+    ).start()
+
+
+def _exit_on_sigterm_from(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent:
+            # The worker has nothing to flush: its results travel through queues the
+            # training process has already given up on when it terminates a worker.
+            os._exit(0)
+
+
 def build_train_loader(
     dataset: Dataset[Any],
-    sampler: ShardedSampler,
+    sampler: ShardedSampler | MixtureSampler,
     batch_size: int,
     num_workers: int,
     seed: int,
 ) -> TrainDataLoader:
-    """The training loader: whole batches only, deterministic given ``seed``."""
+    """The training loader: whole batches only, deterministic given ``seed``.
+
+    Its workers leave stop signals to the training process (leave_stop_signals_to_parent).
+    """
     return TrainDataLoader(
         dataset,
         batch_size=batch_size,
@@ -57,6 +104,7 @@ def build_train_loader(
         generator=torch.Generator().manual_seed(seed),
         # Snapshot at every batch, so a saved state is exact without replaying batches.
         snapshot_every_n_steps=1,
+        worker_init_fn=leave_stop_signals_to_parent if num_workers > 0 else None,
     )
 
 
@@ -75,7 +123,7 @@ def sampler_state_of(state: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def load_loader_state(
-    loader: TrainDataLoader, sampler: ShardedSampler, state: dict[str, Any]
+    loader: TrainDataLoader, sampler: ShardedSampler | MixtureSampler, state: dict[str, Any]
 ) -> None:
     """Restore ``state`` into ``loader``, even one with another worker count.
 

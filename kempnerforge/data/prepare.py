@@ -17,13 +17,12 @@ from typing import Any
 
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.sources import (
-    SUPPORTED,
     check_text_suffixes,
     discover_input_files,
     is_hf_dataset_dir,
     read_documents,
 )
-from kempnerforge.data.token_file import TokenFileWriter, read_meta
+from kempnerforge.data.token_file import TokenFileWriter, check_output_dir, read_meta
 from kempnerforge.data.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 from kempnerforge.metrics.logging import get_logger
@@ -99,7 +98,7 @@ def write_corpus(
     is complete and non-empty. With ``num_workers`` > 1 the documents are tokenized in that
     many processes and the output is byte-identical to one worker's.
     """
-    _check_split_args(output_dir, eval_fraction, eval_output_dir)
+    check_outputs(output_dir, eval_fraction, eval_output_dir)
     progress = _Progress(num_sources, show_progress)
     # Workers get small chunks so each has work; one process keeps the large batches.
     max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
@@ -174,9 +173,16 @@ def _batches(
         yield batch
 
 
-def _check_split_args(output_dir: str, eval_fraction: float, eval_output_dir: str | None) -> None:
+def check_outputs(output_dir: str, eval_fraction: float, eval_output_dir: str | None) -> None:
+    """The output directories can take a prepared corpus, checked before any input is read.
+
+    Each must be new, empty, or a directory prepare-data wrote before (which is rewritten):
+    a file there, or a directory holding anything else, is refused rather than mixed with a
+    corpus, and the eval output must be another directory than the training output.
+    """
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval fraction {eval_fraction} for {output_dir}: expected 0 <= F < 1")
+    check_output_dir(output_dir, "--output")
     if eval_fraction > 0.0:
         if not eval_output_dir:
             raise DataError(
@@ -185,6 +191,7 @@ def _check_split_args(output_dir: str, eval_fraction: float, eval_output_dir: st
             )
         if Path(eval_output_dir).resolve() == Path(output_dir).resolve():
             raise DataError(f"{output_dir}: the eval output must be a different directory")
+        check_output_dir(eval_output_dir, "--eval-output")
 
 
 def _check_not_empty(
@@ -236,7 +243,11 @@ def prepare_data(
     ``eval_fraction`` > 0 about that fraction of the documents goes to ``eval_output_dir``
     instead. ``num_workers`` > 1 tokenizes in that many spawned processes with byte-identical
     output. Returns the train split's metadata.
+
+    The outputs are checked before any input is read (check_outputs); files a directory walk
+    leaves out are counted in one warning per directory.
     """
+    check_outputs(output_dir, eval_fraction, eval_output_dir)
     text_suffixes = check_text_suffixes(text_suffixes)
     files = discover_input_files(inputs, text_suffixes)
     if split is not None and not any(is_hf_dataset_dir(f) for f in files):
@@ -261,77 +272,6 @@ def prepare_data(
         num_workers=num_workers,
         bos_per_document=bos_per_document,
     )
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
-    return number
-
-
-def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `kempnerforge prepare-data`."""
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="FILE_OR_DIR",
-        help=f"{SUPPORTED}, or directories searched recursively",
-    )
-    parser.add_argument("--output", required=True, metavar="DIR", help="prepared directory")
-    parser.add_argument(
-        "--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json"
-    )
-    parser.add_argument(
-        "--text-field",
-        default="text",
-        help="jsonl field / parquet or dataset column holding the document text",
-    )
-    parser.add_argument(
-        "--text-suffix",
-        action="append",
-        default=[],
-        metavar="SUFFIX",
-        help="also read files ending in SUFFIX (e.g. .py, .md; repeatable) as one document "
-        "each, like .txt",
-    )
-    parser.add_argument(
-        "--skip-non-utf8",
-        action="store_true",
-        help="leave out whole-file documents that are not UTF-8 (with a warning) instead of "
-        "stopping",
-    )
-    parser.add_argument(
-        "--split",
-        default=None,
-        help="split of a saved Hugging Face DatasetDict (default: train)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="tokenizer processes (default 1); the output is the same for every N",
-    )
-    parser.add_argument(
-        "--bos",
-        action="store_true",
-        help="start every document with the tokenizer's BOS token (default: EOS only between "
-        "documents); needs a tokenizer whose BOS is not its EOS",
-    )
-    parser.add_argument(
-        "--eval-fraction",
-        type=float,
-        default=0.0,
-        metavar="F",
-        help="fraction of documents held out into --eval-output (default 0: none)",
-    )
-    parser.add_argument("--eval-output", default=None, metavar="DIR", help="held-out directory")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:

@@ -174,12 +174,14 @@ class EpochIterator(Iterator[int]):
         if self._indices is None:
             self._epoch, self._position = sampler._begin()
         if sampler._take_pending(self._epoch, self._position) or self._indices is None:
-            self._indices = sampler.epoch_indices(self._epoch).tolist()
-        if self._position >= len(self._indices):
+            planned: list[int] = sampler.epoch_indices(self._epoch).tolist()
+            self._indices = planned
+        indices = self._indices
+        if self._position >= len(indices):
             self._done = True
             self._sampler._advance(self._epoch, self._position, exhausted=True)
             raise StopIteration
-        index = self._indices[self._position]
+        index = indices[self._position]
         self._position += 1
         self._sampler._advance(self._epoch, self._position, exhausted=False)
         return index

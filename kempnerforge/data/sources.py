@@ -9,9 +9,10 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from kempnerforge.data.errors import DataError
 from kempnerforge.metrics.logging import get_logger
@@ -101,21 +102,71 @@ def discover_input_files(inputs: list[str], text_suffixes: tuple[str, ...] = ())
 
 
 def _walk(root: Path, text_suffixes: tuple[str, ...]) -> list[Path]:
-    """Supported files and saved datasets under ``root``, sorted by relative path."""
+    """Supported files and saved datasets under ``root``, sorted by relative path.
+
+    The other files are left out with one warning that counts them by suffix, so a tree
+    of source code read without --text-suffix does not go unnoticed (tool files, such as
+    those under .git or __pycache__, are not counted).
+    """
     entries = list(root.rglob("*"))
     datasets = {p for p in entries if p.is_dir() and is_hf_dataset_dir(p)}
-    found = [
-        p
-        for p in entries
-        if (p in datasets or (p.is_file() and _kind(p, text_suffixes)))
-        and not any(parent in datasets for parent in p.parents)
-    ]
+    found: list[Path] = []
+    skipped: Counter[str] = Counter()
+    for p in entries:
+        if any(parent in datasets for parent in p.parents):
+            continue
+        if p in datasets or (p.is_file() and _kind(p, text_suffixes)):
+            found.append(p)
+        elif p.is_file() and not _is_tooling(p.relative_to(root)):
+            skipped[_suffix_of(p)] += 1
+    if skipped:
+        logger.warning("%s", describe_skipped(skipped, root))
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _is_tooling(relative: Path) -> bool:
+    """Whether a skipped file is a tool's, not text someone forgot: inside a hidden directory
+    (.git, .venv) or __pycache__, or hidden itself; such files are not worth a warning."""
+    return any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
+
+
+def _suffix_of(path: Path) -> str:
+    """The suffix --text-suffix would name to read ``path``: '.py' for a.py and a.py.gz, ''
+    for none."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] == ".gz":
+        return suffixes[-2]
+    return suffixes[-1] if suffixes else ""
+
+
+# Skipped suffixes named one by one in the warning; the rest are summed up.
+_NAMED_SUFFIXES = 6
+
+
+def describe_skipped(skipped: Counter[str], root: Path) -> str:
+    """One line: how many files of which suffix were left out under ``root``, and the
+    --text-suffix options that would read them."""
+    # Most frequent first; files without a suffix after the others of their count.
+    by_count = sorted(skipped.items(), key=lambda item: (-item[1], item[0] == "", item[0]))
+    named, rest = by_count[:_NAMED_SUFFIXES], by_count[_NAMED_SUFFIXES:]
+    parts = [f"{count} {suffix or 'no-suffix'}" for suffix, count in named]
+    if rest:
+        parts.append(f"{sum(count for _, count in rest)} other")
+    counts = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    total = sum(skipped.values())
+    under = root.as_posix().rstrip("/") + "/"
+    why = "not a format prepare-data reads"
+    structured = {s.removesuffix(".gz") for s in SUFFIXES}
+    readable = [suffix for suffix, _ in named if suffix and suffix not in structured]
+    if readable:
+        options = " ".join(f"--text-suffix {suffix}" for suffix in readable)
+        why += f"; read {'them' if total > 1 else 'it'} as whole-file text with {options}"
+    return f"skipped {counts} file{'s' if total > 1 else ''} under {under} ({why})"
 
 
 def _open_binary(path: Path) -> IO[bytes]:
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.open(path, "rb")  # type: ignore[return-value]  # a GzipFile is a binary IO
     return open(path, "rb")
 
 
@@ -261,12 +312,13 @@ def _read_hf_dataset(path: Path, text_field: str, split: str | None) -> Iterator
         raise DataError(f"{path}: not a readable saved dataset ({exc})") from None
     if isinstance(loaded, datasets.DatasetDict):
         name = split or "train"
-        if name not in loaded:
+        splits = [str(s) for s in loaded]
+        if name not in splits:
             raise DataError(
-                f"{path}: no split {name!r} (splits: {', '.join(loaded) or 'none'}); "
+                f"{path}: no split {name!r} (splits: {', '.join(splits) or 'none'}); "
                 "pass --split to pick one"
             )
-        loaded = loaded[name]
+        loaded = loaded[name]  # type: ignore[index]  # DatasetDict is keyed by split names
     elif split is not None:
         logger.warning(
             "%s is a single dataset, not a DatasetDict; --split %s is ignored", path, split
@@ -275,6 +327,7 @@ def _read_hf_dataset(path: Path, text_field: str, split: str | None) -> Iterator
     is_text = getattr(feature, "dtype", None) in ("string", "large_string")
     _check_column(path, text_field, list(loaded.column_names), None if is_text else str(feature))
     for rows in loaded.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
-        for text in rows[text_field]:
+        # Batched iteration yields column -> values dicts (the stubs also allow a list).
+        for text in cast(dict[str, list[Any]], rows)[text_field]:
             if text is not None:
                 yield text

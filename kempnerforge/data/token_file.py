@@ -37,6 +37,10 @@ META_KEYS = (
 # Keys a reader fills in when an older prepared directory lacks them.
 META_DEFAULTS: dict[str, Any] = {"bos_per_document": False}
 _FLUSH_TOKENS = 1 << 22  # 4M tokens buffered between writes: 8-16 MB
+# Tokens read at once when scanning tokens.bin for out-of-vocabulary ids: 32-64 MB mapped.
+_SCAN_TOKENS = 1 << 24
+# Ids are stored as at most uint32, so no vocabulary is larger (2**32).
+MAX_VOCAB_SIZE = 1 << 32
 
 
 def dtype_name_for_vocab(vocab_size: int) -> str:
@@ -163,6 +167,43 @@ class TokenFileWriter:
             self.abort()
 
 
+def check_output_dir(output_dir: str, option: str) -> None:
+    """``output_dir`` can take a prepared corpus: it is new, empty, or one written before.
+
+    Anything else there (a file, or a directory of other files) is refused, naming
+    ``option``, the command-line option that gave the path, rather than mixed with a corpus.
+    """
+    path = Path(output_dir)
+    what_to_do = "name a new or empty directory, or one prepare-data wrote before to rewrite it"
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{option} {output_dir} is a file, not a directory; {what_to_do}")
+    if not path.exists():
+        # mkdir would fail on a file standing where a parent directory should be.
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise DataError(
+                f"{option} {output_dir}: {blocking} is a file, not a directory; {what_to_do}"
+            )
+        return
+    foreign = sorted(entry.name for entry in path.iterdir() if not _is_prepared_entry(entry.name))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (
+            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        )
+        raise DataError(
+            f"{option} {output_dir} is a directory holding other files ({shown}), not a "
+            f"prepared data directory; {what_to_do}"
+        )
+
+
+def _is_prepared_entry(name: str) -> bool:
+    """Whether ``name`` is one prepare-data writes: its outputs or their temporary files
+    (left behind only by a killed run)."""
+    return name in (TOKENS_FILE, META_FILE) or name.startswith(
+        (f".{TOKENS_FILE}.tmp-", f".{META_FILE}.tmp-")
+    )
+
+
 def read_meta(data_dir: str) -> dict[str, Any]:
     """meta.json of a prepared directory, checked for the keys and values this format needs."""
     path = Path(data_dir) / META_FILE
@@ -181,21 +222,51 @@ def read_meta(data_dir: str) -> dict[str, Any]:
         raise DataError(f"{path}: missing {', '.join(missing)}; {hint} again")
     for key, default in META_DEFAULTS.items():
         meta.setdefault(key, default)
-    if not isinstance(meta["bos_per_document"], bool):
-        raise DataError(
-            f"{path}: bos_per_document {meta['bos_per_document']!r} is not true or false; "
-            f"{hint} again"
-        )
-    if meta["format_version"] != FORMAT_VERSION:
-        raise DataError(
-            f"{path}: format_version {meta['format_version']!r}, this version reads "
-            f"{FORMAT_VERSION}; {hint} again"
-        )
-    if meta["dtype"] not in DTYPES:
-        raise DataError(
-            f"{path}: dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}; {hint} again"
-        )
+    problem = meta_problem(meta)
+    if problem is not None:
+        raise DataError(f"{path}: {problem}; {hint} again")
     return meta
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the values of a meta.json holding every key, or None.
+
+    Each field must have the type and range the writer gives it; the first that does not is
+    named with its value and what it should be.
+    """
+    version = meta["format_version"]
+    if not _is_int(version) or version != FORMAT_VERSION:
+        return f"format_version {_show(version)}, this version reads {FORMAT_VERSION}"
+    dtype = meta["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return f"dtype {_show(dtype)} is not one of {', '.join(DTYPES)}"
+    vocab_size = meta["vocab_size"]
+    if not (_is_int(vocab_size) and 1 <= vocab_size <= MAX_VOCAB_SIZE):
+        return f"vocab_size {_show(vocab_size)} is not an integer in [1, 2**32]"
+    for key in ("num_tokens", "num_documents", "sources"):
+        if not (_is_int(meta[key]) and meta[key] >= 0):
+            return f"{key} {_show(meta[key])} is not an integer >= 0"
+    for key in ("eos_id", "bos_id"):
+        value = meta[key]
+        if not (_is_int(value) and 0 <= value < vocab_size):
+            return f"{key} {_show(value)} is not an id of the vocabulary, [0, {vocab_size})"
+    for key in ("tokenizer", "content_sha256"):
+        if not (isinstance(meta[key], str) and meta[key]):
+            return f"{key} {_show(meta[key])} is not a non-empty string"
+    if not isinstance(meta["bos_per_document"], bool):
+        return f"bos_per_document {_show(meta['bos_per_document'])} is not true or false"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    # JSON true / false load as bool, an int subclass; only bos_per_document is a bool.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, shortened: a message stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> Path:
@@ -213,6 +284,54 @@ def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> Path:
             "run prepare-data again"
         )
     return path
+
+
+def first_id_at_least(path: Path, meta: dict[str, Any], limit: int) -> tuple[int, int] | None:
+    """Offset and value of the first id >= ``limit`` in tokens.bin at ``path``, or None.
+
+    Read in chunks through a memory map, so memory stays bounded for any file size; skipped
+    when the stored dtype cannot hold such an id.
+    """
+    dtype = DTYPES[meta["dtype"]]
+    num_tokens = int(meta["num_tokens"])
+    if limit > np.iinfo(dtype).max or num_tokens == 0:
+        return None
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
+    for start in range(0, num_tokens, _SCAN_TOKENS):
+        chunk = tokens[start : start + _SCAN_TOKENS]
+        if int(chunk.max()) >= limit:
+            offset = int(np.argmax(chunk >= limit))
+            return start + offset, int(chunk[offset])
+    return None
+
+
+def check_token_ids(path: Path, meta: dict[str, Any], model_vocab_size: int | None) -> None:
+    """Every id in tokens.bin at ``path`` is below meta.json's vocab_size (and the model's).
+
+    An id beyond the vocabulary that meta.json declares means the file is corrupt or not
+    what meta.json says (a wrong dtype, another tokenizer); an embedding lookup would fail
+    on it mid-run, so it is refused when the data is opened.
+    """
+    vocab_size = int(meta["vocab_size"])
+    limit = vocab_size if model_vocab_size is None else min(vocab_size, model_vocab_size)
+    found = first_id_at_least(path, meta, limit)
+    if found is None:
+        return
+    offset, token_id = found
+    where = f"{path}: the token at offset {offset} is id {token_id}"
+    if token_id >= vocab_size:
+        model = ""
+        if model_vocab_size is not None and token_id >= model_vocab_size:
+            model = f" and model.vocab_size {model_vocab_size}"
+        raise DataError(
+            f"{where}, not below meta.json's vocab_size {vocab_size}{model}: the file is corrupt "
+            f"or was not written as the {meta['dtype']} ids of tokenizer {meta['tokenizer']} "
+            "that meta.json names; run prepare-data again with this job's tokenizer"
+        )
+    raise DataError(
+        f"{where}, not below model.vocab_size {model_vocab_size}; raise model.vocab_size to at "
+        f"least {vocab_size} or prepare the data again with this job's tokenizer"
+    )
 
 
 def is_complete(data_dir: str) -> bool:

@@ -1,7 +1,9 @@
 """End to end: a stop signal saves the last step and exits 75; the run then resumes there.
 
 The plain SIGTERM case lives in test_train_cli.py; these cover the other signals, a
-second SIGTERM right after the first, and resuming the interrupted run directory.
+second SIGTERM right after the first, resuming the interrupted run directory, and a signal
+sent to the whole process group (as slurmd and Ctrl-C send it) with and without dataloader
+workers, resumed bitwise.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ COMMON = [
     "--scheduler.warmup_steps=2",  # the resume's max_steps is only a few steps past the stop
 ]
 WAIT_S = 120.0
+# Deterministic runs for the bitwise comparison: the stopped run, its resume and the
+# uninterrupted reference all train to this step, so their LR schedules are the same.
+EXACT_STEPS = 10
+EXACT = ["--train.deterministic=true", f"--train.max_steps={EXACT_STEPS}"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,11 @@ class Run:
             pytest.fail(f"the run did not exit within {WAIT_S:.0f} s:\n{self.err()[-3000:]}")
 
 
-def start(run_dir: pathlib.Path, cache: pathlib.Path, *overrides: str) -> Run:
+def start(
+    run_dir: pathlib.Path, cache: pathlib.Path, *overrides: str, own_group: bool = False
+) -> Run:
+    """Start a run; with ``own_group`` it leads a process group of its own (its pid is the
+    group id), so a signal to the group reaches it and its dataloader workers only."""
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = run_dir.parent
     stdout, stderr = logs / f"{run_dir.name}.out", logs / f"{run_dir.name}.err"
@@ -77,24 +87,46 @@ def start(run_dir: pathlib.Path, cache: pathlib.Path, *overrides: str) -> Run:
             env=env,
             stdout=out,
             stderr=err,
+            start_new_session=own_group,
         )
     return Run(proc, run_dir, stdout, stderr)
 
 
-def logged_steps(run_dir: pathlib.Path) -> list[int]:
-    """Steps of the training rows in metrics.jsonl so far (a half-written last row is skipped)."""
+def logged_losses(run_dir: pathlib.Path) -> list[tuple[int, float]]:
+    """(step, loss) of the training rows in metrics.jsonl so far (a half-written last row is
+    skipped)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    steps = []
+    rows = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except ValueError:
             continue
         if "event" not in row and "loss" in row:
-            steps.append(row["step"])
-    return steps
+            rows.append((row["step"], row["loss"]))
+    return rows
+
+
+def logged_steps(run_dir: pathlib.Path) -> list[int]:
+    """Steps of the training rows in metrics.jsonl so far."""
+    return [step for step, _ in logged_losses(run_dir)]
+
+
+def live_processes_in_group(pgid: int) -> list[str]:
+    """Command lines of the processes of group ``pgid`` still running (zombies excluded)."""
+    live = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The fields after the parenthesised name: state, ppid, pgrp, ...
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue  # exited while being read
+        if int(pgrp) == pgid and state != "Z":
+            live.append(f"{stat.parent.name}: {cmdline}")
+    return live
 
 
 def wait_until(run: Run, ready: Callable[[], bool], what: str) -> None:
@@ -183,3 +215,45 @@ def test_resuming_a_stopped_run_trains_only_the_remaining_steps(double_sigterm, 
     assert logged_steps(stopped.run_dir)[len(before) :] == [n + 1, n + 2, n + 3]
     assert (stopped.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{n + 3}"
     assert f"finished at step {n + 3}" in run.stdout.read_text()
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, cache) -> list[tuple[int, float]]:
+    """(step, loss) of an uninterrupted deterministic run to EXACT_STEPS."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run = start(run_dir, cache, *EXACT)
+    assert run.finish() == exit_codes.FINISHED, run.err()[-3000:]
+    losses = logged_losses(run_dir)
+    assert [step for step, _ in losses] == list(range(1, EXACT_STEPS + 1))
+    return losses
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["no-workers", "2-workers"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_saves_and_resumes_bitwise(
+    sig, num_workers, tmp_path, cache, reference_losses
+):
+    run_dir = tmp_path / "run"
+    workers = f"--data.num_workers={num_workers}"
+    run = start(run_dir, cache, *EXACT, workers, own_group=True)
+    wait_until(run, lambda: len(logged_steps(run_dir)) >= 2, "2 logged steps")
+    # What slurmd does to a job step and a terminal does on Ctrl-C: every process of the
+    # group gets the signal, the dataloader workers too.
+    os.killpg(run.proc.pid, sig)
+    returncode = run.finish()
+    stderr = run.err()
+    assert returncode == exit_codes.PREEMPTED, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert f"shutdown requested by {sig.name}" in stderr
+    assert live_processes_in_group(run.proc.pid) == []
+    stopped_at = logged_steps(run_dir)[-1]
+    assert 2 <= stopped_at < EXACT_STEPS
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"step_{stopped_at}"
+    manager = CheckpointManager(CheckpointConfig(), str(checkpoints))
+    assert manager.is_complete(checkpoints / f"step_{stopped_at}")
+
+    resumed = start(run_dir, cache, *EXACT, workers)
+    assert resumed.finish() == exit_codes.FINISHED, resumed.err()[-3000:]
+    # The stopped run and its resume log exactly the uninterrupted run's losses, step by step.
+    assert logged_losses(run_dir) == reference_losses

@@ -18,7 +18,8 @@ from kempnerforge.data.builtin import builtin_corpus
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.pipeline import build_data_pipeline
-from kempnerforge.data.prepare import add_prepare_data_arguments, prepare_data, run_prepare_data
+from kempnerforge.data.prepare import prepare_data, run_prepare_data
+from kempnerforge.data.prepare_args import add_prepare_data_arguments
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from kempnerforge.training.loss import cross_entropy_sum

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from kempnerforge.data import token_file
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.errors import DataError
+from kempnerforge.data.token_file import read_meta
 from tests.support.data_files import write_token_dir
 
 EOS = 257  # ByteTokenizer's
@@ -160,3 +162,126 @@ def test_uint32_files_are_read_with_their_dtype(tmp_path):
     sample = MemoryMappedDataset(path, seq_len=3)[0]
     assert sample["input_ids"].tolist() == [65_000, 66_000, 3]
     assert sample["labels"].tolist() == [66_000, 3, 69_999]
+
+
+HINT = "run `kempnerforge prepare-data --input ... --output DIR` and point at DIR again"
+
+
+def _set_token(data_dir: str, offset: int, token_id: int, dtype: str = "<u2") -> Path:
+    """Overwrite one id of tokens.bin in place; returns the file."""
+    tokens = Path(data_dir) / "tokens.bin"
+    ids = np.fromfile(tokens, dtype=dtype)
+    ids[offset] = token_id
+    ids.tofile(tokens)
+    return tokens
+
+
+def _rewrite_meta(data_dir: str, **changes) -> Path:
+    meta_path = Path(data_dir) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(changes)
+    meta_path.write_text(json.dumps(meta))
+    return meta_path
+
+
+def test_an_id_beyond_the_model_vocabulary_is_refused_when_opened(counting_dir):
+    tokens = _set_token(counting_dir, 17, 600)
+    with pytest.raises(DataError) as info:
+        MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=512)
+    assert str(info.value) == (
+        f"{tokens}: the token at offset 17 is id 600, not below meta.json's vocab_size 259 "
+        "and model.vocab_size 512: the file is corrupt or was not written as the uint16 ids "
+        "of tokenizer byte that meta.json names; run prepare-data again with this job's "
+        "tokenizer"
+    )
+
+
+def test_an_id_beyond_meta_vocab_size_is_corruption_even_without_a_model(counting_dir):
+    tokens = _set_token(counting_dir, 3, 259)
+    with pytest.raises(DataError) as info:
+        MemoryMappedDataset(counting_dir, seq_len=4)
+    assert str(info.value) == (
+        f"{tokens}: the token at offset 3 is id 259, not below meta.json's vocab_size 259: "
+        "the file is corrupt or was not written as the uint16 ids of tokenizer byte that "
+        "meta.json names; run prepare-data again with this job's tokenizer"
+    )
+
+
+def test_an_id_only_the_model_lacks_says_to_raise_its_vocabulary(counting_dir):
+    # Unreachable through MemoryMappedDataset, which refuses a larger data vocabulary first.
+    tokens = Path(counting_dir) / "tokens.bin"
+    with pytest.raises(DataError) as info:
+        token_file.check_token_ids(tokens, read_meta(counting_dir), model_vocab_size=10)
+    assert str(info.value) == (
+        f"{tokens}: the token at offset 10 is id 10, not below model.vocab_size 10; raise "
+        "model.vocab_size to at least 259 or prepare the data again with this job's tokenizer"
+    )
+
+
+def test_the_id_scan_reports_the_first_bad_id_across_chunks(counting_dir, monkeypatch):
+    monkeypatch.setattr(token_file, "_SCAN_TOKENS", 4)  # 22 tokens: six chunks
+    _set_token(counting_dir, 13, 1000)
+    _set_token(counting_dir, 9, 300)
+    meta = read_meta(counting_dir)
+    tokens = Path(counting_dir) / "tokens.bin"
+    assert token_file.first_id_at_least(tokens, meta, 259) == (9, 300)
+    assert token_file.first_id_at_least(tokens, meta, 301) == (13, 1000)
+    assert token_file.first_id_at_least(tokens, meta, 1001) is None
+
+
+def test_the_id_scan_is_skipped_when_the_dtype_cannot_exceed_the_vocabulary(tmp_path):
+    class Full16:
+        vocab_size, bos_id, eos_id, pad_id, identity = 65_536, 1, 65_535, 2, "full16"
+
+    path = write_token_dir(tmp_path / "f", [[65_534, 3, 4, 5]], tokenizer=Full16())
+    meta = read_meta(path)
+    assert meta["dtype"] == "uint16"
+    assert token_file.first_id_at_least(Path(path) / "tokens.bin", meta, 65_536) is None
+    assert len(MemoryMappedDataset(path, seq_len=2, model_vocab_size=65_536)) == 2
+
+
+def test_a_dtype_that_lies_is_caught_by_the_id_scan(counting_dir):
+    # 22 uint16 ids read as 11 uint32 ids: the sizes agree, the ids do not.
+    _rewrite_meta(counting_dir, dtype="uint32", num_tokens=11)
+    with pytest.raises(DataError) as info:
+        MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=259)
+    assert str(info.value) == (
+        f"{Path(counting_dir) / 'tokens.bin'}: the token at offset 0 is id 65536, not below "
+        "meta.json's vocab_size 259 and model.vocab_size 259: the file is corrupt or was not "
+        "written as the uint32 ids of tokenizer byte that meta.json names; run prepare-data "
+        "again with this job's tokenizer"
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("num_tokens", "many", "num_tokens 'many' is not an integer >= 0"),
+        ("num_tokens", -22, "num_tokens -22 is not an integer >= 0"),
+        ("num_tokens", 22.0, "num_tokens 22.0 is not an integer >= 0"),
+        ("num_documents", None, "num_documents None is not an integer >= 0"),
+        ("sources", True, "sources True is not an integer >= 0"),
+        ("vocab_size", -1, "vocab_size -1 is not an integer in [1, 2**32]"),
+        ("vocab_size", "259", "vocab_size '259' is not an integer in [1, 2**32]"),
+        ("vocab_size", 2**40, "vocab_size 1099511627776 is not an integer in [1, 2**32]"),
+        ("eos_id", 3.5, "eos_id 3.5 is not an id of the vocabulary, [0, 259)"),
+        ("eos_id", 259, "eos_id 259 is not an id of the vocabulary, [0, 259)"),
+        ("bos_id", -1, "bos_id -1 is not an id of the vocabulary, [0, 259)"),
+        ("tokenizer", 7, "tokenizer 7 is not a non-empty string"),
+        ("tokenizer", "", "tokenizer '' is not a non-empty string"),
+        ("content_sha256", ["x"], "content_sha256 ['x'] is not a non-empty string"),
+        ("dtype", ["uint16"], "dtype ['uint16'] is not one of uint16, uint32"),
+        ("format_version", "1", "format_version '1', this version reads 1"),
+        ("bos_per_document", "yes", "bos_per_document 'yes' is not true or false"),
+        (
+            "dtype",
+            ["uint16"] * 20,
+            "dtype ['uint16', 'uint16', 'uint16', 'uint1... is not one of uint16, uint32",
+        ),
+    ],
+)
+def test_a_meta_field_of_the_wrong_type_or_range_is_named(counting_dir, key, value, problem):
+    meta_path = _rewrite_meta(counting_dir, **{key: value})
+    with pytest.raises(DataError) as info:
+        MemoryMappedDataset(counting_dir, seq_len=4)
+    assert str(info.value) == f"{meta_path}: {problem}; {HINT}"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.data import builtin
-from kempnerforge.data.errors import DataError
+from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
@@ -149,6 +152,24 @@ def test_a_configured_directory_that_is_not_prepared_names_its_field(tmp_path, d
         _build(DataConfig(**paths))
     assert info.value.field == field and isinstance(info.value, DataError)
     assert str(info.value).startswith(f"{field}: {tmp_path} has no meta.json")
+
+
+@pytest.mark.parametrize("field", ["data.path", "data.eval_path"])
+def test_an_id_beyond_the_vocabulary_names_its_field_and_offset(data_dirs, field):
+    train, held = data_dirs
+    tokens = Path(train if field == "data.path" else held) / "tokens.bin"
+    ids = np.fromfile(tokens, dtype="<u2")
+    ids[5] = 600
+    ids.tofile(tokens)
+    with pytest.raises(DataPathError) as info:
+        _build(DataConfig(path=train, eval_path=held), model_vocab_size=512)
+    assert info.value.field == field
+    assert str(info.value) == (
+        f"{field}: {tokens}: the token at offset 5 is id 600, not below meta.json's vocab_size "
+        "259 and model.vocab_size 512: the file is corrupt or was not written as the uint16 "
+        "ids of tokenizer byte that meta.json names; run prepare-data again with this job's "
+        "tokenizer"
+    )
 
 
 def test_model_vocab_smaller_than_the_data_is_refused(data_dirs):

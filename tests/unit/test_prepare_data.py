@@ -12,12 +12,8 @@ import pytest
 
 from kempnerforge.data import token_file
 from kempnerforge.data.errors import DataError
-from kempnerforge.data.prepare import (
-    add_prepare_data_arguments,
-    is_eval_document,
-    prepare_data,
-    run_prepare_data,
-)
+from kempnerforge.data.prepare import is_eval_document, prepare_data, run_prepare_data
+from kempnerforge.data.prepare_args import add_prepare_data_arguments
 from kempnerforge.data.token_file import dtype_name_for_vocab, read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.data_files import (
@@ -300,3 +296,72 @@ def test_progress_line_goes_to_stderr(tmp_path, capsys):
     _prepare(tmp_path, [src], show_progress=True)
     err = capsys.readouterr().err
     assert "prepare-data: 1/1 files, 3 documents" in err and "MB/s" in err
+
+
+WHAT_TO_DO = "name a new or empty directory, or one prepare-data wrote before to rewrite it"
+
+
+def test_an_output_that_is_a_file_is_refused_before_any_input_is_read(tmp_path):
+    taken = tmp_path / "taken.txt"
+    taken.write_text("not a directory\n")
+    missing = tmp_path / "no-such-input.jsonl"  # reading inputs first would fail on this
+    with pytest.raises(DataError) as info:
+        run_prepare_data(_cli(["--input", str(missing), "--output", str(taken)]))
+    assert str(info.value) == f"--output {taken} is a file, not a directory; {WHAT_TO_DO}"
+    assert taken.read_text() == "not a directory\n"
+
+
+def test_an_eval_output_that_is_a_file_is_refused(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    args = _cli(
+        ["--input", str(src), "--output", str(tmp_path / "out"), "--eval-fraction", "0.3"]
+        + ["--eval-output", str(taken)]
+    )
+    with pytest.raises(DataError) as info:
+        run_prepare_data(args)
+    assert str(info.value) == f"--eval-output {taken} is a file, not a directory; {WHAT_TO_DO}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_below_a_file_names_the_file(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    out = tmp_path / "d.jsonl" / "out"
+    with pytest.raises(DataError) as info:
+        prepare_data([str(src)], str(out), ByteTokenizer())
+    assert str(info.value) == (f"--output {out}: {src} is a file, not a directory; {WHAT_TO_DO}")
+
+
+def test_a_directory_holding_other_files_is_refused_as_output(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    for name in ("notes.txt", "b.py", "a.md", "c.csv"):
+        (busy / name).write_text("keep me\n")
+    (busy / "meta.json").write_text("{}")
+    with pytest.raises(DataError) as info:
+        prepare_data([str(src)], str(busy), ByteTokenizer())
+    assert str(info.value) == (
+        f"--output {busy} is a directory holding other files (a.md, b.py, c.csv and 1 more), "
+        f"not a prepared data directory; {WHAT_TO_DO}"
+    )
+    assert sorted(p.name for p in busy.iterdir()) == [
+        "a.md",
+        "b.py",
+        "c.csv",
+        "meta.json",
+        "notes.txt",
+    ]
+
+
+def test_an_empty_or_prepared_directory_is_written_into(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    out = tmp_path / "out"
+    out.mkdir()
+    first = prepare_data([str(src)], str(out), ByteTokenizer())
+    # A killed run's temporary file is ours too: the directory is still ours to rewrite.
+    (out / ".tokens.bin.tmp-12345").write_bytes(b"\x00\x01")
+    again = prepare_data([str(src)], str(out), ByteTokenizer())
+    assert again == first
+    assert prepared_documents(out) == TEXTS

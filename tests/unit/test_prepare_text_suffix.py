@@ -9,7 +9,9 @@ import logging
 import pytest
 
 from kempnerforge.data.errors import DataError
-from kempnerforge.data.prepare import add_prepare_data_arguments, prepare_data, run_prepare_data
+from kempnerforge.data.prepare import prepare_data, run_prepare_data
+from kempnerforge.data.prepare_args import add_prepare_data_arguments
+from kempnerforge.data.sources import discover_input_files
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.data_files import prepared_documents
 
@@ -86,3 +88,74 @@ def test_cli_options(tmp_path, code_tree, capsys):
     )
     assert run_prepare_data(args) == 0
     assert "in 5 documents" in capsys.readouterr().out
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_files_left_out_of_a_directory_are_counted_by_suffix_in_one_warning(
+    tmp_path, code_tree, caplog
+):
+    (code_tree / "pkg" / "Makefile").write_text("all:\n")
+    (code_tree / ".gitignore").write_text("*.pyc\n")
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        out, _ = _run(tmp_path, [code_tree])
+    assert prepared_documents(out) == ["read me\n"]
+    assert _warnings(caplog) == [
+        # .gitignore is a tool's file, not text someone forgot: not counted.
+        f"skipped 3 .py, 1 .bin, 1 .md and 1 no-suffix files under {code_tree}/ (not a format "
+        "prepare-data reads; read them as whole-file text with --text-suffix .py "
+        "--text-suffix .bin --text-suffix .md)"
+    ]
+
+
+def test_the_warning_names_only_what_the_text_suffixes_did_not_read(tmp_path, code_tree, caplog):
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        _run(tmp_path, [code_tree], text_suffixes=(".py", ".md"))
+    assert _warnings(caplog) == [
+        f"skipped 1 .bin file under {code_tree}/ (not a format prepare-data reads; read it "
+        "as whole-file text with --text-suffix .bin)"
+    ]
+    caplog.clear()
+    (code_tree / "data.bin").unlink()
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        _run(tmp_path, [code_tree], text_suffixes=(".py", ".md"))
+    assert _warnings(caplog) == []
+
+
+def test_files_without_a_suffix_get_no_text_suffix_hint(tmp_path, caplog):
+    root = tmp_path / "tree"
+    root.mkdir()
+    (root / "doc.txt").write_text("text\n")
+    (root / "LICENSE").write_text("license\n")
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        _run(tmp_path, [root])
+    assert _warnings(caplog) == [
+        f"skipped 1 no-suffix file under {root}/ (not a format prepare-data reads)"
+    ]
+    caplog.clear()
+    (root / "setup.cfg").write_text("[metadata]\n")
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        _run(tmp_path, [root])
+    assert _warnings(caplog) == [
+        f"skipped 1 .cfg and 1 no-suffix files under {root}/ (not a format prepare-data reads; "
+        "read them as whole-file text with --text-suffix .cfg)"
+    ]
+
+
+def test_tool_files_are_not_counted_as_skipped(tmp_path, caplog):
+    root = tmp_path / "tree"
+    (root / "__pycache__").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\0")
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (root / ".hidden.cfg").write_text("x")
+    (root / "notes.txt").write_text("some text")
+    (root / "mod.py").write_text("x = 1\n")
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        discover_input_files([str(root)])
+    assert _warnings(caplog) == [
+        f"skipped 1 .py file under {root}/ (not a format prepare-data reads; read it as "
+        "whole-file text with --text-suffix .py)"
+    ]
