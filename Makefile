@@ -35,7 +35,11 @@ lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# pyright[nodejs] brings its own Node.js; --pythonpath points it at this venv's torch.
+typecheck: install-dev
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --pythonpath $(BIN)/python
+
+test: lint typecheck
 	$(BIN)/python -m pytest
 
 bench: install

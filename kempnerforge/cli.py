@@ -161,7 +161,7 @@ def _ignore_stop_signals() -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from kempnerforge.data.prepare import add_prepare_data_arguments
+    from kempnerforge.data.prepare_args import add_prepare_data_arguments
     from kempnerforge.training.eval_cli import add_eval_arguments
 
     parser = argparse.ArgumentParser(

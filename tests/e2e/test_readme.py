@@ -33,9 +33,17 @@ def run(line: str, cwd: pathlib.Path, env: dict[str, str]) -> subprocess.Complet
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
 
 
+def rows(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def train_steps(run_dir: pathlib.Path) -> list[int]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "loss" in r and "event" not in r]
+    """Steps of the logged training rows (the debug config logs every 10th step)."""
+    return [r["step"] for r in rows(run_dir) if "loss" in r and "event" not in r]
+
+
+def events(run_dir: pathlib.Path, name: str) -> list[int]:
+    return [r["step"] for r in rows(run_dir) if r.get("event") == name]
 
 
 def latest(run_dir: pathlib.Path) -> str:
@@ -65,13 +73,16 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
         results.append(result)
 
     quick = tmp_path / "runs" / "quick"
-    assert train_steps(quick) == list(range(1, 41))  # 30 steps, then resumed at 31
+    # 30 steps, then the same run resumed at 31 (its first step is always logged) to 40.
+    assert train_steps(quick) == [1, 10, 20, 30, 31, 40]
+    assert events(quick, "resume") == [30]
     assert latest(quick) == "step_40"
     assert "resumed from" in results[1].stderr
     for prepared in ("data/mycorpus", "data/mycorpus-eval"):
         assert (tmp_path / prepared / "meta.json").is_file(), prepared
     mycorpus = tmp_path / "runs" / "mycorpus"
-    assert train_steps(mycorpus) == list(range(1, 51))
+    assert train_steps(mycorpus) == [1, 10, 20, 30, 40, 50]
+    assert events(mycorpus, "resume") == []
     assert latest(mycorpus) == "step_50"
     report = json.loads((mycorpus / "checkpoints" / "step_50" / "eval.json").read_text())
     assert report["step"] == 50 and report["metrics"]["eval_tokens"] > 0

@@ -324,8 +324,8 @@ def test_resume_continues_bitwise_equal(tiny_overrides, optimizer):
 
 
 def test_checkpoint_extra_records_phase_state_and_the_resolved_config(tiny_job_config):
-    from kempnerforge.config.loader import build_dataclass
     from kempnerforge.config.job import JobConfig
+    from kempnerforge.config.loader import build_dataclass
     from kempnerforge.data.phases import PhaseState
 
     extra = checkpoint_extra(tiny_job_config, 7, PhaseState())
