@@ -108,6 +108,7 @@ def test_sigkill_mid_async_save_resumes_from_the_last_committed_checkpoint(tmp_p
     assert resumes[0]["path"] == str(checkpoints / "step_5")
     assert _latest(checkpoints) == "step_12"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
+        ".lock",  # the run's lock on its checkpoint directory
         "latest",
         "step_10",
         "step_12",

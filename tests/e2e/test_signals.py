@@ -38,14 +38,21 @@ COMMON = [
 WAIT_S = 120.0
 # Deterministic runs for the bitwise comparison: the stopped run, its resume and the
 # uninterrupted reference all train to this step, so their LR schedules are the same.
-EXACT_STEPS = 10
-EXACT = ["--train.deterministic=true", f"--train.max_steps={EXACT_STEPS}"]
+# Small batches keep each of these runs to a couple of seconds of training, while a step
+# still takes long enough (tens of ms) for the signal to land well before the last one.
+EXACT_STEPS = 40
+EXACT = [
+    "--train.deterministic=true",
+    f"--train.max_steps={EXACT_STEPS}",
+    "--train.batch_size=2",
+    "--train.seq_len=64",
+]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> pathlib.Path:
-    """One KEMPNERFORGE_CACHE for the module: the built-in corpus is prepared once."""
-    return tmp_path_factory.mktemp("cache")
+def cache(builtin_cache) -> pathlib.Path:
+    """The session's KEMPNERFORGE_CACHE: the built-in corpus is prepared once."""
+    return builtin_cache
 
 
 @dataclass

@@ -98,27 +98,32 @@ def test_zero_eval_fraction_has_no_eval_directory(fake_stdlib, tmp_path):
 
 def test_concurrent_callers_prepare_once(fake_stdlib, tmp_path, monkeypatch):
     real_prepare, calls = builtin._prepare, []
+    preparing, release = threading.Event(), threading.Event()
 
-    def slow_prepare(*args):
+    def held_prepare(*args):
         calls.append(args)
-        time.sleep(0.3)  # hold the lock long enough for the other caller to wait on it
+        preparing.set()
+        assert release.wait(30), "the test never released the preparation"
         real_prepare(*args)
 
-    monkeypatch.setattr(builtin, "_prepare", slow_prepare)
-    results = []
-    threads = [
-        threading.Thread(
-            target=lambda: results.append(
-                builtin_corpus(str(tmp_path / "cache"), ByteTokenizer(), 0.2)
-            )
-        )
-        for _ in range(2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+    monkeypatch.setattr(builtin, "_prepare", held_prepare)
+    results: dict[str, tuple[str, str]] = {}
+
+    def call(name: str) -> None:
+        results[name] = builtin_corpus(str(tmp_path / "cache"), ByteTokenizer(), 0.2)
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert preparing.wait(30)  # the first caller holds the lock and is preparing
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    second.join(0.5)
+    # The overlap really happened: the second caller is waiting while the first prepares.
+    assert second.is_alive() and "second" not in results
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert len(calls) == 1 and results["first"] == results["second"]
 
 
 def test_default_cache_dir_honours_the_environment(monkeypatch, tmp_path):

@@ -348,3 +348,39 @@ def test_a_single_dataset_pipeline_has_no_names_and_no_set_weights(mixture_dirs)
     assert "dataset_idx" not in next(iter(pipe.dataloader))
     with pytest.raises(ValueError, match="needs a \\[\\[data.datasets\\]\\] mixture"):
         pipe.set_weights({"a": 1.0})
+
+
+@pytest.mark.parametrize("z_loss_weight", [0.0, 0.01])
+def test_per_dataset_losses_add_up_to_the_step_loss(mixture_dirs, tmp_path, z_loss_weight):
+    """loss/<name> is the same objective as the step's loss (z-loss included), so the
+    token-weighted mean of the per-dataset losses is the step's loss."""
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.distributed.runtime import RuntimeContext
+    from kempnerforge.training.build import build_session
+    from kempnerforge.training.loop import text_step
+    from tests.conftest import TINY_MODEL
+
+    mix = tmp_path / "mix.toml"
+    mix.write_text(
+        f'[[data.datasets]]\nname = "a"\npath = "{mixture_dirs[0]}"\nweight = 1.0\n'
+        f'[[data.datasets]]\nname = "b"\npath = "{mixture_dirs[1]}"\nweight = 1.0\n'
+    )
+    config = load_config(
+        str(mix),
+        [
+            *TINY_MODEL,
+            f"--train.z_loss_weight={z_loss_weight}",
+            "--train.batch_size=8",
+            f"--train.seq_len={SEQ_LEN}",
+            "--train.grad_accum_steps=2",
+            f"--train.run_dir={tmp_path / 'run'}",
+            "--metrics.progress=off",
+        ],
+    )
+    config.validate(1)
+    session = build_session(config, RuntimeContext())
+    result = text_step(session, 0)
+    counts = result.dataset_loss_counts
+    assert all(counts[name] > 0 for name in ("a", "b"))  # both sources in the step
+    total = sum(result.dataset_loss_sums.values()) / sum(counts.values())
+    assert total == pytest.approx(result.loss, rel=1e-6)
