@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -76,3 +77,17 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def log(caplog):
+    """caplog that sees the package's records at INFO and above, also after the CLI's
+    configure_logging stopped them from propagating to the root logger."""
+    logger = logging.getLogger("kempnerforge")
+    caplog.set_level(logging.INFO, logger="kempnerforge")
+    stopped = not logger.propagate  # when propagating, caplog's root handler sees them
+    if stopped:
+        logger.addHandler(caplog.handler)
+    yield caplog
+    if stopped:
+        logger.removeHandler(caplog.handler)

@@ -14,10 +14,7 @@ from kempnerforge.checkpoint.manager import CheckpointError, CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from tests.support.dist import run_distributed
 from tests.unit.test_checkpoint import _build, _load, _save, _train
-from tests.unit.test_checkpoint import log as _log_fixture
 from tests.unit.test_checkpoint_async import _disk_full_write, _names
-
-log = _log_fixture  # the same fixture: package loggers seen even when not propagated
 
 
 def _sharded(seed: int):

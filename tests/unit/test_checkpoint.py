@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -63,15 +62,6 @@ def _load(manager: CheckpointManager, path: str, parts=None) -> dict:
 
 def _latest(manager: CheckpointManager) -> str:
     return (manager.directory / "latest").read_text().strip()
-
-
-@pytest.fixture
-def log(caplog):
-    """caplog that also sees the package loggers when the CLI stopped their propagation."""
-    logger = logging.getLogger("kempnerforge")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):

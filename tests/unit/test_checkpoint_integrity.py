@@ -15,9 +15,6 @@ import pytest
 from kempnerforge.checkpoint.integrity import checkpoint_problems, read_dcp_metadata
 from kempnerforge.checkpoint.manager import CheckpointError
 from tests.unit.test_checkpoint import _build, _load, _manager, _save
-from tests.unit.test_checkpoint import log as _log_fixture
-
-log = _log_fixture  # the same fixture: package loggers seen even when not propagated
 
 SHARD = "__0_0.distcp"
 

@@ -14,29 +14,10 @@ import pytest
 
 from kempnerforge.checkpoint.manager import CheckpointError
 from tests.unit.test_checkpoint import _latest, _manager, _save
-from tests.unit.test_checkpoint import log as _log_fixture
-
-log = _log_fixture  # the same fixture: package loggers seen even when not propagated
 
 
-class _Warnings(logging.Handler):
-    """The package's warning messages, each once per emission."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warned():
-    handler = _Warnings()
-    logger = logging.getLogger("kempnerforge")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
+def _warnings(log) -> list[str]:
+    return [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -112,7 +93,7 @@ def test_latest_naming_a_symlink_is_not_followed(tmp_path, log):
 
 
 @pytest.mark.parametrize("target", ["checkpoint", "plain"])
-def test_retention_never_follows_or_deletes_a_symlinked_step(tmp_path, warned, target):
+def test_retention_never_follows_or_deletes_a_symlinked_step(tmp_path, log, target):
     if target == "checkpoint":
         elsewhere = _foreign_checkpoint(tmp_path)
     else:
@@ -133,12 +114,12 @@ def test_retention_never_follows_or_deletes_a_symlinked_step(tmp_path, warned, t
         f"ignoring {link}: it is a symbolic link, and checkpoints are the directories a "
         "save writes (move it away to silence this)"
     )
-    assert warned.count(warning) == 1  # once, although every save met it
+    assert _warnings(log).count(warning) == 1  # once, although every save met it
 
 
 @pytest.mark.parametrize("name", ["step_1.tmp", "step_2.old", "step_3.trash"])
 @pytest.mark.parametrize("kind", ["symlink", "file"])
-def test_leftover_cleanup_never_deletes_what_no_save_made(tmp_path, warned, name, kind):
+def test_leftover_cleanup_never_deletes_what_no_save_made(tmp_path, log, name, kind):
     elsewhere = tmp_path / "data"
     elsewhere.mkdir()
     (elsewhere / "keep.txt").write_text("precious")
@@ -159,7 +140,7 @@ def test_leftover_cleanup_never_deletes_what_no_save_made(tmp_path, warned, name
     warning = (
         f"leaving {stray} alone: it is {what}, which no save creates (move it away to silence this)"
     )
-    assert warned.count(warning) == 1
+    assert _warnings(log).count(warning) == 1
 
 
 @pytest.mark.parametrize("suffix", ["", ".tmp", ".old"])

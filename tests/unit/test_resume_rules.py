@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -15,15 +13,6 @@ from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import FRESH_OPTIMIZER, FULL, plan_resume, resume_session
 from kempnerforge.training.scheduler import lr_factor
-
-
-@pytest.fixture
-def log(caplog):
-    logger = logging.getLogger("kempnerforge")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="kempnerforge")
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def session_for(overrides):

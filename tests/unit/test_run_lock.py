@@ -30,18 +30,6 @@ HOLDER = textwrap.dedent(
 
 
 @pytest.fixture
-def log(caplog):
-    """caplog that also sees the package loggers when the CLI stopped their propagation."""
-    logger = logging.getLogger("kempnerforge")
-    stopped = not logger.propagate  # otherwise caplog's root handler sees each record already
-    if stopped:
-        logger.addHandler(caplog.handler)
-    yield caplog
-    if stopped:
-        logger.removeHandler(caplog.handler)
-
-
-@pytest.fixture
 def holder(tmp_path):
     """A child process holding tmp_path/run's lock; closing its stdin releases it."""
     proc = subprocess.Popen(
