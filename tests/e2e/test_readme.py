@@ -73,19 +73,19 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
         results.append(result)
 
     quick = tmp_path / "runs" / "quick"
-    # 30 steps, then the same run resumed at 31 (its first step is always logged) to 40.
-    assert train_steps(quick) == [1, 10, 20, 30, 31, 40]
-    assert events(quick, "resume") == [30]
-    assert latest(quick) == "step_40"
+    # 20 steps, then the same run resumed at 21 (its first step is always logged) to 30.
+    assert train_steps(quick) == [1, 10, 20, 21, 30]
+    assert events(quick, "resume") == [20]
+    assert latest(quick) == "step_30"
     assert "resumed from" in results[1].stderr
     for prepared in ("data/mycorpus", "data/mycorpus-eval"):
         assert (tmp_path / prepared / "meta.json").is_file(), prepared
     mycorpus = tmp_path / "runs" / "mycorpus"
-    assert train_steps(mycorpus) == [1, 10, 20, 30, 40, 50]
+    assert train_steps(mycorpus) == [1, 10, 20, 30]
     assert events(mycorpus, "resume") == []
-    assert latest(mycorpus) == "step_50"
-    report = json.loads((mycorpus / "checkpoints" / "step_50" / "eval.json").read_text())
-    assert report["step"] == 50 and report["metrics"]["eval_tokens"] > 0
+    assert latest(mycorpus) == "step_30"
+    report = json.loads((mycorpus / "checkpoints" / "step_30" / "eval.json").read_text())
+    assert report["step"] == 30 and report["metrics"]["eval_tokens"] > 0
     assert "eval_loss" in report["metrics"]
     # None of them touched the run `make train` made.
     assert (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text() == debug_metrics
