@@ -46,11 +46,16 @@ class MixtureDataset(Dataset[dict[str, torch.Tensor]]):
     def __len__(self) -> int:
         return self.offsets[-1]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def locate(self, index: int) -> tuple[int, int]:
+        """(source, window in that source) of global index ``index``."""
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range [0, {len(self)})")
         source = bisect.bisect_right(self.offsets, index) - 1
-        sample = dict(self.datasets[source][index - self.offsets[source]])
+        return source, index - self.offsets[source]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        source, window = self.locate(index)
+        sample = dict(self.datasets[source][window])
         sample["dataset_idx"] = torch.tensor(source, dtype=torch.int64)
         return sample
 

@@ -282,8 +282,9 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     session.scheduler.step()
     refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
     optimizer.zero_grad(set_to_none=True)
+    tokens = _tokens_per_step(session)
     progress.step += 1
-    progress.tokens_seen += _tokens_per_step(session)
+    progress.tokens_seen += tokens
     step, tokens_seen = progress.step, progress.tokens_seen
     advance_phases(session, step)
     session.tracker.end_step(
@@ -291,7 +292,7 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         loss=result.loss,
         grad_norm=result.grad_norm,
         lr=lr,
-        tokens=_tokens_per_step(session),
+        tokens=tokens,
         tokens_seen=tokens_seen,
         extra=dataset_metrics_row(
             result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts

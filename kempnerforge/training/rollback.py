@@ -36,9 +36,9 @@ def data_position(session: TrainingSession) -> str:
     dataset = data.dataset
     for index in indices:
         if isinstance(dataset, MixtureDataset):
-            source = max(i for i, offset in enumerate(dataset.offsets[:-1]) if offset <= index)
+            source, window = dataset.locate(index)
             name = f"{dataset.names[source]} ({dataset.datasets[source].path})"
-            by_source.setdefault(name, []).append(index - dataset.offsets[source])
+            by_source.setdefault(name, []).append(window)
         else:
             by_source.setdefault(dataset.path, []).append(index)
     parts = []

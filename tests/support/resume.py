@@ -15,6 +15,7 @@ from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
+from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import TrainingSession
 
 WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]
@@ -117,3 +118,13 @@ def assert_optimizer_states_bitwise_equal(got: dict, expected: dict) -> None:
                 assert torch.equal(other, value), f"optimizer state {index}.{key} differs"
             else:
                 assert other == value, (index, key)
+
+
+class RecordLR(TrainingHook):
+    """Records the learning rate each optimizer step used, by step."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        self.lrs[ctx.step] = ctx.lr

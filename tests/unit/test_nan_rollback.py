@@ -13,9 +13,18 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.training.build import build_session
-from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import resume_session
+from tests.support.resume import RecordLR
+
+# Two bad attempts in a row roll back to the checkpoint of step 3 at half the LR.
+ROLLBACK = [
+    "--train.max_steps=8",
+    "--checkpoint.interval=3",
+    "--train.nan_consecutive_max=2",
+    "--train.nan_rollback_lr_scale=0.5",
+    "--scheduler.name=constant",
+]
 
 
 def make_session(overrides):
@@ -59,16 +68,7 @@ def test_single_bad_step_is_skipped_and_the_run_finishes(tiny_overrides):
 
 
 def test_streak_rolls_back_scales_lr_and_does_not_replay_data(tiny_overrides):
-    session = make_session(
-        tiny_overrides
-        + [
-            "--train.max_steps=8",
-            "--checkpoint.interval=3",
-            "--train.nan_consecutive_max=2",
-            "--train.nan_rollback_lr_scale=0.5",
-            "--scheduler.name=constant",
-        ]
-    )
+    session = make_session(tiny_overrides + ROLLBACK)
     poisoned = PoisonedLoss(session.loss_fn, {5, 6})
     session.loss_fn = poisoned
     with session.tracker:
@@ -87,13 +87,7 @@ def test_streak_rolls_back_scales_lr_and_does_not_replay_data(tiny_overrides):
 
 
 def test_rollback_state_survives_a_resume(tiny_overrides):
-    overrides = tiny_overrides + [
-        "--train.max_steps=8",
-        "--checkpoint.interval=3",
-        "--train.nan_consecutive_max=2",
-        "--train.nan_rollback_lr_scale=0.5",
-        "--scheduler.name=constant",
-    ]
+    overrides = tiny_overrides + ROLLBACK
     session = make_session(overrides)
     session.loss_fn = PoisonedLoss(session.loss_fn, {5, 6})
     with session.tracker:
@@ -223,28 +217,12 @@ def test_the_stop_message_counts_attempts_of_one_step_and_names_their_data(tiny_
     assert all(e["data"].startswith("epoch 0: windows ") for e in skips)
 
 
-class RecordLR(TrainingHook):
-    def __init__(self):
-        self.lrs: dict[int, float] = {}
-
-    def on_step_end(self, ctx):
-        self.lrs[ctx.step] = ctx.lr
-
-
 def test_after_a_rollback_the_lr_keeps_the_phase_scale(tiny_overrides, tmp_path):
     phases = tmp_path / "phases.toml"
     phases.write_text("[[train.phases]]\nstart_step = 0\nlr_scale = 0.5\n")
     config = load_config(
         str(phases),
-        tiny_overrides
-        + [
-            "--train.max_steps=8",
-            "--checkpoint.interval=3",
-            "--train.nan_consecutive_max=2",
-            "--train.nan_rollback_lr_scale=0.5",
-            "--scheduler.name=constant",
-            "--scheduler.warmup_steps=0",
-        ],
+        [*tiny_overrides, *ROLLBACK, "--scheduler.warmup_steps=0"],
     )
     config.validate(1)
     session = build_session(config, RuntimeContext())

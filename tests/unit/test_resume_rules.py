@@ -9,10 +9,10 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
-from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import FRESH_OPTIMIZER, FULL, plan_resume, resume_session
 from kempnerforge.training.scheduler import lr_factor
+from tests.support.resume import RecordLR
 
 
 def session_for(overrides):
@@ -32,14 +32,6 @@ def train(overrides, *, resume=True):
 
 def without_run_dir(overrides):
     return [o for o in overrides if not o.startswith("--train.run_dir")]
-
-
-class RecordLR(TrainingHook):
-    def __init__(self):
-        self.lrs: dict[int, float] = {}
-
-    def on_step_end(self, ctx):
-        self.lrs[ctx.step] = ctx.lr
 
 
 # --- a run's own checkpoints win --------------------------------------------------------
