@@ -1,42 +1,130 @@
-"""[distributed]: how the world of processes is split into parallel dimensions."""
+"""[distributed]: how the world of processes is split into parallel dimensions.
+
+The processes form a mesh of four named dimensions, outermost first:
+``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP shards)
+and ``tp`` (tensor parallel). Their product is the world size; ``dp_shard = -1`` takes
+whatever the other three leave.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import MAX_SIZE, check_positive
+from kempnerforge.config.checks import MAX_SIZE, check_at_least, check_choice, check_positive
 from kempnerforge.config.errors import ConfigError
 
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The mesh's dimension names, outermost (slowest-varying rank) first."""
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+AC_MODES = ("none", "full", "selective")
 
 
 @dataclass
 class DistributedConfig:
     dp_shard: int = -1
-    """Data-parallel degree, in processes (1 to 2**31 - 1); -1 takes whatever the other
-    degrees leave of the world size."""
+    """FSDP degree: processes that each hold a shard of every parameter (1 to 2**31 - 1);
+    -1 takes whatever dp_replicate, tp and pp leave of the world size."""
+    dp_replicate: int = 1
+    """HSDP degree: full replicas of the sharded model, each over dp_shard processes; the
+    data-parallel degree is dp_replicate * dp_shard. 1 to 2**31 - 1."""
     tp: int = 1
-    """Tensor-parallel degree, in processes; 1 to 2**31 - 1."""
+    """Tensor-parallel degree, in processes; must divide model.n_heads and the key/value
+    heads. 1 to 2**31 - 1."""
     pp: int = 1
-    """Pipeline-parallel degree (number of stages); 1 to 2**31 - 1."""
+    """Pipeline-parallel degree (processes along the pipeline); 1 to 2**31 - 1."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b'. The micro-batches of a
+    step are train.grad_accum_steps."""
+    pp_stages_per_rank: int = 0
+    """Pipeline stages each pipeline rank holds; 0 means 1, or 2 for 'interleaved_1f1b'
+    (which needs at least 2). 0 to 64."""
+    pp_split_points: list[int] = field(default_factory=list)
+    """Layer indices where pipeline stages 1, 2, ... begin (pp * stages per rank - 1 of
+    them, increasing); empty splits the layers evenly."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward instead of keeping them: 'none', 'full' (every
+    block) or 'selective' (every ac_every-th block)."""
+    ac_every: int = 2
+    """With activation_checkpointing = 'selective', checkpoint blocks 0, N, 2N, ...;
+    1 to 2**31 - 1."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after each block's forward (gather again in
+    backward). False keeps them, trading memory for one all-gather per block and step."""
     backend: str = "auto"
     """Process-group backend: 'auto' (nccl on CUDA, gloo on CPU), 'gloo' or 'nccl'."""
     timeout_s: float = 1800.0
-    """Timeout of collective operations, in seconds; > 0 and at most 2592000 (30 days)."""
+    """How long a collective may wait for a peer, in seconds, before the run fails naming
+    it; > 0 and at most 2592000 (30 days)."""
 
     def __post_init__(self) -> None:
         if self.dp_shard != -1:
             check_positive("distributed.dp_shard", self.dp_shard, MAX_SIZE)
+        check_positive("distributed.dp_replicate", self.dp_replicate, MAX_SIZE)
         check_positive("distributed.tp", self.tp, MAX_SIZE)
         check_positive("distributed.pp", self.pp, MAX_SIZE)
+        check_choice("distributed.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        check_at_least("distributed.pp_stages_per_rank", self.pp_stages_per_rank, 0, 64)
+        if self.pp_schedule == "interleaved_1f1b" and self.pp_stages_per_rank == 1:
+            raise ConfigError(
+                "distributed.pp_stages_per_rank",
+                1,
+                "0 or at least 2 with pp_schedule = 'interleaved_1f1b'",
+                "an interleaved schedule runs several stages on each rank",
+            )
+        if self.pp_schedule != "interleaved_1f1b" and self.pp_stages_per_rank > 1:
+            raise ConfigError(
+                "distributed.pp_stages_per_rank",
+                self.pp_stages_per_rank,
+                f"0 or 1 with pp_schedule = {self.pp_schedule!r}",
+                "use pp_schedule = 'interleaved_1f1b' for several stages per rank",
+            )
+        for i, point in enumerate(self.pp_split_points):
+            check_positive(f"distributed.pp_split_points[{i}]", point, MAX_SIZE)
+        for i, (a, b) in enumerate(
+            zip(self.pp_split_points, self.pp_split_points[1:], strict=False)
+        ):
+            if b <= a:
+                raise ConfigError(
+                    f"distributed.pp_split_points[{i + 1}]", b, f"> {a} (increasing layers)"
+                )
+        check_choice(
+            "distributed.activation_checkpointing", self.activation_checkpointing, AC_MODES
+        )
+        check_positive("distributed.ac_every", self.ac_every, MAX_SIZE)
         # The timeout becomes a timedelta and a millisecond count in the process-group
         # backends; 30 days is longer than any job a scheduler keeps alive.
         check_positive("distributed.timeout_s", self.timeout_s, MAX_TIMEOUT_S)
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError("distributed.backend", self.backend, "'auto', 'gloo' or 'nccl'")
+        check_choice("distributed.backend", self.backend, ("auto", "gloo", "nccl"))
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages per pipeline rank, 0 resolved."""
+        if self.pp_stages_per_rank:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (1 without pipeline parallelism)."""
+        return self.pp * self.stages_per_rank if self.pp > 1 else 1
+
+    def resolved_dp_shard(self, world_size: int) -> int:
+        """dp_shard for this world size (-1 resolved; 0 when nothing divides)."""
+        if self.dp_shard != -1:
+            return self.dp_shard
+        others = self.dp_replicate * self.tp * self.pp
+        return world_size // others if world_size % others == 0 else 0
 
     def resolved_dp(self, world_size: int) -> int:
-        """Data-parallel degree for this world size (dp_shard = -1 resolved)."""
-        if self.dp_shard == -1:
-            return max(world_size // (self.tp * self.pp), 1)
-        return self.dp_shard
+        """Data-parallel degree for this world size: dp_replicate * dp_shard."""
+        return max(self.dp_replicate * self.resolved_dp_shard(world_size), 1)
+
+    def mesh_shape(self, world_size: int) -> dict[str, int]:
+        """Size of each mesh dimension, outermost first (dp_shard = -1 resolved)."""
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.resolved_dp_shard(world_size),
+            "tp": self.tp,
+        }

@@ -57,38 +57,12 @@ class JobConfig:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         dist, model, train = self.distributed, self.model, self.train
-        if model.is_moe and dist.pp > 1:
-            raise ConfigError(
-                "distributed.pp", dist.pp, "1 for an MoE model", "MoE with PP is not supported"
-            )
-        if dist.pp > 1:
-            raise ConfigError(
-                "distributed.pp", dist.pp, "1", "pipeline parallelism is not available yet"
-            )
-        if dist.tp > 1:
-            raise ConfigError(
-                "distributed.tp", dist.tp, "1", "tensor parallelism is not available yet"
-            )
         if model.is_moe:
             raise ConfigError(
                 "model.num_experts", model.num_experts, "0", "MoE layers are not available yet"
             )
+        self._validate_layout(world_size)
         dp = dist.resolved_dp(world_size)
-        if dp * dist.tp * dist.pp != world_size:
-            raise ConfigError(
-                "distributed.dp_shard",
-                dist.dp_shard,
-                f"a value with dp_shard * tp * pp == world size {world_size}",
-                f"tp = {dist.tp}, pp = {dist.pp}",
-            )
-        if world_size > 1:
-            raise ConfigError(
-                "distributed.dp_shard",
-                dp,
-                "1",
-                f"launched with world size {world_size}; multi-process data parallelism "
-                "is not available yet",
-            )
         per_step = train.batch_size * train.grad_accum_steps * dp
         if train.global_batch_size and train.global_batch_size != per_step:
             raise ConfigError(
@@ -119,6 +93,97 @@ class JobConfig:
                 "profiling.start_step",
                 self.profiling.start_step,
                 f"<= train.max_steps = {train.max_steps} when profiling.enable is true",
+            )
+
+    def _validate_layout(self, world_size: int) -> None:
+        """The [distributed] mesh must fit the world size and the model; runs on every rank
+        before any collective, so a bad layout fails the same way everywhere."""
+        dist, model, train = self.distributed, self.model, self.train
+        shape = dist.mesh_shape(world_size)
+        product = math.prod(shape.values())
+        if shape["dp_shard"] == 0 or product != world_size:
+            named = " * ".join(f"{k} {v}" for k, v in shape.items() if k != "dp_shard")
+            raise ConfigError(
+                "distributed.dp_shard",
+                dist.dp_shard,
+                f"dp_replicate * dp_shard * tp * pp == world size {world_size}",
+                f"{named} leaves no whole dp_shard"
+                if shape["dp_shard"] == 0
+                else f"the mesh {shape} holds {product} processes",
+            )
+        if dist.tp > 1:
+            for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
+                if heads % dist.tp:
+                    raise ConfigError(
+                        "distributed.tp",
+                        dist.tp,
+                        f"a divisor of model.{name} = {heads}",
+                        "each tensor-parallel rank holds whole attention heads",
+                    )
+            if model.hidden_dim % dist.tp:
+                raise ConfigError(
+                    "distributed.tp",
+                    dist.tp,
+                    f"a divisor of the feed-forward size {model.hidden_dim}",
+                    "set model.ffn_hidden_dim or model.multiple_of",
+                )
+        self._validate_pipeline()
+        dp = dist.resolved_dp(world_size)
+        if train.global_batch_size and train.global_batch_size % dp:
+            raise ConfigError(
+                "train.global_batch_size",
+                train.global_batch_size,
+                f"a multiple of the data-parallel degree {dp} (dp_replicate * dp_shard)",
+                "the global batch does not split evenly over the data-parallel ranks",
+            )
+
+    def _validate_pipeline(self) -> None:
+        dist, model, train = self.distributed, self.model, self.train
+        if dist.pp == 1:
+            if dist.pp_split_points:
+                raise ConfigError(
+                    "distributed.pp_split_points",
+                    dist.pp_split_points,
+                    "[] when distributed.pp = 1",
+                )
+            return
+        stages = dist.num_stages
+        if stages > model.n_layers:
+            raise ConfigError(
+                "distributed.pp",
+                dist.pp,
+                f"pp * stages per rank ({stages}) <= model.n_layers = {model.n_layers}",
+                "every pipeline stage needs at least one layer",
+            )
+        points = dist.pp_split_points
+        if points and (len(points) != stages - 1 or points[-1] >= model.n_layers):
+            raise ConfigError(
+                "distributed.pp_split_points",
+                points,
+                f"{stages - 1} increasing layer indices in [1, {model.n_layers - 1}] "
+                f"(one per stage after the first, {stages} stages)",
+            )
+        if model.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings",
+                True,
+                "false with distributed.pp > 1",
+                "the embedding and the output head live on different pipeline stages",
+            )
+        if self.data.document_masking:
+            raise ConfigError(
+                "data.document_masking",
+                True,
+                "false with distributed.pp > 1",
+                "pipeline stages pass hidden states only, not the document ids",
+            )
+        if train.grad_accum_steps < dist.pp or train.grad_accum_steps % dist.pp:
+            raise ConfigError(
+                "train.grad_accum_steps",
+                train.grad_accum_steps,
+                f"a multiple of distributed.pp = {dist.pp}",
+                "the pipeline's micro-batches are the step's micro-batches; each stage "
+                "needs whole rounds of them",
             )
 
     def _validate_mixture_weights(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.errors import ConfigError
@@ -16,6 +17,14 @@ from kempnerforge.config.errors import ConfigError
 
 @dataclass
 class RuntimeContext:
+    """This process's place in the job.
+
+    ``device_mesh`` is the job's DeviceMesh over ``pp``, ``dp_replicate``, ``dp_shard`` and
+    ``tp`` (plus ``dp``, the two data-parallel dimensions flattened), or None in a single
+    process. Every collective the framework runs names its group through ``group()``:
+    a reduction over the data-parallel ranks never counts tensor-parallel peers twice.
+    """
+
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -23,6 +32,10 @@ class RuntimeContext:
     dp_rank: int = 0
     dp_size: int = 1
     device_mesh: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -31,6 +44,36 @@ class RuntimeContext:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of mesh dimension ``name`` ('dp', 'dp_shard', 'dp_replicate',
+        'tp', 'pp') or 'world'; None where there is nothing to reduce over (a single process,
+        or a dimension of size 1), so callers skip the collective."""
+        if self.device_mesh is None:
+            return None
+        if name == "world":
+            return dist.group.WORLD
+        if self.device_mesh[name].size() == 1:
+            return None
+        return self.device_mesh.get_group(name)
+
+    def mesh_size(self, name: str) -> int:
+        """Size of mesh dimension ``name`` (1 in a single process)."""
+        if self.device_mesh is None:
+            return 1
+        return self.device_mesh[name].size()
+
+
+def build_mesh(cfg: DistributedConfig, world_size: int, device: torch.device) -> DeviceMesh:
+    """The job's DeviceMesh, with ``dp`` = dp_replicate x dp_shard flattened.
+
+    Collective over the world: every rank builds the same mesh. JobConfig.validate has
+    checked the shape against the world size before any rank got here.
+    """
+    shape = cfg.mesh_shape(world_size)
+    mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
 
 
 def world_size_from_env() -> int:
@@ -69,14 +112,21 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), device_id=None
         )
-    dp_size = cfg.resolved_dp(world_size)
+    if world_size == 1:
+        return RuntimeContext(rank=rank, local_rank=local_rank, device=device)
+    mesh = build_mesh(cfg, world_size, device)
     return RuntimeContext(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         device=device,
-        dp_rank=rank % dp_size,
-        dp_size=dp_size,
+        dp_rank=mesh["dp"].get_local_rank(),
+        dp_size=mesh["dp"].size(),
+        device_mesh=mesh,
+        tp_rank=mesh["tp"].get_local_rank(),
+        tp_size=mesh["tp"].size(),
+        pp_rank=mesh["pp"].get_local_rank(),
+        pp_size=mesh["pp"].size(),
     )
 
 

@@ -44,12 +44,6 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         """Output projection into the residual stream; its init is depth-scaled."""
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        """Normal init: std for wq, wk, wv and out_std for the residual-writing wo."""
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, mean=0.0, std=std)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
-
     def forward(
         self,
         x: torch.Tensor,

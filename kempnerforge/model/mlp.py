@@ -19,11 +19,5 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         """Down projection back into the residual stream; its init is depth-scaled."""
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        """Normal init: std for w1 and w3, out_std for the residual-writing w2."""
-        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

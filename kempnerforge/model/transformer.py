@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
@@ -29,13 +31,6 @@ class TransformerBlock(nn.Module):
         self.feed_forward = SwiGLU(cfg.dim, cfg.hidden_dim)
         """SwiGLU feed-forward."""
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        """Initialize both sublayers; out_std goes to the projections that write the residual."""
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -54,6 +49,11 @@ class Transformer(nn.Module):
     RoPE tables are non-persistent fp32 buffers: they follow .to(device) but stay out of the
     state dict. init_weights() recomputes them and re-ties the head, so a model built on the
     meta device and materialized with to_empty() is complete after one init_weights() call.
+
+    ``layers`` is keyed by the layer's index ("0", "1", ...), so a pipeline stage that keeps
+    only some layers (keep_layers) names every parameter as the whole model does, and a
+    checkpoint reads the same in every layout. A stage without the embedding takes hidden
+    states instead of token ids; one without the head returns hidden states.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -75,13 +75,13 @@ class Transformer(nn.Module):
 
     def _build(self, cfg: ModelConfig) -> None:
         """Create the submodules and RoPE buffers, uninitialized; the head is tied later."""
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        """Token id -> residual-stream vector."""
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        """The Transformer blocks, applied in order."""
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        """Final normalization before the output head."""
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        """Token id -> residual-stream vector (None on a stage after the first)."""
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        """The Transformer blocks by index, applied in index order."""
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        """Final normalization before the output head (None on a stage without the head)."""
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         """Residual stream -> vocabulary logits; its weight is tok_embeddings' when tied."""
         half = cfg.head_dim // 2
         self.rope_cos: torch.Tensor
@@ -91,27 +91,55 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Draw all weights from the global torch RNG and recompute the RoPE tables.
+    def keep_layers(self, first: int, last: int) -> None:
+        """Keep only layers first..last-1 (a pipeline stage): the embedding stays only when
+        first == 0, the final norm and head only when last == n_layers."""
+        for index in list(self.layers):
+            if not first <= int(index) < last:
+                del self.layers[index]
+        if first > 0:
+            self.tok_embeddings = None
+        if last < self.cfg.n_layers:
+            self.norm = None
+            self.output = None
 
-        Embedding and every Linear: normal(0, init_std), in module order, so the same seed gives
-        the same weights however the model was materialized. The two projections that write into
-        the residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers),
-        so the residual's variance at init does not grow with depth. Norm gains are 1.
+    def _init_std(self, name: str) -> float | None:
+        """The normal std parameter ``name`` is drawn with; None for a norm gain (ones)."""
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            # The projections that write the residual stream: its variance at init must
+            # not grow with depth.
+            return self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        return self.cfg.init_std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Draw every weight and recompute the RoPE tables; nothing to do while on meta.
+
+        Each parameter is drawn from its own generator, seeded by ``seed`` (by default one
+        draw from the global torch RNG) and the parameter's name: normal(0, init_std) for
+        the embedding and every Linear, init_std / sqrt(2 * n_layers) for the two
+        projections that write the residual stream (attention.wo, feed_forward.w2), ones
+        for norm gains. So the weights depend on the seed alone, whatever the layout: a
+        sharded (DTensor) parameter keeps its shard of the same full draw, a pipeline stage
+        the same layers as the whole model. One full parameter exists at a time.
         """
         cfg = self.cfg
         # to_empty() gives each module its own tensor, which silently unties the head.
-        if cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        if (
+            cfg.tie_embeddings
+            and self.output is not None
+            and self.tok_embeddings is not None
+            and self.output.weight is not self.tok_embeddings.weight
+        ):
             self.output.weight = self.tok_embeddings.weight
-        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=cfg.init_std)
-        for layer in self.layers:
-            assert isinstance(layer, TransformerBlock)  # __init__ fills layers with blocks only
-            layer.init_weights(cfg.init_std, out_std)
-        self.norm.reset_parameters()
-        if not cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=cfg.init_std)
+        if any(p.is_meta for p in self.parameters()):
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        for name, param in self.named_parameters():
+            fill_parameter(param, self._init_std(name), parameter_seed(seed, name))
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -122,13 +150,17 @@ class Transformer(nn.Module):
         doc_ids (batch, seq), if given, numbers the packed documents of each row; tokens then
         attend only to earlier tokens of their own document. Without it the whole row is one
         causal sequence. No host syncs: nothing here reads a tensor value into Python.
+        A pipeline stage without the embedding takes hidden states (batch, seq, dim) in
+        ``input_ids``; one without the head returns hidden states.
         """
         seq_len = input_ids.shape[1]
         cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         mask = None if doc_ids is None else document_causal_mask(doc_ids)
-        h = self.tok_embeddings(input_ids)
-        for layer in self.layers:
+        h = input_ids if self.tok_embeddings is None else self.tok_embeddings(input_ids)
+        for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
+        if self.norm is None or self.output is None:
+            return h
         return self.output(self.norm(h))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
@@ -139,7 +171,7 @@ class Transformer(nn.Module):
         tied model both counts are equal.
         """
         total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and not self.cfg.tie_embeddings:
+        if exclude_embedding and not self.cfg.tie_embeddings and self.tok_embeddings is not None:
             total -= self.tok_embeddings.weight.numel()
         return total
 
@@ -155,6 +187,31 @@ class Transformer(nn.Module):
         """
         n = self.num_params(exclude_embedding=True)
         return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.dim * seq_len
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A generator seed for parameter ``name`` of a model initialised with ``seed``."""
+    digest = hashlib.sha256(f"kempnerforge-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def fill_parameter(param: torch.Tensor, std: float | None, seed: int) -> None:
+    """Fill ``param`` with normal(0, std) (ones when std is None) drawn by a generator seeded
+    with ``seed``; a DTensor gets its own shard of the same full tensor."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if std is None:
+        local.fill_(1.0)
+        return
+    generator = torch.Generator(device=local.device).manual_seed(seed)
+    full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+    full.normal_(0.0, std, generator=generator)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank drew the same tensor, so each keeps its slice
+        # without any communication.
+        full = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+    local.copy_(full)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

@@ -72,6 +72,8 @@ def _worker(
     timeout_s: float,
 ) -> None:
     torch.set_num_threads(1)  # spawn does not set OMP_NUM_THREADS; the cores are shared
+    # What torchrun sets, so code that reads the launch from the environment sees it.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.path.join(workdir, 'store')}",

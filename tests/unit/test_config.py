@@ -159,16 +159,57 @@ def test_dump_leaves_out_none_fields():
     ("overrides", "world_size", "message"),
     [
         (["--train.seq_len=4096"], 1, "train.seq_len = 4096: expected <= model.max_seq_len"),
-        (["--distributed.pp=2"], 2, "distributed.pp = 2: expected 1"),
-        (["--distributed.tp=2"], 2, "distributed.tp = 2: expected 1"),
         (["--model.num_experts=4"], 1, "model.num_experts = 4: expected 0"),
         (
-            ["--model.num_experts=4", "--distributed.pp=2"],
+            ["--distributed.dp_shard=3"],
             2,
-            "distributed.pp = 2: expected 1 for an MoE model",
+            "distributed.dp_shard = 3: expected dp_replicate * dp_shard * tp * pp == world size 2",
         ),
-        (["--distributed.dp_shard=3"], 2, "distributed.dp_shard = 3: expected a value with"),
-        ([], 2, "distributed.dp_shard = 2: expected 1"),
+        (
+            ["--distributed.tp=3"],
+            4,
+            "distributed.dp_shard = -1: expected dp_replicate * dp_shard * tp * pp == world",
+        ),
+        (["--distributed.tp=8"], 8, "distributed.tp = 8: expected a divisor of model.n_heads = 4"),
+        (
+            ["--distributed.tp=2", "--model.n_kv_heads=1"],
+            2,
+            "distributed.tp = 2: expected a divisor of model.n_kv_heads = 1",
+        ),
+        (
+            ["--distributed.pp=8", "--train.grad_accum_steps=8"],
+            8,
+            "distributed.pp = 8: expected pp * stages per rank (8) <= model.n_layers = 4",
+        ),
+        (
+            [
+                "--distributed.pp=2",
+                "--distributed.pp_schedule=interleaved_1f1b",
+                "--model.n_layers=3",
+            ],
+            2,
+            "distributed.pp = 2: expected pp * stages per rank (4) <= model.n_layers = 3",
+        ),
+        (
+            ["--distributed.pp=2", "--distributed.pp_split_points=[4]"],
+            2,
+            "distributed.pp_split_points = [4]: expected 1 increasing layer indices in [1, 3]",
+        ),
+        (
+            ["--distributed.pp=2", "--model.tie_embeddings=true", "--train.grad_accum_steps=2"],
+            2,
+            "model.tie_embeddings = True: expected false with distributed.pp > 1",
+        ),
+        (
+            ["--distributed.pp=2"],
+            2,
+            "train.grad_accum_steps = 1: expected a multiple of distributed.pp = 2",
+        ),
+        (
+            ["--train.global_batch_size=9", "--train.batch_size=3", "--distributed.dp_shard=2"],
+            2,
+            "train.global_batch_size = 9: expected a multiple of the data-parallel degree 2",
+        ),
         (
             ["--train.global_batch_size=10"],
             1,
@@ -190,6 +231,11 @@ def test_validate_cross_section_rules(overrides, world_size, message):
 
 def test_validate_accepts_defaults_and_a_matching_global_batch():
     load_config(None).validate(1)
+    load_config(None).validate(2)  # dp_shard = -1 takes the world
+    hsdp = ["--distributed.dp_replicate=2", "--distributed.tp=2"]
+    load_config(None, hsdp).validate(8)
+    pipeline = ["--distributed.pp=2", "--train.grad_accum_steps=4"]
+    load_config(None, [*pipeline, "--distributed.pp_split_points=[1]"]).validate(2)
     load_config(None, ["--train.global_batch_size=16", "--train.grad_accum_steps=2"]).validate(1)
 
 

@@ -121,7 +121,8 @@ def test_attention_matches_reference_with_kv_heads_repeated_by_hand(n_kv_heads: 
     cfg = tiny_config(n_kv_heads=n_kv_heads)
     torch.manual_seed(0)
     attn = Attention(cfg)
-    attn.init_weights(0.1, 0.1)
+    for linear in (attn.wq, attn.wk, attn.wv, attn.wo):
+        torch.nn.init.normal_(linear.weight, std=0.1)
     x = torch.randn(2, SEQ, cfg.dim)
     cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
     expected = reference_attention(attn, x, cfg)
@@ -193,7 +194,7 @@ def test_output_projections_are_initialized_with_depth_scaled_std() -> None:
     cfg = tiny_config(n_kv_heads=4, multiple_of=32, init_std=0.02)
     model = tiny_model(n_kv_heads=4, multiple_of=32, init_std=0.02)
     scaled = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    for layer in model.layers:
+    for layer in model.layers.values():
         assert layer.attention.wo.weight.std().item() == pytest.approx(scaled, rel=0.05)
         assert layer.feed_forward.w2.weight.std().item() == pytest.approx(scaled, rel=0.05)
         assert layer.attention.wq.weight.std().item() == pytest.approx(cfg.init_std, rel=0.05)
