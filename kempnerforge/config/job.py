@@ -175,7 +175,8 @@ class JobConfig:
                 "data.document_masking",
                 True,
                 "false with distributed.pp > 1",
-                "pipeline stages pass hidden states only, not the document ids",
+                "pipeline stages pass hidden states only, not the document ids: set "
+                "data.document_masking = false to train across document boundaries",
             )
         if train.grad_accum_steps < dist.pp or train.grad_accum_steps % dist.pp:
             raise ConfigError(
