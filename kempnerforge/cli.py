@@ -9,8 +9,8 @@ this module stays light (no torch) so that `--help` answers at once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
+import os
 import signal
 import sys
 import time
@@ -23,6 +23,7 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.data.errors import DataError
 from kempnerforge.resilience import exit_codes
 from kempnerforge.resilience.nan import NaNAbortError
+from kempnerforge.resilience.peers import CollectiveFailure, PeerSetupError
 from kempnerforge.resilience.run_lock import RunLockError
 
 if TYPE_CHECKING:
@@ -64,7 +65,49 @@ MACHINE_ERRNOS = {
 }
 
 
+EXIT_CODE_FILE_ENV = "KEMPNERFORGE_EXIT_CODE_FILE"
+"""When set, rank 0 of `kempnerforge train` writes its exit code (one line) to this path.
+
+A launcher whose own exit code hides the ranks' (torchrun answers a stop signal with 1
+while every rank exits 75) reads it to decide whether to requeue; see scripts/slurm."""
+
+
+def _record_exit_code(code: int) -> None:
+    path = os.environ.get(EXIT_CODE_FILE_ENV)
+    if not path or os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{code}\n")
+    os.replace(tmp, path)
+
+
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    code = exit_codes.FAILED
+    try:
+        code = _train_stopping_on_signals(args, overrides)
+        return code
+    except BaseException as error:
+        code = _code_of(error)
+        raise
+    finally:
+        _record_exit_code(code)
+
+
+def _code_of(error: BaseException) -> int:
+    """The exit code main() gives a run that raised ``error`` (for the exit-code file)."""
+    if isinstance(error, (ConfigError, DataError, RunLockError, PeerSetupError)):
+        return exit_codes.CONFIG_ERROR
+    if isinstance(error, NaNAbortError):
+        return exit_codes.NAN_ABORT
+    if isinstance(error, KeyboardInterrupt):
+        return exit_codes.INTERRUPTED
+    if isinstance(error, SystemExit) and isinstance(error.code, int):
+        return error.code
+    return exit_codes.FAILED
+
+
+def _train_stopping_on_signals(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.resilience.shutdown import ShutdownHandler
 
     shutdown = ShutdownHandler()
@@ -82,6 +125,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: ShutdownHandler) -> int:
     # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
     from kempnerforge.config.loader import load_config
+    from kempnerforge.distributed.failure import describe_collective_failure, is_collective_failure
     from kempnerforge.distributed.runtime import (
         init_runtime,
         rank_from_env,
@@ -94,7 +138,7 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.resume import apply_resume, plan_resume
     from kempnerforge.training.sample import print_sample
-    from kempnerforge.training.workspace import check_directories, locked_directories, record_config
+    from kempnerforge.training.workspace import rank0_workspace, record_config
 
     started = time.time()
     configure_logging(rank_from_env())  # before validate, which may warn
@@ -104,9 +148,7 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
     runtime = init_runtime(config.distributed, config.train.device)
     logger = get_logger("kempnerforge.cli")
     try:
-        if runtime.is_main:
-            check_directories(config)
-        with locked_directories(config) if runtime.is_main else contextlib.nullcontext():
+        with rank0_workspace(config, runtime):
             checkpointer = build_checkpointer(config, runtime)
             plan = plan_resume(config, checkpointer)
             if plan is not None and plan.step == config.train.max_steps:
@@ -137,8 +179,13 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
                 return exit_codes.PREEMPTED
             if runtime.is_main:
                 print(f"finished at step {step} ({tokens_seen:,} tokens); run: {config.run_dir}")
-                print_sample(session)
+            print_sample(session)
             return exit_codes.FINISHED
+    except Exception as e:
+        if runtime.is_distributed and is_collective_failure(e):
+            timeout_s = config.distributed.timeout_s
+            raise CollectiveFailure(describe_collective_failure(e, runtime, timeout_s)) from e
+        raise
     finally:
         teardown_runtime(runtime)
 
@@ -218,11 +265,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _prepare_data(args)
-    except (ConfigError, DataError, RunLockError) as e:
+    except (ConfigError, DataError, RunLockError, PeerSetupError) as e:
         print(f"kempnerforge: error: {e}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
     except CheckpointError as e:
         print(f"kempnerforge: checkpoint error: {e}", file=sys.stderr)
+        return exit_codes.FAILED
+    except CollectiveFailure as e:
+        print(f"kempnerforge: error: {e}", file=sys.stderr)
         return exit_codes.FAILED
     except NaNAbortError as e:
         print(f"kempnerforge: stopped: {e}", file=sys.stderr)

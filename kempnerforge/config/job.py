@@ -128,6 +128,15 @@ class JobConfig:
                     "set model.ffn_hidden_dim or model.multiple_of",
                 )
         self._validate_pipeline()
+        if self.optimizer.name == "muon" and (shape["dp_shard"] > 1 or dist.tp > 1):
+            raise ConfigError(
+                "optimizer.name",
+                "muon",
+                "an optimizer other than 'muon' when parameters are sharded "
+                "(distributed.dp_shard > 1 or distributed.tp > 1)",
+                "Muon orthogonalises whole matrices and each rank holds only a shard; "
+                "use 'adamw', or data parallelism by replication (distributed.dp_replicate)",
+            )
         dp = dist.resolved_dp(world_size)
         if train.global_batch_size and train.global_batch_size % dp:
             raise ConfigError(

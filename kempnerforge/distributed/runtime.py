@@ -36,6 +36,11 @@ class RuntimeContext:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    dp_mesh: Any = None
+    """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D DeviceMesh."""
+    monitor_group: Any = None
+    """A gloo group over the world, used only to find unresponsive ranks after a failed
+    collective (kempnerforge.distributed.failure); None in a single process."""
 
     @property
     def is_main(self) -> bool:
@@ -53,27 +58,29 @@ class RuntimeContext:
             return None
         if name == "world":
             return dist.group.WORLD
-        if self.device_mesh[name].size() == 1:
+        mesh = self.dp_mesh if name == "dp" else self.device_mesh[name]
+        if mesh.size() == 1:
             return None
-        return self.device_mesh.get_group(name)
+        return mesh.get_group()
 
     def mesh_size(self, name: str) -> int:
         """Size of mesh dimension ``name`` (1 in a single process)."""
         if self.device_mesh is None:
             return 1
-        return self.device_mesh[name].size()
+        return (self.dp_mesh if name == "dp" else self.device_mesh[name]).size()
 
 
-def build_mesh(cfg: DistributedConfig, world_size: int, device: torch.device) -> DeviceMesh:
-    """The job's DeviceMesh, with ``dp`` = dp_replicate x dp_shard flattened.
+def build_mesh(
+    cfg: DistributedConfig, world_size: int, device: torch.device
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """The job's DeviceMesh and its data-parallel ranks flattened to one dimension, ``dp``.
 
     Collective over the world: every rank builds the same mesh. JobConfig.validate has
     checked the shape against the world size before any rank got here.
     """
     shape = cfg.mesh_shape(world_size)
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+    return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 def world_size_from_env() -> int:
@@ -109,24 +116,30 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         backend = cfg.backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise ConfigError(
+                "distributed.backend", "nccl", "'gloo' or 'auto' on CPU", "NCCL needs GPUs"
+            )
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), device_id=None
         )
     if world_size == 1:
         return RuntimeContext(rank=rank, local_rank=local_rank, device=device)
-    mesh = build_mesh(cfg, world_size, device)
+    mesh, dp_mesh = build_mesh(cfg, world_size, device)
     return RuntimeContext(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         device=device,
-        dp_rank=mesh["dp"].get_local_rank(),
-        dp_size=mesh["dp"].size(),
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dp_mesh.size(),
         device_mesh=mesh,
+        dp_mesh=dp_mesh,
         tp_rank=mesh["tp"].get_local_rank(),
         tp_size=mesh["tp"].size(),
         pp_rank=mesh["pp"].get_local_rank(),
         pp_size=mesh["pp"].size(),
+        monitor_group=dist.new_group(backend="gloo"),
     )
 
 

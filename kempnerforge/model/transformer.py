@@ -176,17 +176,24 @@ class Transformer(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at seq_len: 6 * N + 12 * n_layers * dim * seq_len.
+        """Training FLOPs per token at seq_len for the whole model (see flops_per_token)."""
+        return flops_per_token(self.cfg, seq_len)
 
-        N is num_params(exclude_embedding=True): every weight that takes part in a matmul,
-        output head included. A forward pass costs 2 FLOPs per multiply-add, so 2 * N for the
-        weights, and backward costs twice the forward (grads w.r.t. inputs and weights), hence
-        6 * N. Attention adds, per layer and token, QK^T and AV at seq_len * dim multiply-adds
-        each: 2 * 2 * seq_len * dim forward, times 3 for forward plus backward. The causal
-        mask's skipped half is not subtracted, matching the usual MFU convention.
-        """
-        n = self.num_params(exclude_embedding=True)
-        return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.dim * seq_len
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token at seq_len: 6 * N + 12 * n_layers * dim * seq_len.
+
+    N is every weight that takes part in a matmul: all parameters but an untied input
+    embedding table (a lookup, no FLOPs), output head included. A forward pass costs 2
+    FLOPs per multiply-add, so 2 * N for the weights, and backward costs twice the forward
+    (grads w.r.t. inputs and weights), hence 6 * N. Attention adds, per layer and token,
+    QK^T and AV at seq_len * dim multiply-adds each: 2 * 2 * seq_len * dim forward, times 3
+    for forward plus backward. The causal mask's skipped half is not subtracted, matching
+    the usual MFU convention. From the config, so a sharded or pipelined rank that holds
+    part of the model reports the whole model's cost.
+    """
+    n = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -29,6 +29,7 @@ class ShutdownHandler:
         self._previous: dict[signal.Signals, Any] = {}
         self._received: list[str] = []
         self._reason: str | None = None
+        self._vote: bool | None = None
 
     def install(self) -> None:
         """Catch the signals from now on, remembering the handlers they replace.
@@ -54,6 +55,25 @@ class ShutdownHandler:
         """Ask for a stop without a signal (tests, or a stop another rank asked for)."""
         if self._reason is None:
             self._reason = reason
+
+    def record_vote(self, stop: bool) -> None:
+        """Keep the outcome of a stop vote every rank took together (inside a step).
+
+        A stop another rank asked for becomes this rank's request too. The loop takes the
+        vote at its next step boundary (take_vote) instead of holding another collective.
+        """
+        if stop and self._reason is None:
+            self._reason = "another rank received a stop signal"
+        self._vote = stop
+
+    def take_vote(self) -> bool | None:
+        """The vote recorded since the last call, or None when none was; clears it.
+
+        A signal that arrived after the vote waits for the next one, so every rank acts on
+        the same outcome.
+        """
+        vote, self._vote = self._vote, None
+        return vote
 
     @property
     def requested(self) -> bool:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.training.grad import maybe_no_sync
+from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.session import TrainingSession
 
 MoELosses = Callable[[torch.Tensor, torch.nn.Module, ModelConfig], torch.Tensor]
@@ -31,13 +32,65 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _global_count(count: int, session: TrainingSession) -> int:
-    """Sum a per-rank count over the data-parallel ranks (identity in one process)."""
-    if not session.runtime.is_distributed:
-        return count
-    total = torch.tensor([count], dtype=torch.int64, device=session.runtime.device)
-    dist.all_reduce(total)
-    return int(total.item())
+@dataclass
+class StepTokens:
+    """The step's supervised tokens over every micro-batch and data-parallel rank.
+
+    Both stay on the device: counting costs no host sync before the forward.
+    """
+
+    count: torch.Tensor
+    """Global supervised-token count, a 0-d int64 tensor."""
+    scale: torch.Tensor
+    """dp_size / count: turns this rank's summed loss into its share of the token mean. The
+    data-parallel gradient reduction averages over ranks, so dp_size brings it back to a
+    sum; the division makes every token of the step weigh the same."""
+
+
+def step_tokens(
+    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]]
+) -> StepTokens:
+    """Count the step's supervised tokens: on the host per rank, summed over the
+    data-parallel group on the device (tensor-parallel and pipeline peers hold the same
+    batches, so they are not counted again)."""
+    runtime = session.runtime
+    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    count = torch.tensor(local, dtype=torch.int64, device=runtime.device)
+    group = runtime.group("dp")
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return StepTokens(count, (runtime.dp_size / count.clamp(min=1).double()).float())
+
+
+def finish_step(
+    session: TrainingSession, loss_sum: torch.Tensor, tokens: StepTokens
+) -> tuple[float, float, int]:
+    """Reduce the step's loss, clip, vote on stopping; return (loss, grad norm, tokens).
+
+    ``loss_sum`` is this rank's summed loss (zero on a pipeline stage without the head).
+    It is summed over the data-parallel group, then over the pipeline group, so every rank
+    reports the global token-weighted mean that one process would; the gradient norm is
+    global over every mesh and stage (total_grad_norm); the stop vote is over the world.
+    All three come to the host together, in the step's one read. The vote is left with the
+    shutdown handler, so the loop need not hold another collective before the next step.
+    """
+    runtime, handler = session.runtime, session.shutdown_handler
+    loss_sum = loss_sum.detach().double()
+    for name in ("dp", "pp"):
+        group = runtime.group(name)
+        if group is not None:
+            dist.all_reduce(loss_sum, group=group)
+    grad_norm = total_grad_norm(session.model, session.config.train.grad_clip_norm)
+    stop = torch.tensor(1.0 if handler.requested else 0.0, device=runtime.device)
+    world = runtime.group("world")
+    if world is not None:
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=world)
+    values = torch.stack(
+        [loss_sum, tokens.count.double(), grad_norm.double(), stop.double()]
+    ).tolist()
+    loss_total, count, norm, stop_vote = values
+    handler.record_vote(bool(stop_vote))
+    return loss_total / max(count, 1.0), norm, int(count)
 
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -48,33 +101,29 @@ def accumulate(
     micro_batches: list[dict[str, torch.Tensor]],
     forward: Forward,
     add_moe_losses: MoELosses,
-) -> tuple[float, int]:
-    """Forward and backward every micro-batch; return (mean loss, supervised tokens).
+) -> tuple[float, float, int]:
+    """Forward and backward every micro-batch; return (mean loss, grad norm, tokens).
 
     The loss is normalised by the supervised tokens of the whole step (every micro-batch,
     every data-parallel rank), so each token weighs the same however the micro-batches
-    split them. Labels are counted on the host before any forward, which costs no device
-    sync; the loss is read back once, at the end. ``add_moe_losses`` (the loop's) adds
-    the router terms of an MoE model to each micro-batch's objective.
+    and ranks split them. The data-parallel gradient reduction runs on the last
+    micro-batch only (maybe_no_sync). Nothing is read to the host until finish_step, which
+    also clips. ``add_moe_losses`` (the loop's) adds the router terms of an MoE model to
+    each micro-batch's objective.
     """
     tc, mc, model = session.config.train, session.config.model, session.model
-    local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-    num_tokens = _global_count(local_tokens, session)
-    # DDP/FSDP average gradients over ranks; multiply back so the result is a global sum.
-    scale = session.runtime.dp_size / max(num_tokens, 1)
+    tokens = step_tokens(session, micro_batches)
     loss_sum = torch.zeros((), device=session.runtime.device)
     for micro, cpu_batch in enumerate(micro_batches):
         batch = _to_device(cpu_batch, session.runtime.device)
         with maybe_no_sync(model, micro, len(micro_batches)):
             with autocast(session):
                 loss = session.loss_fn(forward(batch), batch["labels"])
-            objective = loss * scale
+            objective = loss * tokens.scale
             if mc.is_moe:
                 # Aux terms are per-micro-batch means: average them over the micro-batches.
                 accum = tc.grad_accum_steps
                 objective = add_moe_losses(objective * accum, model, mc) / accum
             objective.backward()
         loss_sum += loss.detach()
-    if session.runtime.is_distributed:
-        dist.all_reduce(loss_sum)
-    return float(loss_sum) / max(num_tokens, 1), num_tokens
+    return finish_step(session, loss_sum, tokens)

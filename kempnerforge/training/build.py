@@ -14,16 +14,26 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.data.phases import PhaseState, TrainingPhase
 from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.distributed.parallelize import parallelize_model
+from kempnerforge.distributed.pipeline import (
+    PipelineBundle,
+    build_pipeline,
+    build_stage_model,
+    stage_layer_ranges,
+    stages_of_rank,
+)
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.model import build_model
+from kempnerforge.model.transformer import flops_per_token as model_flops_per_token
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
+from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.loop import TrainingSession, select_step_fn
-from kempnerforge.training.loss import build_loss_fn
+from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.optimizer import build_optimizer
 from kempnerforge.training.preflight import check_model_fits
 from kempnerforge.training.profiling import build_profiler
@@ -59,6 +69,36 @@ def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> Checkpoint
     )
 
 
+def build_model_on_mesh(
+    config: JobConfig, runtime: RuntimeContext, loss_fn: LossFn
+) -> tuple[torch.nn.Module, PipelineBundle | None]:
+    """This rank's model, parallelised and initialised, and its pipeline (None without PP).
+
+    The model is built on the meta device and parallelised there (tensor parallel,
+    activation checkpointing, compile, FSDP: parallelize_model), and only then
+    materialised on this rank's device, so no rank ever holds more than its shard. A
+    pipeline rank keeps only the layers of its stages. Weights are drawn per parameter
+    from the seed (Transformer.init_weights), identical in every layout.
+    """
+    tc, dc = config.train, config.distributed
+    stage_ids: list[int] = []
+    with torch.device("meta"):
+        if dc.pp > 1:
+            stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
+            ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
+            model, stage_modules = build_stage_model(config.model, stage_ids, ranges)
+        else:
+            model, stage_modules = build_model(config.model), []
+    parallelize_model(model, runtime, config, roots=stage_modules or None)
+    model.to_empty(device=runtime.device)
+    torch.manual_seed(tc.seed)  # the weights depend on the seed, not on what ran before
+    model.init_weights()
+    if dc.pp == 1:
+        return model, None
+    setattr(model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
+    return model, build_pipeline(stage_modules, stage_ids, runtime, config, loss_fn)
+
+
 def build_session(
     config: JobConfig,
     runtime: RuntimeContext,
@@ -76,7 +116,8 @@ def build_session(
     tc = config.train
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
-    check_model_fits(config.model, runtime.device)  # before the slow data preparation
+    shards = runtime.mesh_size("dp_shard") * runtime.tp_size * runtime.pp_size
+    check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
     data = build_data_pipeline(
         config.data,
@@ -88,17 +129,15 @@ def build_session(
         model_vocab_size=config.model.vocab_size,
         eval_sets=config.eval.sets,
     )
-    # Seed again right before init so the weights don't depend on what data setup drew.
-    torch.manual_seed(tc.seed)
-    model: torch.nn.Module = build_model(config.model).to(runtime.device)
-    flops_per_token = model.flops_per_token(tc.seq_len)
+    loss_fn = build_loss_fn(tc)
+    model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
+    flops_per_token = model_flops_per_token(config.model, tc.seq_len)
     logger.info(
-        "model: %.2fM parameters, %.3g FLOPs/token", model.num_params() / 1e6, flops_per_token
+        "model: %.2fM parameters, %.3g FLOPs/token",
+        config.model.num_params() / 1e6,
+        flops_per_token,
     )
-    optimizer = build_optimizer(model, config.optimizer)
-    if tc.compile:
-        # In place, so parameter names (and so checkpoints) are the same compiled or not.
-        model.compile()
+    optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
     peak = peak_flops_per_sec(runtime.device, tc.mixed_precision)
     tracker = MetricsTracker(
@@ -116,7 +155,7 @@ def build_session(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        loss_fn=build_loss_fn(tc),
+        loss_fn=loss_fn,
         step_fn=select_step_fn(config),
         data=data,
         phases=PhaseState(
@@ -127,5 +166,6 @@ def build_session(
         hooks=HookRunner(load_hooks(tc.hooks)),
         nan_detector=NaNDetector(tc.nan_consecutive_max),
         shutdown_handler=shutdown_handler or ShutdownHandler(),
+        pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0),
     )

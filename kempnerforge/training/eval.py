@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.metrics.logging import get_logger
 from kempnerforge.training.loss import cross_entropy_sum
 from kempnerforge.training.session import TrainingSession
+
+logger = get_logger(__name__)
 
 # exp() of a diverged loss overflows a float; report perplexity as inf past this.
 _MAX_LOG_PPL = 700.0
@@ -24,21 +28,43 @@ def perplexity(loss: float) -> float:
 def evaluate(session: TrainingSession) -> dict[str, float]:
     """Token-weighted mean cross-entropy over eval.steps held-out batches per set.
 
-    See evaluate_model; this is it for the session's model, data and device.
+    See evaluate_model; this is it for the session's model, data, device and
+    data-parallel group. A pipelined model has no whole-model forward on one rank: eval is
+    skipped there, with a warning at the first eval step.
     """
-    return evaluate_model(session.model, session.data, session.config, session.runtime.device)
+    if session.pipeline is not None:
+        if not _warned_pipeline:
+            _warned_pipeline.append(True)
+            logger.warning(
+                "eval is skipped with distributed.pp > 1 (pipeline stages have no "
+                "whole-model forward); evaluate a checkpoint with `kempnerforge eval`"
+            )
+        return {}
+    runtime = session.runtime
+    return evaluate_model(
+        session.model, session.data, session.config, runtime.device, group=runtime.group("dp")
+    )
+
+
+_warned_pipeline: list[bool] = []
 
 
 @torch.no_grad()
 def evaluate_model(
-    model: torch.nn.Module, data: DataPipeline, config: JobConfig, device: torch.device
+    model: torch.nn.Module,
+    data: DataPipeline,
+    config: JobConfig,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """``eval_loss``, ``eval_ppl`` and ``eval_tokens`` over every eval set; {} without eval data.
 
     The overall loss is token-weighted over all sets. With ``[[eval.sets]]`` configured there
     are also ``eval_loss/<name>``, ``eval_ppl/<name>`` and ``eval_tokens/<name>`` per set.
     The same batches every time (no shuffling), in eval mode, restoring train mode after.
-    Uses no random numbers, so evaluating never perturbs the training run.
+    Uses no random numbers, so evaluating never perturbs the training run. Each
+    data-parallel rank reads its share of the batches; sums are reduced over ``group``, so
+    every rank returns the same numbers as one process would.
     """
     names = [s.name for s in config.eval.sets]
     if names and list(data.eval_datasets) != names:
@@ -55,15 +81,17 @@ def evaluate_model(
     total_loss, total_tokens = 0.0, 0
     try:
         for name in data.eval_datasets:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            num_tokens = 0
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, tokens
             for cpu_batch in data.eval_batches(config.eval.steps, batch_size, name):
                 batch = {k: v.to(device) for k, v in cpu_batch.items()}
                 doc_ids = batch.get("doc_ids") if config.data.document_masking else None
                 logits = model(batch["input_ids"], doc_ids=doc_ids)
-                loss_sum += cross_entropy_sum(logits, batch["labels"]).double()
-                num_tokens += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
-            set_loss_sum = float(loss_sum)
+                sums[0] += cross_entropy_sum(logits, batch["labels"]).double()
+                sums[1] += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            set_loss_sum, set_tokens = sums.tolist()
+            num_tokens = int(set_tokens)
             total_loss += set_loss_sum
             total_tokens += num_tokens
             loss = set_loss_sum / max(num_tokens, 1)

@@ -65,7 +65,9 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         checkpointer = CheckpointManager(config.checkpoint, config.checkpoint_dir)
         step = checkpointer.read_extra(args.checkpoint).get("step")
         checkpointer.load_weights(args.checkpoint, model=model)
-        metrics = evaluate_model(model, data, config, runtime.device)
+        metrics = evaluate_model(model, data, config, runtime.device, group=runtime.group("dp"))
+        if not runtime.is_main:
+            return 0  # every rank evaluated its share; rank 0 reports the reduced numbers
         output = args.output or os.path.join(args.checkpoint, EVAL_JSON)
         report = {
             "checkpoint": args.checkpoint,

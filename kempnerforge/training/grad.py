@@ -6,27 +6,60 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+
+PIPELINE_GROUP_ATTR = "pipeline_group"
+"""Attribute a pipeline rank's model carries: the process group of its pipeline stages,
+over which the gradient norm is summed (set by the build; absent without pipelining)."""
 
 
 def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (before clipping); clips in place when max_norm > 0.
 
-    Returns a 0-d tensor on the gradients' device, so the caller decides when to sync.
-    A sharded (DTensor) norm is materialised to a plain tensor.
+    Global over every mesh: a sharded (DTensor) gradient's norm covers all its shards, and
+    a pipeline stage's squared norm is summed with the other stages' (see
+    PIPELINE_GROUP_ATTR), so every rank sees, and clips with, the same number; a NaN on
+    any stage is a NaN everywhere. Returns a 0-d fp32 tensor on the gradients' device
+    without reading it to the host.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.grad is not None]
+    group = getattr(model, PIPELINE_GROUP_ATTR, None)
+    squares = torch.zeros((), dtype=torch.float32, device=_model_device(model))
+    by_mesh = _params_by_mesh(params)
+    for same_mesh in by_mesh:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in same_mesh], foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares = squares + norm.float().square()
+    if group is not None:
+        dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    else:
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm
+        for same_mesh in by_mesh:
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total, foreach=True)
+    return total
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.device
+    return torch.device("cpu")
+
+
+def _params_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped so each norm and clip call sees one kind of gradient: plain
+    tensors, or DTensors of one mesh (tensor parallelism leaves a head it cannot split
+    plain beside sharded ones, and one foreach call cannot mix them)."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        key = id(grad.device_mesh) if isinstance(grad, DTensor) else 0
+        groups.setdefault(key, []).append(param)
+    return list(groups.values())
 
 
 @contextlib.contextmanager

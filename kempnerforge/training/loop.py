@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict
@@ -23,7 +22,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.resilience.agreement import agree_on_stop
-from kempnerforge.training.accumulate import accumulate
+from kempnerforge.training.accumulate import accumulate, autocast, finish_step, step_tokens
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import total_grad_norm
 from kempnerforge.training.hooks import StepContext
@@ -97,14 +96,14 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             per_dataset.add(logits, batch)
         return logits
 
-    loss, _ = accumulate(session, micro_batches, forward, add_moe_losses)
-    result = StepResult(loss=loss, grad_norm=clip_grads(model, tc.grad_clip_norm))
+    loss, grad_norm, _ = accumulate(session, micro_batches, forward, add_moe_losses)
+    result = StepResult(loss=loss, grad_norm=grad_norm)
     if per_dataset is not None:
         (
             result.dataset_token_counts,
             result.dataset_loss_sums,
             result.dataset_loss_counts,
-        ) = per_dataset.finish(session.runtime.is_distributed)
+        ) = per_dataset.finish(session.runtime.group("dp"))
     return result
 
 
@@ -122,45 +121,37 @@ def vlm_step(session: TrainingSession, step: int) -> StepResult:
     def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(batch["pixel_values"], batch["input_ids"])
 
-    loss, text_tokens = accumulate(session, micro_batches, forward, add_moe_losses)
-    return StepResult(
-        loss=loss, grad_norm=clip_grads(model, tc.grad_clip_norm), text_tokens=text_tokens
-    )
+    loss, grad_norm, text_tokens = accumulate(session, micro_batches, forward, add_moe_losses)
+    return StepResult(loss=loss, grad_norm=grad_norm, text_tokens=text_tokens)
 
 
 def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     """PP step: collect microbatches, hand them to the schedule, broadcast loss.
 
+    The micro-batches are the step's train.grad_accum_steps micro-batches, and the loss is
+    normalised exactly as in text_step (summed cross-entropy over the step's supervised
+    tokens on every data-parallel rank), so a pipelined run logs and trains on the same
+    numbers as one process. The stage holding the head reduces its loss over the
+    data-parallel and pipeline groups in finish_step, so every rank of every stage reports
+    it; the gradient norm covers all stages, so a NaN anywhere skips the step everywhere.
     step is unused: MoE (the only step-dependent branch) is rejected with PP in
     JobConfig.validate.
     """
     bundle = session.pipeline
     if bundle is None:
         raise RuntimeError("pipeline_step needs session.pipeline (distributed.pp > 1)")
-    tc = session.config.train
     device = session.runtime.device
-    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    micro_batches = [
+        session.batches.next_batch() for _ in range(session.config.train.grad_accum_steps)
+    ]
+    tokens = step_tokens(session, micro_batches)
     inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(device)
     labels = torch.cat([b["labels"] for b in micro_batches]).to(device)
-    losses: list[torch.Tensor] = []
-    if bundle.is_first and bundle.is_last:
-        bundle.schedule.step(inputs, target=labels, losses=losses)
-    elif bundle.is_first:
-        bundle.schedule.step(inputs)
-    elif bundle.is_last:
-        bundle.schedule.step(target=labels, losses=losses)
-    else:
-        bundle.schedule.step()
-    grad_norm = clip_grads(session.model, tc.grad_clip_norm)
-    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-    summary = torch.stack([loss.detach().float(), torch.tensor(grad_norm, device=device)])
-    if bundle.pp_size > 1:
-        # Every stage reports the last stage's loss; the norm is that stage's local norm.
-        last = dist.get_global_rank(bundle.group, bundle.pp_size - 1) if bundle.group else None
-        dist.broadcast(
-            summary, src=last if last is not None else bundle.pp_size - 1, group=bundle.group
-        )
-    return StepResult(loss=float(summary[0]), grad_norm=float(summary[1]))
+    with autocast(session):
+        loss_sums = bundle.run(inputs, labels, tokens.scale)
+    loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=device)
+    loss, grad_norm, _ = finish_step(session, loss_sum, tokens)
+    return StepResult(loss=loss, grad_norm=grad_norm)
 
 
 def select_step_fn(config: JobConfig) -> Callable[[TrainingSession, int], StepResult]:
@@ -229,14 +220,18 @@ def _tokens_per_step(session: TrainingSession) -> int:
 def _stop_agreed(session: TrainingSession) -> bool:
     """Whether to stop at this step boundary, agreed by every rank.
 
-    One tiny collective per step when distributed, so every rank stops after the same step
-    and saves the same checkpoint whichever rank got the signal. (NaN verdicts need no such
-    agreement: the step bodies reduce loss and gradient norm, so every rank judges the
-    same numbers.)
+    Every rank must stop after the same step and save the same checkpoint, whichever rank
+    got the signal. The step bodies vote as part of their one host read (finish_step);
+    only when no vote was taken since the last boundary (before the first step, after a
+    rollback) is there a vote here. (NaN verdicts need no such agreement: the step bodies
+    reduce loss and gradient norm, so every rank judges the same numbers.)
     """
     handler = session.shutdown_handler
+    vote = handler.take_vote()
     if not session.runtime.is_distributed:
-        return handler.requested
+        return handler.requested  # one process: no one to agree with, act at once
+    if vote is not None:
+        return vote
     stop = agree_on_stop(handler.requested, session.runtime.device)
     if stop and not handler.requested:
         handler.request("another rank received a stop signal")

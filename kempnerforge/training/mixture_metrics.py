@@ -36,11 +36,14 @@ class DatasetSums:
         self.loss_counts.index_add_(0, source, supervised.sum(1))
         self.token_counts.index_add_(0, source, torch.full_like(source, labels.shape[1]))
 
-    def finish(self, distributed: bool) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
-        """(token counts, loss sums, supervised-token counts) by name, over all ranks."""
-        if distributed:
+    def finish(
+        self, group: dist.ProcessGroup | None
+    ) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
+        """(token counts, loss sums, supervised-token counts) by name, summed over ``group``
+        (the data-parallel ranks; None in a single process)."""
+        if group is not None:
             for tensor in (self.loss_sums, self.loss_counts, self.token_counts):
-                dist.all_reduce(tensor)
+                dist.all_reduce(tensor, group=group)
         sums = self.loss_sums.tolist()
         counts = self.loss_counts.tolist()
         tokens = self.token_counts.tolist()

@@ -43,17 +43,21 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_model_fits(config: ModelConfig, device: torch.device) -> None:
+def check_model_fits(config: ModelConfig, device: torch.device, shards: int = 1) -> None:
     """Refuse a model whose weights, gradients and optimizer state alone exceed the device.
 
     Run before the model is built: an absurd size (model.dim = 2**30) is then a one-line
     ConfigError instead of an allocation failure, or a machine swapping itself to a halt.
+    ``shards`` is how many ranks split the model (dp_shard * tp * pp); each GPU holds one
+    share, while CPU ranks on one host share its memory, so there it does not divide.
     """
     available = device_memory_bytes(device)
     if available is None:
         return
     num_params = config.num_params()
     needed = num_params * TRAINING_BYTES_PER_PARAM
+    if device.type == "cuda":
+        needed //= shards
     if needed > available:
         raise ConfigError(
             "model.dim",

@@ -11,8 +11,10 @@ alone with load_weights_only). resume_from = "none" always starts afresh.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from kempnerforge.checkpoint.layout import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
@@ -92,7 +94,14 @@ def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePla
     step = int(extra.get("step", 0))
     if mode == WEIGHTS:
         return ResumePlan(path, mode, step)
-    if check_config_changes(config, extra.get("config"), path):
+    marker = read_marker(Path(path)) or {}
+    if check_config_changes(
+        config,
+        extra.get("config"),
+        path,
+        saved_world_size=int(marker.get("world_size", 1)),
+        world_size=checkpointer.world_size,
+    ):
         mode = FRESH_OPTIMIZER
     max_steps = config.train.max_steps
     if step > max_steps:

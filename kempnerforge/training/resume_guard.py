@@ -17,6 +17,11 @@ differing field falls in one of three kinds, and none is ever silent:
   is refused unless checkpoint.reset_optimizer is set, which starts its state afresh.
 
 A field added to the config later and not listed here is refused by default.
+
+The batch is the one refused setting a new layout may re-split: a resume on another
+world size or mesh may change train.batch_size and train.grad_accum_steps as long as the
+global batch (batch_size * grad_accum_steps * data-parallel degree) stays the same; the
+run then sees the same samples in every step (see ShardedSampler).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict
@@ -78,6 +84,21 @@ OPERATIONAL = (
 )
 """Fields that change how the run is operated, not what it computes; logged at info."""
 
+BATCH_SPLIT = ("train.batch_size", "train.grad_accum_steps")
+"""How the global batch is split over micro-batches and data-parallel ranks."""
+
+
+def global_batch(tree: dict[str, Any], world_size: int) -> int | None:
+    """Sequences per optimizer step of a resolved config dict at ``world_size``; None when
+    the dict lacks what that takes (a checkpoint from before these fields)."""
+    try:
+        train, layout = tree["train"], tree.get("distributed", {})
+        known = {k: v for k, v in layout.items() if k in DistributedConfig.__dataclass_fields__}
+        dp = DistributedConfig(**known).resolved_dp(world_size)
+        return int(train["batch_size"]) * int(train["grad_accum_steps"]) * dp
+    except (KeyError, TypeError, ValueError, ConfigError):
+        return None
+
 
 @dataclass(frozen=True)
 class Change:
@@ -124,7 +145,14 @@ def kind_of(field: str) -> str:
     return "refused"
 
 
-def check_config_changes(config: JobConfig, saved: dict[str, Any] | None, path: str) -> bool:
+def check_config_changes(
+    config: JobConfig,
+    saved: dict[str, Any] | None,
+    path: str,
+    *,
+    saved_world_size: int = 1,
+    world_size: int = 1,
+) -> bool:
     """Refuse, apply or log each config change against checkpoint `path`.
 
     Returns True when the optimizer state must start afresh (a changed optimizer.name
@@ -141,6 +169,21 @@ def check_config_changes(config: JobConfig, saved: dict[str, Any] | None, path: 
         )
         return cfg.reset_optimizer
     changes = config_changes(saved, config)
+    if any(c.field in BATCH_SPLIT for c in changes):
+        before = global_batch(saved, saved_world_size)
+        after = global_batch(config_to_dict(config), world_size)
+        if before is not None and before == after:
+            for change in [c for c in changes if c.field in BATCH_SPLIT]:
+                logger.info(
+                    "resuming %s with %s: the global batch stays %d sequences (%d ranks now, "
+                    "%d when saved)",
+                    path,
+                    change.describe(),
+                    after,
+                    world_size,
+                    saved_world_size,
+                )
+            changes = [c for c in changes if c.field not in BATCH_SPLIT]
     name_change = next((c for c in changes if c.field == "optimizer.name"), None)
     if name_change is not None and not cfg.reset_optimizer:
         raise ConfigError(

@@ -16,9 +16,14 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, bos_per_document: bool) -> lis
 
 
 def sample_text(session: TrainingSession) -> str | None:
-    """Greedily continue the configured prompt; None when sampling is off."""
+    """Greedily continue the configured prompt; None when sampling is off or pipelined.
+
+    Collective when the model is sharded (FSDP gathers, tensor-parallel layers reduce):
+    every rank calls it and decodes the same tokens. A pipelined model has no whole-model
+    forward on one rank, so there is no sample.
+    """
     tc = session.config.train
-    if not tc.sample_prompt or tc.sample_tokens == 0:
+    if not tc.sample_prompt or tc.sample_tokens == 0 or session.pipeline is not None:
         return None
     tokenizer = session.data.tokenizer
     with optimizer_eval_mode(session.optimizer):
@@ -33,8 +38,9 @@ def sample_text(session: TrainingSession) -> str | None:
 
 
 def print_sample(session: TrainingSession) -> None:
+    """Every rank samples (see sample_text); rank 0 prints."""
     text = sample_text(session)
-    if text is not None:
+    if text is not None and session.runtime.is_main:
         rule = "-" * 60
         print(f"sample (greedy, {session.config.train.sample_tokens} tokens):\n{rule}")
         print(text)

@@ -15,10 +15,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch.distributed as dist
+
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
+from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.resilience.peers import PeerSetupError
 from kempnerforge.resilience.run_lock import LOCK_NAME, RunLock
 
 logger = get_logger(__name__)
@@ -81,6 +85,34 @@ def locked_directories(config: JobConfig) -> Iterator[contextlib.ExitStack]:
             RunLock(config.checkpoint_dir, what="checkpoint directory", field="checkpoint.dir")
         )
         yield stack
+
+
+@contextlib.contextmanager
+def rank0_workspace(config: JobConfig, runtime: RuntimeContext) -> Iterator[None]:
+    """Rank 0 checks and locks the run's directories (check_directories,
+    locked_directories) for the whole block; every rank learns whether that worked.
+
+    Collective when distributed: one broadcast from rank 0, before any other collective,
+    so a refused directory or a held lock stops every rank at once with rank 0's reason
+    instead of leaving the others waiting in the checkpointer's first collective until
+    distributed.timeout_s.
+    """
+    failure: BaseException | None = None
+    with contextlib.ExitStack() as stack:
+        if runtime.is_main:
+            try:
+                check_directories(config)
+                stack.enter_context(locked_directories(config))
+            except Exception as e:
+                failure = e
+        if runtime.is_distributed:
+            outcome: list[str | None] = [None if failure is None else str(failure)]
+            dist.broadcast_object_list(outcome, src=0)
+            if failure is None and outcome[0] is not None:
+                raise PeerSetupError(f"rank 0 could not set up the run: {outcome[0]}")
+        if failure is not None:
+            raise failure
+        yield
 
 
 def record_config(config: JobConfig, started: float | None = None) -> str:

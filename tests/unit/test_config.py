@@ -203,7 +203,17 @@ def test_dump_leaves_out_none_fields():
         (
             ["--distributed.pp=2"],
             2,
+            "data.document_masking = True: expected false with distributed.pp > 1",
+        ),
+        (
+            ["--distributed.pp=2", "--data.document_masking=false"],
+            2,
             "train.grad_accum_steps = 1: expected a multiple of distributed.pp = 2",
+        ),
+        (
+            ["--optimizer.name=muon", "--distributed.dp_shard=2"],
+            2,
+            "optimizer.name = 'muon': expected an optimizer other than 'muon' when parameters",
         ),
         (
             ["--train.global_batch_size=9", "--train.batch_size=3", "--distributed.dp_shard=2"],
@@ -234,7 +244,7 @@ def test_validate_accepts_defaults_and_a_matching_global_batch():
     load_config(None).validate(2)  # dp_shard = -1 takes the world
     hsdp = ["--distributed.dp_replicate=2", "--distributed.tp=2"]
     load_config(None, hsdp).validate(8)
-    pipeline = ["--distributed.pp=2", "--train.grad_accum_steps=4"]
+    pipeline = ["--distributed.pp=2", "--train.grad_accum_steps=4", "--data.document_masking=false"]
     load_config(None, [*pipeline, "--distributed.pp_split_points=[1]"]).validate(2)
     load_config(None, ["--train.global_batch_size=16", "--train.grad_accum_steps=2"]).validate(1)
 

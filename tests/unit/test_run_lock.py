@@ -117,13 +117,17 @@ FORKING_HOLDER = textwrap.dedent(
     import multiprocessing, sys, time
     from kempnerforge.resilience.run_lock import RunLock
 
-    def worker():
+    def worker(ready):
+        ready.set()  # the fork handlers have run by now
         time.sleep(120)
 
     lock = RunLock(sys.argv[1])
     lock.acquire()
-    child = multiprocessing.get_context("fork").Process(target=worker, daemon=False)
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    child = context.Process(target=worker, args=(ready,), daemon=False)
     child.start()
+    ready.wait(60)
     print(child.pid, flush=True)
     time.sleep(120)
     """

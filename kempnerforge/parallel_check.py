@@ -1,0 +1,454 @@
+"""`kempnerforge check-parallel`: train one config under several parallel layouts and compare
+each run's losses and gradient norms, step by step, with a single-process run.
+
+Every run is a real `kempnerforge train` in its own processes (torchrun for a layout), with
+the same global batch, seed and steps, so a layout that changes the numbers (a missed
+reduction, a wrong shard, a pipeline that drops a micro-batch) shows up as a mismatch.
+Importing this module stays light (no torch), like the rest of the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kempnerforge.config.distributed import MESH_DIMS, PP_SCHEDULES
+from kempnerforge.config.errors import ConfigError
+
+PROG = "kempnerforge check-parallel"
+LAYOUT_RULE = (
+    "comma-separated key=value with keys "
+    + ", ".join(MESH_DIMS)
+    + " (integers >= 1) and schedule ("
+    + ", ".join(PP_SCHEDULES)
+    + "), e.g. 'dp_shard=2' or 'pp=2,schedule=1f1b'"
+)
+STDERR_TAIL_LINES = 20
+"""Lines of a failed run's stderr shown under the table."""
+METRICS_FILE = "metrics.jsonl"
+"""The run's metrics log (kempnerforge.metrics.tracker.METRICS_FILE; not imported from
+there, which would import torch)."""
+
+# Settings every run gets, the reference included: one metrics row per step, no eval, no
+# sample, checkpoints only at the end, deterministic kernels, no progress bar.
+COMMON_OVERRIDES = (
+    "--metrics.log_interval=1",
+    "--metrics.progress=off",
+    "--eval.interval=0",
+    "--train.sample_tokens=0",
+    "--checkpoint.interval=0",
+    "--train.deterministic=true",
+    # The batch guard would refuse a changed grad_accum_steps; the batch is kept equal here.
+    "--train.global_batch_size=0",
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout to check: the four mesh degrees and an optional PP schedule."""
+
+    text: str
+    """The layout as given on the command line, e.g. 'pp=2,schedule=1f1b'."""
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    schedule: str = ""
+    """distributed.pp_schedule, or empty to keep the config's."""
+
+    @property
+    def world_size(self) -> int:
+        """Processes this layout runs on: the product of its mesh degrees."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: dp_replicate * dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dir_name(self) -> str:
+        """A directory name for this layout's run."""
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.text.replace("=", "")) or "layout"
+
+    def overrides(self) -> list[str]:
+        """The --distributed.* overrides that select this layout."""
+        args = [f"--distributed.{dim}={getattr(self, dim)}" for dim in MESH_DIMS]
+        if self.schedule:
+            args.append(f"--distributed.pp_schedule={self.schedule}")
+        return args
+
+
+REFERENCE = Layout("reference")
+"""The single-process run every layout is compared with."""
+
+
+def parse_layout(text: str) -> Layout:
+    """'dp_shard=2,tp=2' -> Layout; degrees not named are 1. Raises ConfigError."""
+    values: dict[str, int | str] = {}
+    for item in text.split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise ConfigError("--layouts", text, LAYOUT_RULE)
+        if key in values:
+            raise ConfigError("--layouts", text, LAYOUT_RULE, f"{key!r} is given twice")
+        if key == "schedule":
+            if value not in PP_SCHEDULES:
+                raise ConfigError("--layouts", text, LAYOUT_RULE, f"unknown schedule {value!r}")
+            values[key] = value
+        elif key in MESH_DIMS:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
+                raise ConfigError("--layouts", text, LAYOUT_RULE, f"{key} must be >= 1")
+            values[key] = int(value)
+        else:
+            raise ConfigError("--layouts", text, LAYOUT_RULE, f"unknown key {key!r}")
+    layout = Layout(text, **values)  # type: ignore[arg-type]
+    if layout.schedule and layout.pp < 2:
+        raise ConfigError("--layouts", text, LAYOUT_RULE, "schedule needs pp >= 2")
+    return layout
+
+
+def per_rank_batch_size(batch_size: int, layout: Layout) -> int:
+    """train.batch_size for ``layout`` so its global batch equals the reference's."""
+    if batch_size % layout.dp:
+        raise ConfigError(
+            "train.batch_size",
+            batch_size,
+            f"a multiple of the data-parallel degree {layout.dp} of layout {layout.text!r}",
+            "every layout trains on the reference's global batch, split over its "
+            "data-parallel ranks",
+        )
+    return batch_size // layout.dp
+
+
+def grad_accum_for(grad_accum_steps: int, layouts: Sequence[Layout]) -> int:
+    """train.grad_accum_steps for every run: the config's, unless a pipeline layout needs a
+    multiple of its pp (then the least common multiple of those pp degrees)."""
+    pps = [layout.pp for layout in layouts if layout.pp > 1]
+    if all(grad_accum_steps % pp == 0 for pp in pps):
+        return grad_accum_steps
+    return math.lcm(*pps)
+
+
+def train_command(
+    config: str,
+    layout: Layout,
+    overrides: Sequence[str],
+    *,
+    batch_size: int,
+    grad_accum_steps: int,
+    steps: int,
+    run_dir: str,
+) -> list[str]:
+    """The `kempnerforge train` command line of one run; torchrun for a layout."""
+    torchrun = ["torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world_size}"]
+    launcher = [] if layout is REFERENCE else [*torchrun, "-m"]
+    return [
+        sys.executable,
+        "-m",
+        *launcher,
+        "kempnerforge",
+        "train",
+        config,
+        *overrides,
+        *layout.overrides(),
+        *COMMON_OVERRIDES,
+        f"--train.batch_size={per_rank_batch_size(batch_size, layout)}",
+        f"--train.grad_accum_steps={grad_accum_steps}",
+        f"--train.max_steps={steps}",
+        f"--train.run_dir={run_dir}",
+    ]
+
+
+StepRows = dict[int, tuple[float | None, float | None]]
+"""{step: (loss, grad_norm)}; None where metrics.jsonl has null (a non-finite value)."""
+
+
+def read_step_rows(run_dir: str) -> StepRows:
+    """The training rows of a run's metrics.jsonl; the last row of a step wins."""
+    rows: StepRows = {}
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn last row of a killed run
+            if "event" in row or "loss" not in row:
+                continue
+            rows[int(row["step"])] = (row.get("loss"), row.get("grad_norm"))
+    return rows
+
+
+def relative_diff(value: float, reference: float) -> float:
+    """|value - reference| / |reference| (the absolute difference when reference is 0)."""
+    return abs(value - reference) / (abs(reference) or 1.0)
+
+
+@dataclass
+class Comparison:
+    """One layout against the reference: the largest relative differences, or why none."""
+
+    layout: Layout
+    loss_diff: float | None = None
+    grad_norm_diff: float | None = None
+    problem: str = ""
+    """Why the layout fails regardless of the tolerance (its run failed, steps missing)."""
+    output: str = ""
+    """The end of a failed run's output."""
+
+    def passed(self, tolerance: float) -> bool:
+        if self.problem or self.loss_diff is None or self.grad_norm_diff is None:
+            return False
+        return self.loss_diff <= tolerance and self.grad_norm_diff <= tolerance
+
+
+def compare_runs(layout: Layout, rows: StepRows, reference: StepRows, steps: int) -> Comparison:
+    """Compare steps 1..steps of a layout's rows with the reference's."""
+    result = Comparison(layout)
+    missing = [s for s in range(1, steps + 1) if s not in rows or s not in reference]
+    if missing:
+        result.problem = f"no metrics row for step(s) {missing}"
+        return result
+    loss_diffs, norm_diffs = [], []
+    for step in range(1, steps + 1):
+        (loss, norm), (ref_loss, ref_norm) = rows[step], reference[step]
+        if None in (loss, norm, ref_loss, ref_norm):
+            result.problem = f"non-finite loss or grad_norm at step {step}"
+            return result
+        loss_diffs.append(relative_diff(loss, ref_loss))  # type: ignore[arg-type]
+        norm_diffs.append(relative_diff(norm, ref_norm))  # type: ignore[arg-type]
+    result.loss_diff, result.grad_norm_diff = max(loss_diffs), max(norm_diffs)
+    return result
+
+
+def format_table(comparisons: Sequence[Comparison], tolerance: float, steps: int) -> str:
+    """The result table, one row per layout, with the difference measure in its header."""
+    header = ("layout", "world", "max rel dloss", "max rel dgrad_norm", "result")
+    lines = [
+        f"rel d = max over steps 1..{steps} of |x - x_ref| / |x_ref| (x_ref: the "
+        f"single-process run); PASS when both are <= {tolerance:g}",
+    ]
+    table: list[tuple[str, ...]] = [header]
+    for c in comparisons:
+        result = "PASS" if c.passed(tolerance) else "FAIL"
+        diffs = (_number(c.loss_diff), _number(c.grad_norm_diff))
+        table.append((c.layout.text, str(c.layout.world_size), *diffs, result))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        cells = [row[0].ljust(widths[0])]
+        cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+# torchrun's own log lines ("W1203 13:47:08.508000 6004 torch/distributed/run.py:874] ...").
+_LAUNCHER_LOG = re.compile(r"^[DIWEF]\d{4} [\d:.]+ \d+ torch/distributed/")
+
+
+def output_tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last lines of a run's output, indented, without torchrun's own log lines and its
+    closing traceback and failure summary, and with repeats (one per rank) shown once, so
+    that the ranks' own error is what shows."""
+    kept = text.strip().splitlines()
+    for i in range(len(kept) - 1, -1, -1):
+        if kept[i] == "Traceback (most recent call last):" and any(
+            "ChildFailedError" in line for line in kept[i:]
+        ):
+            kept = kept[:i]
+            break
+    shown: list[str] = []
+    for line in kept:
+        if not _LAUNCHER_LOG.match(line) and (not shown or line != shown[-1]):
+            shown.append(line)
+    return "\n".join("    " + line for line in shown[-lines:])
+
+
+@dataclass
+class RunOutcome:
+    returncode: int
+    output_tail: str
+    seconds: float
+
+
+def run_one(command: list[str], layout: Layout) -> RunOutcome:
+    """Run one training command to its end, report it in one line, and keep the tail of
+    what it printed."""
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    status = "ok" if proc.returncode == 0 else f"exit code {proc.returncode}"
+    processes = f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"
+    print(f"  {layout.text} ({processes}): {status}, {seconds:.1f} s", flush=True)
+    tail = output_tail(proc.stderr) if proc.stderr.strip() else output_tail(proc.stdout)
+    return RunOutcome(proc.returncode, tail, seconds)
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors raise UsageError (one line, exit 2) instead of printing usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Train CONFIG under each parallel layout and in one process, and compare "
+        "their losses and gradient norms step by step. Exit 0: all layouts match; 1: a "
+        "mismatch or a failed run; 2: bad arguments or config.",
+        epilog="Any --section.field=value argument overrides CONFIG in every run, e.g. "
+        "--model.n_layers=2. Layout keys: dp_shard, dp_replicate, tp, pp (1 when not "
+        "named) and schedule (distributed.pp_schedule).",
+    )
+    parser.add_argument("config", help="the TOML config to train")
+    parser.add_argument("--layouts", nargs="+", required=True, metavar="LAYOUT", help=LAYOUT_RULE)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (5)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="largest relative difference of loss and grad_norm that passes (1e-4)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="most processes one run may use on this machine (default: the GPU count "
+        "where CUDA is available, else the CPU cores but at least 8); a larger layout is "
+        "refused",
+    )
+    parser.add_argument(
+        "--runs-dir",
+        default="",
+        help="keep every run's directory here (default: a temporary directory, removed)",
+    )
+    return parser
+
+
+def _check_arguments(args: argparse.Namespace, extra: list[str]) -> list[Layout]:
+    """Validate the command line; the layouts it names."""
+    unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
+    if unknown:
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise UsageError(f"--tolerance must be a number >= 0, got {args.tolerance}")
+    if args.nproc < 0:
+        raise UsageError(f"--nproc must be >= 0, got {args.nproc}")
+    layouts = [parse_layout(text) for text in args.layouts]
+    limit = args.nproc or _default_nproc()
+    for layout in layouts:
+        if limit and layout.world_size > limit:
+            raise UsageError(
+                f"layout {layout.text!r} needs {layout.world_size} processes, more than "
+                f"--nproc = {limit}"
+            )
+    return layouts
+
+
+def _default_nproc() -> int:
+    """The GPU count where CUDA is available; on CPU the cores, and at least 8 (gloo ranks
+    may share cores: this only stops a typo from starting thousands of processes)."""
+    import torch  # only here: nothing else in this command needs it
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(os.cpu_count() or 1, 8)
+
+
+def _run_dirs(root: str, layouts: Sequence[Layout]) -> list[str]:
+    """The run directory of the reference, then of each layout; none may exist yet."""
+    names = ["reference"] + [f"{i}_{layout.dir_name}" for i, layout in enumerate(layouts, 1)]
+    dirs = [os.path.join(root, name) for name in names]
+    for path in dirs:
+        if os.path.exists(path):
+            raise UsageError(f"{path} already exists: remove it or pick another --runs-dir")
+    return dirs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kempnerforge check-parallel ...`; returns the exit code (0 match, 1 not, 2 bad input)."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        layouts = _check_arguments(args, extra)
+        if args.runs_dir:
+            os.makedirs(args.runs_dir, exist_ok=True)
+            return _check(args, extra, layouts, args.runs_dir)
+        with tempfile.TemporaryDirectory(prefix="check-parallel-") as root:
+            return _check(args, extra, layouts, root)
+    except (ConfigError, UsageError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _check(args: argparse.Namespace, overrides: list[str], layouts: list[Layout], root: str) -> int:
+    from kempnerforge.config.loader import load_config
+
+    train = load_config(args.config, overrides).train
+    for layout in layouts:  # refuse before anything runs
+        per_rank_batch_size(train.batch_size, layout)
+    grad_accum = grad_accum_for(train.grad_accum_steps, layouts)
+    dirs = _run_dirs(root, layouts)
+    print(
+        f"check-parallel: {args.config}, {args.steps} steps, global batch "
+        f"{train.batch_size * grad_accum} sequences of {train.seq_len} tokens",
+        flush=True,
+    )
+    if grad_accum != train.grad_accum_steps:
+        print(
+            f"note: train.grad_accum_steps = {train.grad_accum_steps} is not a multiple of "
+            f"every layout's pp: every run, the reference included, uses {grad_accum}",
+            flush=True,
+        )
+
+    def launch(layout: Layout, run_dir: str) -> RunOutcome:
+        command = train_command(
+            args.config,
+            layout,
+            overrides,
+            batch_size=train.batch_size,
+            grad_accum_steps=grad_accum,
+            steps=args.steps,
+            run_dir=run_dir,
+        )
+        return run_one(command, layout)
+
+    reference = launch(REFERENCE, dirs[0])
+    if reference.returncode != 0:
+        print(f"the single-process reference run failed; its last lines:\n{reference.output_tail}")
+        return 2 if reference.returncode == 2 else 1
+    comparisons = []
+    for layout, run_dir in zip(layouts, dirs[1:], strict=True):
+        outcome = launch(layout, run_dir)
+        if outcome.returncode == 0:
+            rows, reference_rows = read_step_rows(run_dir), read_step_rows(dirs[0])
+            comparisons.append(compare_runs(layout, rows, reference_rows, args.steps))
+        else:
+            problem = f"the run failed (exit code {outcome.returncode}); its last lines:"
+            comparisons.append(Comparison(layout, problem=problem, output=outcome.output_tail))
+    print(format_table(comparisons, args.tolerance, args.steps))
+    for c in (c for c in comparisons if c.problem):
+        print("\n".join(text for text in (f"{c.layout.text}: {c.problem}", c.output) if text))
+    return 0 if all(c.passed(args.tolerance) for c in comparisons) else 1

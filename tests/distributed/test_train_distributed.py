@@ -1,0 +1,170 @@
+"""The real build and loop on two gloo ranks, in every layout, against one process.
+
+Every layout trains the same global batch from the same seed, so its per-step loss and
+gradient norm must match a single-process run within LOSS_TOL: only the order of
+floating-point sums differs (reductions over ranks, sharded matmuls).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.dist import run_distributed
+from tests.support.train_run import train_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+LOSS_TOL = 2e-5
+"""Absolute tolerance on a step's loss (about 5.6 at init) and gradient norm, per step."""
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def base(token_dirs) -> list[str]:
+    train, evald = token_dirs
+    return [
+        "--model.dim=32",
+        "--model.n_layers=4",
+        "--model.n_heads=4",
+        "--model.n_kv_heads=2",
+        "--model.multiple_of=16",
+        "--model.max_seq_len=64",
+        "--train.seq_len=32",
+        f"--train.max_steps={STEPS}",
+        "--train.sample_prompt=",
+        "--train.deterministic=true",
+        "--scheduler.warmup_steps=1",
+        "--metrics.progress=off",
+        "--metrics.log_interval=1",
+        "--checkpoint.interval=0",
+        "--data.document_masking=false",
+        f"--data.path={train}",
+        f"--data.eval_path={evald}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(base, tmp_path_factory) -> dict:
+    """One process, 4 sequences per step in one micro-batch: what every layout must match
+    (a pipeline's 2 micro-batches of 2 hold the same sequences)."""
+    return _one_process(base, tmp_path_factory.mktemp("one"), "--train.batch_size=4")
+
+
+def _one_process(base: list[str], run_dir, *extra: str, **kwargs) -> dict:
+    # A process of its own too: the build seeds and sets deterministic mode process-wide.
+    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
+    return run_distributed(train_on_ranks, 1, overrides, kwargs)[0]
+
+
+def _two_ranks(base: list[str], run_dir, *extra: str, **kwargs) -> list[dict]:
+    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
+    return run_distributed(train_on_ranks, 2, overrides, kwargs)
+
+
+def _assert_matches(ranks: list[dict], reference: dict) -> None:
+    for record in ranks:
+        # Every rank reports the same global numbers, whatever part of the model it holds.
+        assert record["losses"] == ranks[0]["losses"]
+        assert record["grad_norms"] == ranks[0]["grad_norms"]
+        assert len(record["losses"]) == len(reference["losses"]) == STEPS
+    losses, norms = torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[0]["grad_norms"])
+    torch.testing.assert_close(losses, torch.tensor(reference["losses"]), atol=LOSS_TOL, rtol=0)
+    torch.testing.assert_close(norms, torch.tensor(reference["grad_norms"]), atol=LOSS_TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("layout", "per_rank", "accum"),
+    [
+        (["--distributed.dp_shard=2"], 2, 1),
+        (["--distributed.dp_shard=2"], 1, 2),  # gradient sync deferred to the last micro-batch
+        (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2, 1),
+        (["--distributed.tp=2", "--distributed.dp_shard=1"], 4, 1),
+    ],
+    ids=["fsdp", "fsdp-accumulate", "hsdp-replicate", "tp"],
+)
+def test_a_layout_trains_like_one_process(
+    base, reference, tmp_path, layout, per_rank, accum
+) -> None:
+    split = [f"--train.batch_size={per_rank}", f"--train.grad_accum_steps={accum}"]
+    ranks = _two_ranks(base, tmp_path / "two", *layout, *split)
+    _assert_matches(ranks, reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_a_pipeline_trains_like_one_process_and_every_stage_reports_the_loss(
+    base, reference, tmp_path, schedule
+) -> None:
+    batch = ["--train.batch_size=2", "--train.grad_accum_steps=2"]
+    layout = [
+        "--distributed.pp=2",
+        "--distributed.dp_shard=1",
+        f"--distributed.pp_schedule={schedule}",
+    ]
+    ranks = _two_ranks(base, tmp_path / "two", *layout, *batch)
+    _assert_matches(ranks, reference)
+
+
+def test_a_run_resumed_on_one_process_sees_the_samples_the_two_rank_run_would_have(
+    base, tmp_path
+) -> None:
+    """dp_shard = 2 saves at step 2; one process resumes it with the same global batch."""
+    run = tmp_path / "run"
+    whole = _two_ranks(base, tmp_path / "whole", "--train.batch_size=2", record_batches=True)
+    _two_ranks(base, run, "--train.batch_size=2", "--train.max_steps=2")
+    resumed = _one_process(base, run, "--train.batch_size=4", record_batches=True)
+    assert resumed["start_step"] == 2
+    assert resumed["step"] == STEPS
+    # The exact samples: step s's batch on one process holds rank 0's and rank 1's rows.
+    for step, batch in zip(range(2, STEPS), resumed["batches"], strict=True):
+        rows = torch.cat([whole[0]["batches"][step], whole[1]["batches"][step]])
+        assert sorted(map(tuple, batch.tolist())) == sorted(map(tuple, rows.tolist()))
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]),
+        torch.tensor(whole[0]["losses"][2:]),
+        atol=LOSS_TOL,
+        rtol=0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed_layout"),
+    [
+        (
+            ["--distributed.dp_shard=2", "--train.batch_size=2"],
+            ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4"],
+        ),
+        (
+            ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4"],
+            ["--distributed.dp_shard=2", "--train.batch_size=2"],
+        ),
+    ],
+    ids=["fsdp-to-tp", "tp-to-fsdp"],
+)
+def test_a_checkpoint_resumes_on_another_layout(
+    base, reference, tmp_path, saved, resumed_layout
+) -> None:
+    run = tmp_path / "run"
+    _two_ranks(base, run, *saved, "--train.max_steps=2")
+    resumed = _two_ranks(base, run, *resumed_layout)
+    assert [r["start_step"] for r in resumed] == [2, 2]
+    torch.testing.assert_close(
+        torch.tensor(resumed[0]["losses"]),
+        torch.tensor(reference["losses"][2:]),
+        atol=LOSS_TOL,
+        rtol=0,
+    )
+
+
+def test_one_process_resumes_onto_two_ranks(base, reference, tmp_path) -> None:
+    run = tmp_path / "run"
+    _one_process(base, run, "--train.batch_size=4", "--train.max_steps=2")
+    resumed = _two_ranks(base, run, "--distributed.dp_shard=2", "--train.batch_size=2")
+    assert [r["start_step"] for r in resumed] == [2, 2]
+    torch.testing.assert_close(
+        torch.tensor(resumed[1]["losses"]),
+        torch.tensor(reference["losses"][2:]),
+        atol=LOSS_TOL,
+        rtol=0,
+    )

@@ -1,0 +1,81 @@
+"""End to end: `kempnerforge check-parallel` trains the debug config under parallel layouts
+(gloo on CPU) and compares them with one process."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).parents[2]
+DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+TINY = [
+    "--model.dim=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=4",
+    "--train.seq_len=32",
+    "--train.batch_size=4",
+]
+
+
+def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path):
+    env = {**os.environ, "KEMPNERFORGE_CACHE": str(cache)}
+    env.pop("OMP_NUM_THREADS", None)  # torchrun gives each rank one thread of its own
+    return subprocess.run(
+        [sys.executable, "-m", "kempnerforge", "check-parallel", DEBUG, *args, *TINY],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    rows = {}
+    for line in lines[start + 1 :]:
+        cells = line.split()
+        if len(cells) == 5 and cells[-1] in ("PASS", "FAIL"):
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_fsdp_layout_matches_one_process(tmp_path, builtin_cache):
+    proc = check_parallel(
+        "--layouts", "dp_shard=2", "--steps", "3", cwd=tmp_path, cache=builtin_cache
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "max rel dloss" in proc.stdout and "|x - x_ref| / |x_ref|" in proc.stdout
+    layout, world, loss_diff, norm_diff, result = table_rows(proc.stdout)["dp_shard=2"]
+    assert (world, result) == ("2", "PASS")
+    assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+    assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
+
+
+def test_failing_layout_is_reported_with_its_error_and_exit_1(tmp_path, builtin_cache):
+    runs = tmp_path / "runs"
+    proc = check_parallel(
+        "--layouts",
+        "tp=3",
+        "--steps",
+        "2",
+        "--runs-dir",
+        str(runs),
+        cwd=tmp_path,
+        cache=builtin_cache,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert rows["tp=3"] == ["tp=3", "3", "-", "-", "FAIL"]
+    # The ranks' own one-line config error, not only torchrun's summary.
+    assert "tp=3: the run failed (exit code 1)" in proc.stdout
+    assert "distributed.tp = 3" in proc.stdout
+    assert (runs / "reference" / "metrics.jsonl").exists()

@@ -1,0 +1,159 @@
+"""End to end under torchrun, two CPU ranks: a stop signal to the whole process group, a
+peer killed outright and a peer that hangs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.resilience import exit_codes
+from tests.e2e.test_signals import (
+    COMMON,
+    DEBUG,
+    REPO,
+    Run,
+    live_processes_in_group,
+    logged_losses,
+    logged_steps,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+STEPS = 30
+LAYOUT = [
+    "--distributed.dp_shard=2",
+    "--train.deterministic=true",
+    "--train.batch_size=1",
+    "--train.seq_len=64",
+    f"--train.max_steps={STEPS}",
+]
+TIMEOUT_S = 8
+
+
+def start_torchrun(run_dir: pathlib.Path, cache: pathlib.Path, *overrides: str) -> Run:
+    """`torchrun --nproc_per_node=2 -m kempnerforge train`, leading its own process group
+    (as srun's task does), with rank 0's exit code written to ``run_dir``.exit."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logs = run_dir.parent
+    stdout, stderr = logs / f"{run_dir.name}.out", logs / f"{run_dir.name}.err"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "KEMPNERFORGE_CACHE": str(cache),
+        "KEMPNERFORGE_EXIT_CODE_FILE": str(logs / f"{run_dir.name}.exit"),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", "-m", "kempnerforge", "train", DEBUG, *COMMON]
+    with open(stdout, "a") as out, open(stderr, "a") as err:
+        proc = subprocess.Popen(
+            [*command, f"--train.run_dir={run_dir}", *overrides],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
+    return Run(proc, run_dir, stdout, stderr)
+
+
+def rank_code(run: Run) -> int:
+    return int((run.run_dir.parent / f"{run.run_dir.name}.exit").read_text())
+
+
+def worker_pid(run: Run, rank: int) -> int:
+    """The pid of training rank ``rank`` among the torchrun agent's children."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
+            try:
+                env = environ.read_bytes().split(b"\0")
+                stat = (environ.parent / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == run.proc.pid and f"RANK={rank}".encode() in env:
+                return int(environ.parent.name)
+        time.sleep(0.2)
+    pytest.fail(f"no rank {rank} process under torchrun {run.proc.pid}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, builtin_cache) -> list[tuple[int, float]]:
+    run_dir = tmp_path_factory.mktemp("torchrun-reference") / "run"
+    run = start_torchrun(run_dir, builtin_cache, *LAYOUT)
+    assert run.finish() == 0, run.err()[-3000:]
+    assert rank_code(run) == exit_codes.FINISHED
+    return logged_losses(run_dir)
+
+
+def test_sigterm_to_the_torchrun_group_saves_once_on_every_rank_and_resumes_bitwise(
+    tmp_path, builtin_cache, reference
+):
+    run_dir = tmp_path / "run"
+    run = start_torchrun(run_dir, builtin_cache, *LAYOUT)
+    wait_until(run, lambda: len(logged_steps(run_dir)) >= 2, "2 logged steps")
+    # What slurmd sends on scancel or preemption: the agent and both ranks get it.
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    run.finish()
+    stderr = run.err()
+    assert rank_code(run) == exit_codes.PREEMPTED, stderr[-3000:]
+    assert live_processes_in_group(run.proc.pid) == []
+    stopped_at = logged_steps(run_dir)[-1]
+    assert 2 <= stopped_at < STEPS
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) == [
+        f"step_{stopped_at}"
+    ]
+    assert CheckpointManager(CheckpointConfig(), str(checkpoints)).is_complete(
+        checkpoints / f"step_{stopped_at}"
+    )
+    events = (run_dir / "metrics.jsonl").read_text().count('"event": "checkpoint"')
+    assert events == 1
+
+    resumed = start_torchrun(run_dir, builtin_cache, *LAYOUT)
+    assert resumed.finish() == 0, resumed.err()[-3000:]
+    assert logged_losses(run_dir) == reference
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_peer_ends_the_run_within_the_timeout_naming_it(tmp_path, builtin_cache, how):
+    run_dir = tmp_path / "run"
+    run = start_torchrun(
+        run_dir,
+        builtin_cache,
+        *LAYOUT,
+        "--train.max_steps=100000",
+        f"--distributed.timeout_s={TIMEOUT_S}",
+    )
+    wait_until(run, lambda: len(logged_steps(run_dir)) >= 2, "2 logged steps")
+    peer = worker_pid(run, 1)
+    started = time.monotonic()
+    os.kill(peer, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    try:
+        returncode = run.finish()
+    finally:
+        if how == "hung":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(peer, signal.SIGKILL)  # torchrun's SIGTERM cannot reach a stopped one
+    elapsed = time.monotonic() - started
+    stderr = run.err()
+    assert returncode != 0
+    assert rank_code(run) == exit_codes.FAILED, stderr[-3000:]
+    line = next(x for x in stderr.splitlines() if x.startswith("kempnerforge: error: rank 0"))
+    assert "failed" in line and f"distributed.timeout_s = {TIMEOUT_S}" in line
+    if how == "hung":
+        assert "rank(s) 1 did not respond" in line
+    else:
+        assert "rank(s) 1 did not respond" in line or "exited" in line
+    # The timeout, the barrier that names the peer, and torchrun's teardown.
+    assert elapsed < TIMEOUT_S + 30 + 45, stderr[-3000:]

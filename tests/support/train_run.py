@@ -1,0 +1,75 @@
+"""train_steps: a real run of the build and the loop, as the CLI does it, that records each step.
+
+Called in the test process (world size 1) or on every rank of run_distributed (the launch
+comes from the environment, as under torchrun). Returns plain data, so it pickles back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kempnerforge.config.loader import load_config
+from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
+from kempnerforge.training.build import build_session
+from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
+from kempnerforge.training.resume import apply_resume, plan_resume
+
+
+def train_steps(
+    overrides: list[str], *, record_batches: bool = False, stop_after: int | None = None
+) -> dict[str, Any]:
+    """Train with ``overrides`` (resuming as the config says); record every step body call.
+
+    ``losses``/``grad_norms`` hold each step's StepResult in order (skipped steps
+    included), ``batches`` the input_ids of each micro-batch this rank drew (when
+    ``record_batches``), ``step``/``tokens_seen`` the loop's final counters. ``stop_after``
+    requests a stop (as a signal would) after that many step calls.
+    """
+    config = load_config(None, overrides)
+    config.validate(world_size_from_env())
+    runtime = init_runtime(config.distributed, "cpu")
+    session = build_session(config, runtime)
+    record: dict[str, Any] = {"losses": [], "grad_norms": [], "batches": [], "rank": runtime.rank}
+    _record_steps(session, record, stop_after)
+    if record_batches:
+        _record_batches(session, record["batches"])
+    with session.tracker:
+        plan = plan_resume(config, session.checkpointer)
+        step, tokens_seen = apply_resume(session, plan)
+        record["start_step"] = step
+        step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+    record.update(step=step, tokens_seen=tokens_seen)
+    return record
+
+
+def _record_steps(session: TrainingSession, record: dict[str, Any], stop_after: int | None) -> None:
+    inner = session.step_fn
+
+    def recording(s: TrainingSession, step: int) -> StepResult:
+        result = inner(s, step)
+        record["losses"].append(result.loss)
+        record["grad_norms"].append(result.grad_norm)
+        if stop_after is not None and len(record["losses"]) == stop_after:
+            s.shutdown_handler.request("test stop")
+        return result
+
+    session.step_fn = recording
+
+
+def _record_batches(session: TrainingSession, batches: list[torch.Tensor]) -> None:
+    stream = session.batches
+    inner = stream.next_batch
+
+    def recording() -> dict[str, torch.Tensor]:
+        batch = inner()
+        batches.append(batch["input_ids"].clone())
+        return batch
+
+    stream.next_batch = recording  # type: ignore[method-assign]
+
+
+def train_on_ranks(rank: int, world_size: int, overrides: list[str], kwargs: dict) -> dict:
+    """run_distributed entry point: train_steps on this rank."""
+    return train_steps(overrides, **kwargs)
