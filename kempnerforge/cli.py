@@ -133,7 +133,11 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
         world_size_from_env,
     )
     from kempnerforge.metrics.logging import configure_logging, get_logger
-    from kempnerforge.training.build import build_checkpointer, build_session
+    from kempnerforge.training.build import (
+        build_checkpointer,
+        build_session,
+        stop_agreed_after_build,
+    )
     from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.resume import apply_resume, plan_resume
@@ -147,6 +151,7 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
     preflight(config)
     runtime = init_runtime(config.distributed, config.train.device)
     logger = get_logger("kempnerforge.cli")
+    ended_together = False  # every rank got to a return: leave the group in step
     try:
         with rank0_workspace(config, runtime):
             checkpointer = build_checkpointer(config, runtime)
@@ -158,23 +163,26 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
                         f"{plan.step}; raise --train.max_steps to continue this run, or use "
                         "another --train.name to start a new one"
                     )
+                ended_together = True
                 return exit_codes.FINISHED
             session = build_session(
                 config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown
             )
-            if shutdown.requested:
+            if stop_agreed_after_build(shutdown, runtime):
                 logger.warning(
                     "stop requested by %s while the run was being built: exiting before the "
                     "first step, nothing new to save",
                     shutdown.reason,
                 )
                 session.tracker.close()
+                ended_together = True
                 return exit_codes.PREEMPTED
             if runtime.is_main:
                 record_config(config, started)
             with session.tracker:
                 step, tokens_seen = apply_resume(session, plan)
                 step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+            ended_together = True
             if shutdown.requested:
                 return exit_codes.PREEMPTED
             if runtime.is_main:
@@ -187,7 +195,7 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
             raise CollectiveFailure(describe_collective_failure(e, runtime, timeout_s)) from e
         raise
     finally:
-        teardown_runtime(runtime)
+        teardown_runtime(runtime, together=ended_together)
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:

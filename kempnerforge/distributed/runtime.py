@@ -143,7 +143,14 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
     )
 
 
-def teardown_runtime(runtime: RuntimeContext) -> None:
-    """Leave the process group, if this process joined one."""
+def teardown_runtime(runtime: RuntimeContext, *, together: bool = False) -> None:
+    """Leave the process group, if this process joined one.
+
+    ``together`` (a run that ended normally on every rank) first waits at a barrier, so
+    no rank tears its connections down while a peer still uses them: a peer's backend
+    thread that sees a connection vanish mid-operation can abort its process.
+    """
     if dist.is_available() and dist.is_initialized():
+        if together and runtime.monitor_group is not None:
+            dist.barrier(group=runtime.monitor_group)
         dist.destroy_process_group()
