@@ -89,11 +89,27 @@ def worker_pid(run: Run, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, builtin_cache) -> list[tuple[int, float]]:
+    """An uninterrupted run; its end-of-run sample needs both ranks (FSDP gathers)."""
     run_dir = tmp_path_factory.mktemp("torchrun-reference") / "run"
-    run = start_torchrun(run_dir, builtin_cache, *LAYOUT)
+    sample = ["--train.sample_prompt=def ", "--train.sample_tokens=8"]
+    run = start_torchrun(run_dir, builtin_cache, *LAYOUT, *sample)
     assert run.finish() == 0, run.err()[-3000:]
     assert rank_code(run) == exit_codes.FINISHED
+    assert run.stdout.read_text().count("sample (greedy, 8 tokens)") == 1
     return logged_losses(run_dir)
+
+
+def test_a_layout_that_does_not_fit_stops_every_rank_with_one_line(tmp_path, builtin_cache):
+    run = start_torchrun(tmp_path / "run", builtin_cache, "--distributed.tp=3")
+    returncode = run.finish()
+    stderr = run.err()
+    assert returncode != 0
+    assert rank_code(run) == exit_codes.CONFIG_ERROR
+    errors = [x for x in stderr.splitlines() if x.startswith("kempnerforge: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1], stderr[-3000:]
+    assert "distributed.dp_shard = -1: expected dp_replicate * dp_shard * tp * pp" in errors[0]
+    # No rank printed a traceback (torchrun prints its own, about the ranks' exit codes).
+    assert f'File "{REPO / "kempnerforge"}' not in stderr
 
 
 def test_sigterm_to_the_torchrun_group_saves_once_on_every_rank_and_resumes_bitwise(
