@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -157,9 +157,40 @@ def _has_both_ends(stage: nn.Module) -> bool:
     )
 
 
+class ReplicatedParallel(ParallelStyle):
+    """A module whose parameters stay whole on every tensor-parallel rank, as Replicate
+    DTensors: plain (replicated) tensors in and out, computed identically on every rank.
+
+    Every parameter must be a DTensor once tensor parallelism is on: the foreach optimizers
+    and gradient clipping cannot mix DTensors and plain tensors in one call. The gradient
+    of a replicated weight needs no reduction, since every rank computes all of it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, input_fn=_replicate_inputs, output_fn=_local_output
+        )
+
+
+def _replicate_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
 def _plain_block_plan() -> dict[str, ParallelStyle]:
-    """Projections sharded, activations replicated in and out of each sublayer."""
+    """Projections sharded, activations replicated in and out of each sublayer (the norms
+    too, as replicated DTensors)."""
     return {
+        "attention_norm": ReplicatedParallel(),
+        "ffn_norm": ReplicatedParallel(),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -212,7 +243,7 @@ def _apply_tp_to_ends(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     styles = {
         "tok_embeddings": _embedding_style(sequence_parallel),
-        "norm": SequenceParallel() if sequence_parallel else None,
+        "norm": SequenceParallel() if sequence_parallel else ReplicatedParallel(),
         "output": _head_style(sequence_parallel),
     }
     plan: dict[str, ParallelStyle] = {

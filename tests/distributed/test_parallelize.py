@@ -124,7 +124,12 @@ def _tensor_parallel_diffs(
     diffs.update({f"{k}_masked": v for k, v in masked.items()})
     layout = {
         "tied": model.output.weight is model.tok_embeddings.weight,  # type: ignore[union-attr]
-        "sequence_parallel": isinstance(model.norm.weight, DTensor),  # type: ignore[union-attr]
+        # Sequence parallel: the embedding hands the blocks a sequence-split DTensor.
+        "sequence_parallel": isinstance(
+            model.tok_embeddings(torch.zeros(1, 4, dtype=torch.long)),  # type: ignore[misc]
+            DTensor,
+        ),
+        "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
         "vocab_split": isinstance(model.tok_embeddings.weight, DTensor),  # type: ignore[union-attr]
     }
     return {**diffs, **{k: float(v) for k, v in layout.items()}}
@@ -213,6 +218,7 @@ def test_tensor_parallel_matches_the_single_process_model(two_ranks, variant):
     else:
         layout = tuple(diffs.pop(k) for k in ("tied", "sequence_parallel", "vocab_split"))
         assert layout == LAYOUTS[variant]
+        assert diffs.pop("all_dtensor") == 1.0  # what the foreach optimizers need
     assert all(value < FORWARD_TOL for value in diffs.values()), diffs
 
 
