@@ -167,9 +167,9 @@ class ReplicatedParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, input_fn=_replicate_inputs, output_fn=_local_output
-        )
+        # Typed loosely: torch annotates input_fn as returning None, yet uses its result.
+        input_fn: Any = _replicate_inputs
+        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=_local_output)
 
 
 def _replicate_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:

@@ -8,7 +8,7 @@ schedule, and ``PipelineBundle.run`` drives one optimizer step's micro-batches t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,7 +242,7 @@ class PipelineBundle:
 
 
 def build_pipeline(
-    stage_modules: list[StageModule],
+    stage_modules: Sequence[nn.Module],
     stage_ids: list[int],
     runtime: RuntimeContext,
     config: JobConfig,

@@ -83,13 +83,15 @@ def build_model_on_mesh(
     """
     tc, dc = config.train, config.distributed
     stage_ids: list[int] = []
+    stage_modules: list[torch.nn.Module] = []
     with torch.device("meta"):
         if dc.pp > 1:
             stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
             ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
-            model, stage_modules = build_stage_model(config.model, stage_ids, ranges)
+            model, stages = build_stage_model(config.model, stage_ids, ranges)
+            stage_modules.extend(stages)
         else:
-            model, stage_modules = build_model(config.model), []
+            model = build_model(config.model)
     parallelize_model(model, runtime, config, roots=stage_modules or None)
     model.to_empty(device=runtime.device)
     torch.manual_seed(tc.seed)  # the weights depend on the seed, not on what ran before

@@ -30,7 +30,8 @@ def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     squares = torch.zeros((), dtype=torch.float32, device=_model_device(model))
     by_mesh = _params_by_mesh(params)
     for same_mesh in by_mesh:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in same_mesh], foreach=True)
+        grads = [p.grad for p in same_mesh if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares = squares + norm.float().square()
