@@ -44,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--preset", default="debug", help="configs/model/<NAME>.toml, or a path")
     parser.add_argument("--seq-len", type=int, default=0, help="0: the preset's max_seq_len")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")

@@ -1,4 +1,4 @@
-"""The `kempnerforge` command: train, eval and prepare-data.
+"""The `kempnerforge` command: train, eval, prepare-data and check-parallel.
 
 train: load config -> validate -> preflight -> runtime -> directories and locks -> plan
 the resume -> build -> record the config -> resume -> loop -> exit code. User-caused
@@ -243,6 +243,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "prepare-data", help="tokenize text into a memory-mapped token file"
     )
     add_prepare_data_arguments(prepare)
+    # Listed here for --help only: main hands its arguments to parallel_check's own parser.
+    commands.add_parser(
+        "check-parallel",
+        help="train under several parallel layouts and compare with one process",
+        add_help=False,
+    )
     return parser
 
 
@@ -262,6 +268,11 @@ def _is_out_of_memory(error: BaseException) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     # torchdata's StatefulDataLoader calls an API this torch deprecates; nothing to act on.
     warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["check-parallel"]:
+        from kempnerforge.parallel_check import main as check_parallel
+
+        return check_parallel(arguments[1:])
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     try:

@@ -139,13 +139,34 @@ def grad_accum_for(grad_accum_steps: int, layouts: Sequence[Layout]) -> int:
     return math.lcm(*pps)
 
 
+def pipeline_overrides(
+    grad_accum_steps: int, document_masking: bool, layouts: Sequence[Layout]
+) -> tuple[list[str], list[str]]:
+    """What every run, the reference included, must change so that the pipeline layouts
+    among ``layouts`` can run and still compare: (overrides, a note for each)."""
+    overrides, notes = [], []
+    grad_accum = grad_accum_for(grad_accum_steps, layouts)
+    if grad_accum != grad_accum_steps:
+        overrides.append(f"--train.grad_accum_steps={grad_accum}")
+        notes.append(
+            f"train.grad_accum_steps = {grad_accum_steps} is not a multiple of every "
+            f"layout's pp: every run, the reference included, uses {grad_accum}"
+        )
+    if document_masking and any(layout.pp > 1 for layout in layouts):
+        overrides.append("--data.document_masking=false")
+        notes.append(
+            "pipeline stages pass no document ids: every run, the reference included, "
+            "trains with data.document_masking = false"
+        )
+    return overrides, notes
+
+
 def train_command(
     config: str,
     layout: Layout,
     overrides: Sequence[str],
     *,
     batch_size: int,
-    grad_accum_steps: int,
     steps: int,
     run_dir: str,
 ) -> list[str]:
@@ -163,7 +184,6 @@ def train_command(
         *layout.overrides(),
         *COMMON_OVERRIDES,
         f"--train.batch_size={per_rank_batch_size(batch_size, layout)}",
-        f"--train.grad_accum_steps={grad_accum_steps}",
         f"--train.max_steps={steps}",
         f"--train.run_dir={run_dir}",
     ]
@@ -257,8 +277,11 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
-# torchrun's own log lines ("W1203 13:47:08.508000 6004 torch/distributed/run.py:874] ...").
-_LAUNCHER_LOG = re.compile(r"^[DIWEF]\d{4} [\d:.]+ \d+ torch/distributed/")
+# torchrun's own lines: its log ("W1203 13:47:08.508000 6004 torch/distributed/run.py:874]
+# ...") and its banner about OMP_NUM_THREADS.
+_LAUNCHER_LOG = re.compile(
+    r"^([DIWEF]\d{4} [\d:.]+ \d+ torch/distributed/|\*+$|Setting OMP_NUM_THREADS environment)"
+)
 
 
 def output_tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
@@ -313,6 +336,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
+        usage=f"{PROG} CONFIG --layouts LAYOUT [LAYOUT ...] [--steps N] [--tolerance T] "
+        "[--nproc N] [--runs-dir DIR] [--section.field=value ...]",
         description="Train CONFIG under each parallel layout and in one process, and compare "
         "their losses and gradient norms step by step. Exit 0: all layouts match; 1: a "
         "mismatch or a failed run; 2: bad arguments or config.",
@@ -406,22 +431,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check(args: argparse.Namespace, overrides: list[str], layouts: list[Layout], root: str) -> int:
     from kempnerforge.config.loader import load_config
 
-    train = load_config(args.config, overrides).train
+    config = load_config(args.config, overrides)
+    train = config.train
     for layout in layouts:  # refuse before anything runs
         per_rank_batch_size(train.batch_size, layout)
-    grad_accum = grad_accum_for(train.grad_accum_steps, layouts)
+    extra, notes = pipeline_overrides(train.grad_accum_steps, config.data.document_masking, layouts)
+    overrides = [*overrides, *extra]
     dirs = _run_dirs(root, layouts)
+    grad_accum = grad_accum_for(train.grad_accum_steps, layouts)
     print(
         f"check-parallel: {args.config}, {args.steps} steps, global batch "
         f"{train.batch_size * grad_accum} sequences of {train.seq_len} tokens",
         flush=True,
     )
-    if grad_accum != train.grad_accum_steps:
-        print(
-            f"note: train.grad_accum_steps = {train.grad_accum_steps} is not a multiple of "
-            f"every layout's pp: every run, the reference included, uses {grad_accum}",
-            flush=True,
-        )
+    for note in notes:
+        print(f"note: {note}", flush=True)
 
     def launch(layout: Layout, run_dir: str) -> RunOutcome:
         command = train_command(
@@ -429,7 +453,6 @@ def _check(args: argparse.Namespace, overrides: list[str], layouts: list[Layout]
             layout,
             overrides,
             batch_size=train.batch_size,
-            grad_accum_steps=grad_accum,
             steps=args.steps,
             run_dir=run_dir,
         )

@@ -48,15 +48,19 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_fsdp_layout_matches_one_process(tmp_path, builtin_cache):
-    proc = check_parallel(
-        "--layouts", "dp_shard=2", "--steps", "3", cwd=tmp_path, cache=builtin_cache
-    )
+def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
+    layouts = ["dp_shard=2", "tp=2", "pp=2,schedule=1f1b", "pp=2,tp=2"]
+    worlds = {"pp=2,tp=2": "4"}
+    proc = check_parallel("--layouts", *layouts, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "max rel dloss" in proc.stdout and "|x - x_ref| / |x_ref|" in proc.stdout
-    layout, world, loss_diff, norm_diff, result = table_rows(proc.stdout)["dp_shard=2"]
-    assert (world, result) == ("2", "PASS")
-    assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+    # The pipeline layout changes every run, the reference included, and says so.
+    assert "uses 2" in proc.stdout and "data.document_masking = false" in proc.stdout
+    rows = table_rows(proc.stdout)
+    assert sorted(rows) == sorted(layouts)
+    for layout, world, loss_diff, norm_diff, result in rows.values():
+        assert (world, result) == (worlds.get(layout, "2"), "PASS"), layout
+        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
     assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
 
 

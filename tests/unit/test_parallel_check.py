@@ -77,8 +77,19 @@ def test_grad_accum_becomes_a_multiple_of_every_pp_only_when_needed():
     assert pc.grad_accum_for(1, layouts[:1]) == 1
 
 
+def test_pipeline_layouts_change_every_run_only_when_needed():
+    plain = [pc.parse_layout("dp_shard=2")]
+    assert pc.pipeline_overrides(1, True, plain) == ([], [])
+    piped = [*plain, pc.parse_layout("pp=2")]
+    overrides, notes = pc.pipeline_overrides(1, True, piped)
+    assert overrides == ["--train.grad_accum_steps=2", "--data.document_masking=false"]
+    assert "every run, the reference included, uses 2" in notes[0]
+    assert "data.document_masking = false" in notes[1]
+    assert pc.pipeline_overrides(4, False, piped) == ([], [])
+
+
 def test_train_command_runs_layouts_under_torchrun_and_the_reference_alone():
-    common = dict(batch_size=8, grad_accum_steps=2, steps=3, run_dir="/r")
+    common = dict(batch_size=8, steps=3, run_dir="/r")
     layout = pc.parse_layout("dp_shard=2,tp=2")
     command = pc.train_command("c.toml", layout, ["--model.dim=64"], **common)
     assert command[:6] == [
@@ -93,12 +104,7 @@ def test_train_command_runs_layouts_under_torchrun_and_the_reference_alone():
     assert tail[:3] == ["train", "c.toml", "--model.dim=64"]
     assert "--distributed.dp_shard=2" in tail and "--distributed.tp=2" in tail
     # The runner's settings come after the user's overrides, so they win.
-    assert tail[-4:] == [
-        "--train.batch_size=4",
-        "--train.grad_accum_steps=2",
-        "--train.max_steps=3",
-        "--train.run_dir=/r",
-    ]
+    assert tail[-3:] == ["--train.batch_size=4", "--train.max_steps=3", "--train.run_dir=/r"]
     for setting in ("--metrics.log_interval=1", "--train.deterministic=true", "--eval.interval=0"):
         assert setting in tail
     reference = pc.train_command("c.toml", pc.REFERENCE, [], **common)
@@ -206,6 +212,7 @@ def test_main_refuses_a_bad_override_as_a_config_error(tmp_path, capsys):
 def test_output_tail_shows_the_ranks_error_not_the_launchers():
     text = "\n".join(
         ["setup"] * 30
+        + ["*" * 41, "Setting OMP_NUM_THREADS environment variable for each process", "*" * 41]
         + ["kempnerforge: error: distributed.tp = 3: expected a divisor"] * 3
         + ["E1203 13:47:08.508000 6004 torch/distributed/elastic/api.py:1002] failed"]
         + ["Traceback (most recent call last):", '  File "torchrun", line 8']
@@ -216,4 +223,5 @@ def test_output_tail_shows_the_ranks_error_not_the_launchers():
         "    setup",
         "    kempnerforge: error: distributed.tp = 3: expected a divisor",
     ]
+    assert "*" not in pc.output_tail(text, lines=5)
     assert pc.output_tail("a\nb\nc", lines=2) == "    b\n    c"
