@@ -162,13 +162,13 @@ def measure(args: argparse.Namespace, overrides: list[str], run_dir: str) -> dic
     tokens = tc.batch_size * tc.seq_len * tc.grad_accum_steps * runtime.dp_size * args.steps
     tokens_per_sec = tokens / seconds
     per_token = flops_per_token(config.model, tc.seq_len)
-    peak = peak_flops_per_sec(device, tc.mixed_precision)
+    peak = peak_flops_per_sec(device, tc.precision_on(device.type))
     return {
         "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": runtime.world_size,
         "threads_per_rank": torch.get_num_threads(),
-        "precision": tc.mixed_precision,
+        "precision": tc.precision_on(device.type),
         "compile": tc.compile,
         "ac": config.distributed.activation_checkpointing,
         "optimizer": f"{config.optimizer.name}/{config.optimizer.implementation}",

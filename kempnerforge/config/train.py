@@ -51,7 +51,7 @@ class PhaseConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -86,8 +86,10 @@ class TrainConfig:
     """Use deterministic kernels so that a CPU run repeats bitwise (slower on GPU)."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
-    mixed_precision: str = "fp32"
-    """'fp32', or 'bf16' autocast for forward/backward (parameters and optimizer stay fp32)."""
+    mixed_precision: str = "auto"
+    """'bf16' computes forward/backward in bf16 (autocast; sharded models gather bf16
+    parameters and reduce gradients in fp32); parameters and optimizer stay fp32. 'fp32'
+    computes in fp32. 'auto' is bf16 on CUDA and fp32 on CPU."""
     compile: bool = False
     """Compile the model with torch.compile before training."""
     num_threads: int = 0
@@ -112,6 +114,13 @@ class TrainConfig:
     """At the end of a run, greedily continue this prompt and print it; empty disables it."""
     sample_tokens: int = 120
     """Number of tokens generated for the end-of-run sample; 0 to 2**31 - 1."""
+
+    def precision_on(self, device_type: str) -> str:
+        """'bf16' or 'fp32': mixed_precision on a device of ``device_type`` ('cuda', 'cpu'),
+        'auto' resolved."""
+        if self.mixed_precision == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        return self.mixed_precision
 
     def __post_init__(self) -> None:
         if not RUN_NAME.fullmatch(self.name):

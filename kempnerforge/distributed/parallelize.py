@@ -51,7 +51,7 @@ def parallelize_model(
     if compiled:
         apply_compile(model)
     if runtime.dp_size > 1:
-        bf16 = tc.mixed_precision == "bf16"
+        bf16 = tc.precision_on(runtime.device.type) == "bf16"
         apply_fsdp(
             model,
             data_parallel_mesh(runtime),

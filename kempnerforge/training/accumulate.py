@@ -23,7 +23,7 @@ MoELosses = Callable[[torch.Tensor, torch.nn.Module, ModelConfig], torch.Tensor]
 
 def autocast(session: TrainingSession) -> contextlib.AbstractContextManager:
     """bf16 autocast on the session's device when train.mixed_precision says so."""
-    if session.config.train.mixed_precision == "bf16":
+    if session.config.train.precision_on(session.runtime.device.type) == "bf16":
         return torch.autocast(session.runtime.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

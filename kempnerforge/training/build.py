@@ -153,7 +153,7 @@ def build_session(
     )
     optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
-    peak = peak_flops_per_sec(runtime.device, tc.mixed_precision)
+    peak = peak_flops_per_sec(runtime.device, tc.precision_on(runtime.device.type))
     tracker = MetricsTracker(
         config.metrics,
         config.run_dir,

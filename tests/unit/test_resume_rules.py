@@ -204,3 +204,21 @@ def test_a_checkpoint_past_max_steps_is_refused_naming_max_steps(tiny_overrides)
     session = session_for(tiny_overrides + ["--train.max_steps=2"])
     with pytest.raises(ConfigError, match=r"^train.max_steps = 2: expected >= 3, the step of"):
         plan_resume(session.config, session.checkpointer)
+
+
+def test_a_new_layout_may_resplit_the_batch_but_not_change_the_global_batch():
+    from kempnerforge.config.loader import config_to_dict
+    from kempnerforge.training.resume_guard import check_config_changes
+
+    saved = config_to_dict(load_config(None, ["--train.batch_size=4"]))
+    two_ranks = load_config(None, ["--train.batch_size=2", "--distributed.dp_shard=2"])
+    # 4 sequences per step either way: one process then, two ranks of 2 now.
+    check_config_changes(two_ranks, saved, "ckpt", saved_world_size=1, world_size=2)
+    accumulating = load_config(None, ["--train.batch_size=1", "--train.grad_accum_steps=4"])
+    check_config_changes(accumulating, saved, "ckpt", saved_world_size=1, world_size=1)
+    with pytest.raises(
+        ConfigError, match=r"^train.batch_size = 2: expected 4 as in the checkpoint"
+    ):
+        check_config_changes(
+            load_config(None, ["--train.batch_size=2"]), saved, "ckpt", saved_world_size=1
+        )
