@@ -133,11 +133,8 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
         world_size_from_env,
     )
     from kempnerforge.metrics.logging import configure_logging, get_logger
-    from kempnerforge.training.build import (
-        build_checkpointer,
-        build_session,
-        stop_agreed_after_build,
-    )
+    from kempnerforge.resilience.agreement import agreed_stop
+    from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.resume import apply_resume, plan_resume
@@ -168,7 +165,7 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
             session = build_session(
                 config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown
             )
-            if stop_agreed_after_build(shutdown, runtime):
+            if agreed_stop(shutdown, runtime):  # a signal during the build
                 logger.warning(
                     "stop requested by %s while the run was being built: exiting before the "
                     "first step, nothing new to save",

@@ -13,6 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.resilience.shutdown import ShutdownHandler
+
 
 def agree_on_stop(
     local_stop: bool, device: torch.device, group: dist.ProcessGroup | None = None
@@ -25,6 +28,20 @@ def agree_on_stop(
     for nccl.
     """
     return any_rank([local_stop], device, group)[0]
+
+
+def agreed_stop(handler: ShutdownHandler, runtime: RuntimeContext) -> bool:
+    """Whether to stop now, agreed by every rank from their handlers' requests.
+
+    Collective when distributed (agree_on_stop); a stop another rank asked for becomes this
+    handler's request too, so the shutdown is logged and exits the same everywhere.
+    """
+    if not runtime.is_distributed:
+        return handler.requested
+    stop = agree_on_stop(handler.requested, runtime.device)
+    if stop and not handler.requested:
+        handler.request("another rank received a stop signal")
+    return stop
 
 
 def any_rank(

@@ -28,7 +28,6 @@ from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.model import build_model
 from kempnerforge.model.transformer import flops_per_token as model_flops_per_token
-from kempnerforge.resilience.agreement import agree_on_stop
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
@@ -100,17 +99,6 @@ def build_model_on_mesh(
         return model, None
     setattr(model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
     return model, build_pipeline(stage_modules, stage_ids, runtime, config, loss_fn)
-
-
-def stop_agreed_after_build(shutdown: ShutdownHandler, runtime: RuntimeContext) -> bool:
-    """Whether a stop signal that came during the build ends the run before its first step,
-    agreed by every rank (one of them may have seen it alone)."""
-    if not runtime.is_distributed:
-        return shutdown.requested
-    stop = agree_on_stop(shutdown.requested, runtime.device)
-    if stop and not shutdown.requested:
-        shutdown.request("another rank received a stop signal")
-    return stop
 
 
 def build_session(

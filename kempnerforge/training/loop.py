@@ -21,7 +21,7 @@ from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.metrics.logging import get_logger
-from kempnerforge.resilience.agreement import agree_on_stop
+from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.training.accumulate import accumulate, autocast, finish_step, step_tokens
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import total_grad_norm
@@ -228,14 +228,9 @@ def _stop_agreed(session: TrainingSession) -> bool:
     """
     handler = session.shutdown_handler
     vote = handler.take_vote()
-    if not session.runtime.is_distributed:
-        return handler.requested  # one process: no one to agree with, act at once
-    if vote is not None:
-        return vote
-    stop = agree_on_stop(handler.requested, session.runtime.device)
-    if stop and not handler.requested:
-        handler.request("another rank received a stop signal")
-    return stop
+    if vote is not None and session.runtime.is_distributed:
+        return vote  # one process has no one to agree with: it acts at once, below
+    return agreed_stop(handler, session.runtime)
 
 
 def _start(session: TrainingSession, step: int) -> None:
