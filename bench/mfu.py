@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument(
         "--fused-optimizer",
         action="store_true",
-        help="AdamW implementation 'fused' (else 'foreach')",
+        help="AdamW implementation 'fused' (else 'auto': fused where torch has the kernel)",
     )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU default)")
@@ -85,7 +85,7 @@ def job_overrides(args: argparse.Namespace, run_dir: str, on_gpu: bool) -> list[
         f"--train.run_dir={run_dir}",
         "--train.sample_tokens=0",
         f"--distributed.activation_checkpointing={args.ac}",
-        f"--optimizer.implementation={'fused' if args.fused_optimizer else 'foreach'}",
+        f"--optimizer.implementation={'fused' if args.fused_optimizer else 'auto'}",
         "--eval.interval=0",
         "--checkpoint.interval=0",
         "--metrics.progress=off",

@@ -27,6 +27,7 @@ from kempnerforge.resilience.peers import CollectiveFailure, PeerSetupError
 from kempnerforge.resilience.run_lock import RunLockError
 
 if TYPE_CHECKING:
+    from kempnerforge.allocator import AllocatorPlan
     from kempnerforge.resilience.shutdown import ShutdownHandler
 
 SECTIONS = (
@@ -82,10 +83,31 @@ def _record_exit_code(code: int) -> None:
     os.replace(tmp, path)
 
 
-def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+def _prepare_allocator(
+    args: argparse.Namespace, overrides: list[str], *, restart: bool
+) -> AllocatorPlan | None:
+    """Put train.allocator in place before torch is imported: this may restart the command
+    with the allocator preloaded (see kempnerforge.allocator), which only a command may
+    do (``restart``), not a caller of main() inside its own process. None when the config
+    does not load: the run reports that itself, in its own words."""
+    from kempnerforge.allocator import plan_allocator, prepare_allocator
+    from kempnerforge.config.loader import load_config
+
+    try:
+        configured = load_config(args.config, overrides).train.allocator
+    except (ConfigError, OSError):
+        return None
+    if restart:
+        return prepare_allocator(configured)
+    return plan_allocator(configured)
+
+
+def _train(
+    args: argparse.Namespace, overrides: list[str], allocator: AllocatorPlan | None = None
+) -> int:
     code = exit_codes.FAILED
     try:
-        code = _train_stopping_on_signals(args, overrides)
+        code = _train_stopping_on_signals(args, overrides, allocator)
         return code
     except BaseException as error:
         code = _code_of(error)
@@ -107,7 +129,9 @@ def _code_of(error: BaseException) -> int:
     return exit_codes.FAILED
 
 
-def _train_stopping_on_signals(args: argparse.Namespace, overrides: list[str]) -> int:
+def _train_stopping_on_signals(
+    args: argparse.Namespace, overrides: list[str], allocator: AllocatorPlan | None
+) -> int:
     from kempnerforge.resilience.shutdown import ShutdownHandler
 
     shutdown = ShutdownHandler()
@@ -116,14 +140,20 @@ def _train_stopping_on_signals(args: argparse.Namespace, overrides: list[str]) -
     # the run is over; then a stopped run ignores further stop signals, so a late second
     # signal during teardown cannot turn the requeue exit code into a kill.
     with shutdown:
-        code = _train_under(args, overrides, shutdown)
+        code = _train_under(args, overrides, shutdown, allocator)
     if code == exit_codes.PREEMPTED:
         _ignore_stop_signals()
     return code
 
 
-def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: ShutdownHandler) -> int:
+def _train_under(
+    args: argparse.Namespace,
+    overrides: list[str],
+    shutdown: ShutdownHandler,
+    allocator: AllocatorPlan | None,
+) -> int:
     # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
+    from kempnerforge.allocator import describe_allocator
     from kempnerforge.config.loader import load_config
     from kempnerforge.distributed.failure import describe_collective_failure, is_collective_failure
     from kempnerforge.distributed.runtime import (
@@ -148,6 +178,8 @@ def _train_under(args: argparse.Namespace, overrides: list[str], shutdown: Shutd
     preflight(config)
     runtime = init_runtime(config.distributed, config.train.device)
     logger = get_logger("kempnerforge.cli")
+    if allocator is not None:
+        logger.info(describe_allocator(allocator))
     ended_together = False  # every rank got to a return: leave the group in step
     try:
         with rank0_workspace(config, runtime):
@@ -277,7 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
             if unknown:
                 parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-            return _train(args, extra) if args.command == "train" else _eval(args, extra)
+            allocator = _prepare_allocator(args, extra, restart=argv is None)
+            if args.command == "eval":
+                return _eval(args, extra)
+            return _train(args, extra, allocator)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _prepare_data(args)

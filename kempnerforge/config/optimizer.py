@@ -14,6 +14,10 @@ from kempnerforge.config.checks import (
 from kempnerforge.config.errors import ConfigError
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
+FUSED_OPTIMIZERS = ("adamw",)
+"""Built-in optimizers that take implementation = 'fused'."""
+NON_FUSED_OPTIMIZERS = ("lion", "muon", "schedule_free_adamw")
+"""Built-in optimizers without a fused kernel: 'fused' is refused for them at startup."""
 
 
 @dataclass
@@ -36,7 +40,14 @@ class OptimizerConfig:
     decay_embeddings: bool = False
     """Also apply weight decay to the token embedding table."""
     implementation: str = "auto"
-    """'auto' (fused on CUDA, foreach elsewhere), 'foreach', 'fused' or 'for_loop' (AdamW)."""
+    """How the optimizer steps its parameters: 'for_loop' (one parameter at a time),
+    'foreach' (each operation as one multi-tensor call over a parameter group), 'fused'
+    (AdamW only: torch's one-kernel AdamW, for floating-point parameters on a device it
+    supports, CPU and CUDA included) or 'auto', the fastest measured: AdamW fused where
+    supported, else foreach; Lion, Muon and schedule-free AdamW the loop for CPU tensors
+    and foreach on accelerators and for DTensors, with Muon's internal AdamW fused on CPU.
+    All agree to float rounding; a resumed run resolves 'auto' the same way on the same
+    devices. Step times: docs/optimizers.md."""
     muon_momentum: float = 0.95
     """Muon only: Nesterov momentum coefficient of the orthogonalised matrix updates."""
     muon_ns_steps: int = 5
@@ -57,6 +68,8 @@ class OptimizerConfig:
         # would swamp every update.
         check_positive("optimizer.eps", self.eps, 1.0)
         check_choice("optimizer.implementation", self.implementation, IMPLEMENTATIONS)
+        if self.implementation == "fused" and self.name in NON_FUSED_OPTIMIZERS:
+            raise fused_unsupported(self.name)
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError("optimizer.muon_momentum", self.muon_momentum, "a number in [0, 1)")
         # Five iterations converge; each costs matmuls of every weight matrix per step.
@@ -67,3 +80,14 @@ class OptimizerConfig:
         )
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError("optimizer.betas", self.betas, "two numbers in [0, 1)")
+
+
+def fused_unsupported(name: str) -> ConfigError:
+    """The error for optimizer.implementation = 'fused' with an optimizer that has no fused
+    kernel."""
+    return ConfigError(
+        "optimizer.implementation",
+        "fused",
+        "'auto', 'foreach' or 'for_loop' for optimizer.name = " + repr(name),
+        "'fused' exists for " + ", ".join(FUSED_OPTIMIZERS) + " only",
+    )

@@ -52,6 +52,7 @@ class PhaseConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
+ALLOCATORS = ("auto", "tcmalloc", "jemalloc", "glibc", "system")
 
 
 @dataclass
@@ -94,10 +95,22 @@ class TrainConfig:
     """Compile the model with torch.compile before training."""
     num_threads: int = 0
     """CPU intra-op threads for torch; 0 keeps torch's default; at most 65536."""
+    allocator: str = "auto"
+    """Host memory allocator: 'tcmalloc' or 'jemalloc' (the command restarts itself with
+    the library preloaded; an error when it is not installed), 'glibc' (glibc malloc tuned
+    to keep freed memory for reuse instead of returning it to the kernel), 'system' (as the
+    process starts), or the path of an allocator library to preload. 'auto': tcmalloc when
+    installed, else 'glibc' on glibc systems. The environment variable
+    KEMPNERFORGE_ALLOCATOR, when set, takes precedence. See docs/performance.md."""
     loss_fn: str = "cross_entropy"
     """Training loss, by name."""
     z_loss_weight: float = 0.0
     """Weight of the output z-loss, mean(logsumexp(logits)^2); 0 disables it; at most 1000."""
+    loss_chunk_tokens: int = 2048
+    """Tokens per chunk of the fused output head + cross-entropy: the logits, loss and
+    gradients of that many tokens at a time, so a micro-batch's whole (tokens, vocab) logits
+    never exist. 0 computes the whole micro-batch's logits at once, as a plain head and loss
+    would; both give the same loss and gradients. At most 2**31 - 1."""
     nan_consecutive_max: int = 5
     """After this many consecutive steps with a non-finite loss or gradient norm, roll back
     to the last complete checkpoint (or stop when nan_max_rollbacks is used up); at least 1."""
@@ -131,6 +144,7 @@ class TrainConfig:
         # A gradient norm above 1e6 means the run has diverged; 0 already turns clipping off.
         check_at_least("train.grad_clip_norm", self.grad_clip_norm, 0.0, 1e6)
         check_at_least("train.z_loss_weight", self.z_loss_weight, 0.0, MAX_LOSS_WEIGHT)
+        check_at_least("train.loss_chunk_tokens", self.loss_chunk_tokens, 0, MAX_SIZE)
         check_at_least("train.global_batch_size", self.global_batch_size, 0, MAX_STEPS)
         check_in_range("train.seed", self.seed, 0, MAX_SEED)
         check_at_least("train.num_threads", self.num_threads, 0, MAX_THREADS)
@@ -141,6 +155,8 @@ class TrainConfig:
         check_at_least("train.sample_tokens", self.sample_tokens, 0, MAX_SIZE)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
+        if not self.allocator.startswith("/"):
+            check_choice("train.allocator", self.allocator, ALLOCATORS)
         check_choice("train.loss_fn", self.loss_fn, LOSS_NAMES)
         for i, phase in enumerate(self.phases):
             phase.check(f"train.phases[{i}]")

@@ -10,9 +10,12 @@ import sys
 import time
 from typing import IO, Any
 
+import torch
+
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
 from kempnerforge.metrics.jsonl import jsonable, merge_row, open_append
+from kempnerforge.metrics.memory import peak_memory_gib, reset_peak_memory
 from kempnerforge.metrics.mfu import mfu
 
 METRICS_FILE = "metrics.jsonl"
@@ -27,10 +30,13 @@ STEP_KEYS = (
     "tokens_seen",
     "tokens_per_sec",
     "step_time_s",
+    "data_wait_share",
     "mfu",
+    "peak_memory_gib",
     "time",
 )
-"""Keys of a training row, in order; 'mfu' only when a peak is known. Extra keys follow."""
+"""Keys of a training row, in order; 'mfu' only when a peak is known, 'peak_memory_gib' only
+when the tracker knows the device. Extra keys follow."""
 
 _RECENT_STEPS = 20  # steps averaged for the ETA and the bar's tok/s
 _BAR_WIDTH = 24
@@ -44,7 +50,10 @@ class MetricsTracker:
     sees, every `cfg.log_interval` steps, and `max_steps`. A logged row carries the
     current step's `loss` and `grad_norm`, and, over the steps since the previous row,
     `loss_avg` (their mean loss), `tokens_per_sec` (their tokens / their timed seconds) and
-    `step_time_s` (their mean timed seconds), so throughput is not a one-step figure.
+    `step_time_s` (their mean timed seconds), so throughput is not a one-step figure;
+    `data_wait_share` is the part of those seconds spent waiting for batches (the loop
+    passes each step's wait), and `peak_memory_gib` the peak memory of those steps on
+    `device` (docs/performance.md says what each device counts).
 
     metrics.jsonl is opened in append mode, so a resumed run continues the same file;
     after a resume event, a row supersedes earlier rows of the same step. Each row is one
@@ -64,6 +73,7 @@ class MetricsTracker:
             per-device peak times the world size when `tokens` is a global count). MFU is
             reported only when both this and `flops_per_token` are given.
         stream: console stream, sys.stdout by default.
+        device: the device whose peak memory each row reports; None reports none.
     """
 
     def __init__(
@@ -76,6 +86,7 @@ class MetricsTracker:
         flops_per_token: float | None = None,
         peak_flops_per_sec: float | None = None,
         stream: IO[str] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -85,6 +96,9 @@ class MetricsTracker:
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._flops_per_token = flops_per_token
         self._peak = peak_flops_per_sec
+        self._device = device
+        if device is not None:
+            reset_peak_memory(device)
         self._file = open_append(self.path) if rank == 0 else None
         out: IO[str] = stream if stream is not None else sys.stdout
         mode = resolve_progress(cfg.progress, out) if rank == 0 else "off"
@@ -103,6 +117,7 @@ class MetricsTracker:
         self._interval_tokens = 0
         self._interval_time = 0.0
         self._interval_loss = 0.0
+        self._interval_wait = 0.0
         # Whole lifetime of this tracker.
         self._num_steps = 0
         self._total_tokens = 0
@@ -126,6 +141,7 @@ class MetricsTracker:
         tokens: int,
         tokens_seen: int,
         extra: dict[str, Any] | None = None,
+        data_wait_s: float = 0.0,
     ) -> dict[str, Any] | None:
         """Record one finished optimizer step; on log steps, write and return its row.
 
@@ -135,6 +151,7 @@ class MetricsTracker:
             tokens_seen: tokens trained on so far in the run, this step included.
             extra: more keys for the row (Python numbers or strings), e.g. per-dataset
                 losses; a key that clashes with a training key raises ValueError.
+            data_wait_s: seconds of this step spent waiting for batches.
 
         Returns:
             The row on log steps, else None.
@@ -151,6 +168,7 @@ class MetricsTracker:
         self._interval_tokens += tokens
         self._interval_time += step_time
         self._interval_loss += loss
+        self._interval_wait += data_wait_s
         self._recent.append((step_time, tokens))
         self._last_step = step
         self._last_loss = loss
@@ -187,7 +205,9 @@ class MetricsTracker:
         row = self._step_row(step, loss, grad_norm, lr, tokens_seen, extra)
         self._unlogged = None
         self._interval_steps = self._interval_tokens = 0
-        self._interval_time = self._interval_loss = 0.0
+        self._interval_time = self._interval_loss = self._interval_wait = 0.0
+        if self._device is not None:
+            reset_peak_memory(self._device)
         self._write(row)
         if self._console is not None:
             self._console.line(self._step_line(row), self._bar_text())
@@ -272,6 +292,7 @@ class MetricsTracker:
             "tokens_seen": tokens_seen,
             "tokens_per_sec": tokens_per_sec,
             "step_time_s": self._interval_time / self._interval_steps,
+            "data_wait_share": _ratio(self._interval_wait, self._interval_time),
         }
         if self._flops_per_token is not None and self._peak is not None:
             row["mfu"] = (
@@ -279,6 +300,8 @@ class MetricsTracker:
                 if tokens_per_sec is None
                 else mfu(tokens_per_sec, self._flops_per_token, self._peak)
             )
+        if self._device is not None:
+            row["peak_memory_gib"] = peak_memory_gib(self._device)
         row["time"] = time.time()
         return merge_row(row, extra) if extra else row
 
@@ -315,6 +338,10 @@ class MetricsTracker:
         ]
         if row.get("mfu") is not None:
             parts.append(f"mfu {row['mfu']:.1%}")
+        if row.get("data_wait_share") is not None and row["data_wait_share"] >= 0.01:
+            parts.append(f"data wait {row['data_wait_share']:.0%}")
+        if row.get("peak_memory_gib") is not None:
+            parts.append(f"mem {row['peak_memory_gib']:.2f} GiB")
         parts.append(f"eta {self._eta()}")
         return " | ".join(parts)
 

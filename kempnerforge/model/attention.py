@@ -10,6 +10,19 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.rope import apply_rope
 
 
+def needs_document_mask(doc_ids: torch.Tensor | None) -> bool:
+    """Whether any row of ``doc_ids`` (batch, seq) holds more than one document.
+
+    A batch whose rows are each one document needs no mask beyond causality, and the
+    causal kernels (is_causal, no mask tensor) are the fast ones; with packed documents
+    most windows of a corpus of long documents are like that. Call it on the batch's
+    host copy, before it moves to the device: there the answer costs no device sync.
+    """
+    if doc_ids is None:
+        return False
+    return bool((doc_ids[:, 1:] != doc_ids[:, :-1]).any())
+
+
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """Boolean mask (batch, 1, seq, seq): True where query i may attend to key j.
 
@@ -54,9 +67,10 @@ class Attention(nn.Module):
         """Attend causally over x (batch, seq, dim); mask (from document_causal_mask) if given.
 
         Without a mask SDPA runs with is_causal=True, which admits the flash kernels, and
-        handles GQA itself (enable_gqa). With a mask the key/value heads are repeated first:
-        the memory-efficient kernels that take a mask do not accept grouped heads in every
-        PyTorch build, and a silent fall-back to the math kernel would materialize every
+        handles GQA itself (enable_gqa). With a mask, the CPU's flash kernel takes the mask
+        and grouped heads as they are; on a GPU the key/value heads are repeated first,
+        because the kernels that take a mask there (memory-efficient, cuDNN) do not accept
+        grouped heads, and a silent fall-back to the math kernel would materialize every
         (seq, seq) score matrix.
         """
         batch, seq_len, _ = x.shape
@@ -68,6 +82,8 @@ class Attention(nn.Module):
         n_rep = q.shape[1] // k.shape[1]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+        elif x.device.type == "cpu":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1)
         else:
             if n_rep > 1:
                 k = k.repeat_interleave(n_rep, dim=1)

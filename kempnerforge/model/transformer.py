@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_causal_mask
+from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, head_loss
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
@@ -144,7 +145,14 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        loss_spec: HeadLossSpec | None = None,
+    ) -> torch.Tensor | HeadLoss:
         """Logits (batch, seq, vocab_size) for input_ids (batch, seq), seq <= max_seq_len.
 
         doc_ids (batch, seq), if given, numbers the packed documents of each row; tokens then
@@ -152,6 +160,13 @@ class Transformer(nn.Module):
         causal sequence. No host syncs: nothing here reads a tensor value into Python.
         A pipeline stage without the embedding takes hidden states (batch, seq, dim) in
         ``input_ids``; one without the head returns hidden states.
+
+        With ``labels`` (batch, seq) a model holding the head returns a HeadLoss instead of
+        logits: the summed cross-entropy (plus z-loss) and its per-token values, computed
+        in chunks of ``loss_spec.chunk_tokens`` tokens so the whole logits never exist
+        (see model/head_loss.py; ``loss_spec`` None takes HeadLossSpec's defaults). It is
+        computed here, not by the caller, because FSDP gathers the head's weight only
+        inside this forward.
         """
         seq_len = input_ids.shape[1]
         cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
@@ -161,6 +176,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask)
         if self.norm is None or self.output is None:
             return h
+        if labels is not None:
+            return head_loss(self.norm(h), self.output, labels, loss_spec or HeadLossSpec())
         return self.output(self.norm(h))
 
     def num_params(self, exclude_embedding: bool = False) -> int:

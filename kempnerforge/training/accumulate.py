@@ -93,23 +93,25 @@ def finish_step(
     return loss_total / max(count, 1.0), norm, int(count)
 
 
-Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+MicroLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+"""A step body's forward for one micro-batch (on the device): its summed loss, 0-d."""
 
 
 def accumulate(
     session: TrainingSession,
     micro_batches: list[dict[str, torch.Tensor]],
-    forward: Forward,
+    micro_loss: MicroLoss,
     add_moe_losses: MoELosses,
 ) -> tuple[float, float, int]:
     """Forward and backward every micro-batch; return (mean loss, grad norm, tokens).
 
-    The loss is normalised by the supervised tokens of the whole step (every micro-batch,
-    every data-parallel rank), so each token weighs the same however the micro-batches
-    and ranks split them. The data-parallel gradient reduction runs on the last
-    micro-batch only (maybe_no_sync). Nothing is read to the host until finish_step, which
-    also clips. ``add_moe_losses`` (the loop's) adds the router terms of an MoE model to
-    each micro-batch's objective.
+    ``micro_loss`` (the step body's) runs the forward of one micro-batch under autocast
+    and returns its summed loss. The loss is normalised by the supervised tokens of the
+    whole step (every micro-batch, every data-parallel rank), so each token weighs the
+    same however the micro-batches and ranks split them. The data-parallel gradient
+    reduction runs on the last micro-batch only (maybe_no_sync). Nothing is read to the
+    host until finish_step, which also clips. ``add_moe_losses`` (the loop's) adds the
+    router terms of an MoE model to each micro-batch's objective.
     """
     tc, mc, model = session.config.train, session.config.model, session.model
     tokens = step_tokens(session, micro_batches)
@@ -118,7 +120,7 @@ def accumulate(
         batch = _to_device(cpu_batch, session.runtime.device)
         with maybe_no_sync(model, micro, len(micro_batches)):
             with autocast(session):
-                loss = session.loss_fn(forward(batch), batch["labels"])
+                loss = micro_loss(batch)
             objective = loss * tokens.scale
             if mc.is_moe:
                 # Aux terms are per-micro-batch means: average them over the micro-batches.

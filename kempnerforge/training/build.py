@@ -150,6 +150,7 @@ def build_session(
         flops_per_token=flops_per_token,
         # Tokens are counted over all ranks, so the peak must cover all their devices.
         peak_flops_per_sec=peak * runtime.world_size if peak else None,
+        device=runtime.device,
     )
     return TrainingSession(
         config=config,

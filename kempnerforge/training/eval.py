@@ -11,6 +11,8 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.model.attention import needs_document_mask
+from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.loss import cross_entropy_sum
 from kempnerforge.training.session import TrainingSession
 
@@ -62,7 +64,9 @@ def evaluate_model(
     The overall loss is token-weighted over all sets. With ``[[eval.sets]]`` configured there
     are also ``eval_loss/<name>``, ``eval_ppl/<name>`` and ``eval_tokens/<name>`` per set.
     The same batches every time (no shuffling), in eval mode, restoring train mode after.
-    Uses no random numbers, so evaluating never perturbs the training run. Each
+    Uses no random numbers, so evaluating never perturbs the training run. With
+    train.loss_chunk_tokens > 0 the model computes the loss from labels in chunks, as in
+    training, so eval never holds a batch's whole logits either. Each
     data-parallel rank reads its share of the batches; sums are reduced over ``group``, so
     every rank returns the same numbers as one process would.
     """
@@ -75,6 +79,7 @@ def evaluate_model(
     if not data.eval_datasets:
         return {}
     batch_size = config.eval.batch_size or config.train.batch_size
+    spec = HeadLossSpec(config.train.loss_chunk_tokens, z_loss_weight=0.0)
     was_training = model.training
     model.eval()
     per_set: dict[str, float] = {}
@@ -84,9 +89,11 @@ def evaluate_model(
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, tokens
             for cpu_batch in data.eval_batches(config.eval.steps, batch_size, name):
                 batch = {k: v.to(device) for k, v in cpu_batch.items()}
-                doc_ids = batch.get("doc_ids") if config.data.document_masking else None
-                logits = model(batch["input_ids"], doc_ids=doc_ids)
-                sums[0] += cross_entropy_sum(logits, batch["labels"]).double()
+                masked = config.data.document_masking and needs_document_mask(
+                    cpu_batch.get("doc_ids")
+                )
+                doc_ids = batch.get("doc_ids") if masked else None
+                sums[0] += _loss_sum(model, batch, doc_ids, spec).double()
                 sums[1] += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
             if group is not None:
                 dist.all_reduce(sums, group=group)
@@ -105,3 +112,17 @@ def evaluate_model(
     if config.eval.sets:
         metrics.update(per_set)
     return metrics
+
+
+def _loss_sum(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    doc_ids: torch.Tensor | None,
+    spec: HeadLossSpec,
+) -> torch.Tensor:
+    """Summed cross-entropy of one batch (the spec carries no z-loss): the model's chunked
+    head when spec.chunk_tokens > 0, else whole logits."""
+    if spec.chunk_tokens > 0:
+        head = model(batch["input_ids"], doc_ids=doc_ids, labels=batch["labels"], loss_spec=spec)
+        return head.loss_sum
+    return cross_entropy_sum(model(batch["input_ids"], doc_ids=doc_ids), batch["labels"])

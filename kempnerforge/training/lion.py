@@ -1,11 +1,17 @@
 """Lion: the sign of an interpolated momentum as the update, with decoupled weight decay."""
 
+# torch._foreach_* are the multi-tensor ops torch's own optimizers run on, but torch's
+# type stubs do not export underscored names.
+# pyright: reportPrivateImportUsage=false
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from kempnerforge.training.multi_tensor import bucket, use_foreach, with_grad
 
 
 class Lion(torch.optim.Optimizer):
@@ -16,6 +22,12 @@ class Lion(torch.optim.Optimizer):
         p      = p * (1 - lr * weight_decay) - lr * update
         m      = beta2 * m + (1 - beta2) * g
     Every coordinate moves by exactly lr, so Lion wants a smaller lr than AdamW.
+
+    ``foreach``: True runs each operation as one foreach call over a group's parameters
+    (per device, dtype and mesh), False loops over them, None picks per device (see
+    use_foreach: the loop for CPU tensors, foreach on accelerators and for DTensors). Both
+    run the same operations in the same order, with the same results; foreach holds the
+    group's updates at once, the loop one parameter's.
     """
 
     def __init__(
@@ -24,8 +36,16 @@ class Lion(torch.optim.Optimizer):
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
     ) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": foreach}
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # state dicts saved before the switch existed
+            group.setdefault("foreach", None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -34,18 +54,47 @@ class Lion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                m, g = state["exp_avg"], p.grad
-                update = torch.lerp(g, m, beta1).sign_()  # beta1 * m + (1 - beta1) * g
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr)
-                m.lerp_(g, 1 - beta2)  # beta2 * m + (1 - beta2) * g
+            params, grads = with_grad(group)
+            moms = [self._momentum(p) for p in params]
+            for ps, gs, ms in bucket(params, grads, moms):
+                foreach = use_foreach(group["foreach"], ps)
+                (_foreach_update if foreach else _loop_update)(ps, gs, ms, group)
         return loss
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+
+def _loop_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    moms: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    lr, wd = group["lr"], group["weight_decay"]
+    beta1, beta2 = group["betas"]
+    for p, g, m in zip(params, grads, moms, strict=True):
+        update = torch.lerp(g, m, beta1).sign_()  # beta1 * m + (1 - beta1) * g
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-lr)
+        m.lerp_(g, 1 - beta2)  # beta2 * m + (1 - beta2) * g
+
+
+def _foreach_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    moms: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    lr, wd = group["lr"], group["weight_decay"]
+    beta1, beta2 = group["betas"]
+    update = torch._foreach_lerp(grads, moms, beta1)
+    torch._foreach_sign_(update)
+    if wd != 0:
+        torch._foreach_mul_(params, 1 - lr * wd)
+    torch._foreach_add_(params, update, alpha=-lr)
+    torch._foreach_lerp_(moms, grads, 1 - beta2)

@@ -21,11 +21,14 @@ from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.model.attention import needs_document_mask
+from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.training.accumulate import accumulate, autocast, finish_step, step_tokens
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.grad import total_grad_norm
 from kempnerforge.training.hooks import StepContext
+from kempnerforge.training.loss import TokenCrossEntropy
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import DatasetSums, dataset_metrics_row
 from kempnerforge.training.optimizer import optimizer_eval_mode
@@ -75,28 +78,48 @@ def add_moe_losses(loss: torch.Tensor, model: torch.nn.Module, mc: ModelConfig) 
 def text_step(session: TrainingSession, step: int) -> StepResult:
     """Standard step (no PP, text-only), with optional per-dataset mixture metrics.
 
-    Token-weighted over the whole step (see accumulate). When batches carry
+    Token-weighted over the whole step (see accumulate). With train.loss_chunk_tokens > 0
+    the model computes the loss itself from labels, never holding the whole logits (see
+    model/head_loss.py); with 0 it returns logits for session.loss_fn. When batches carry
     ``dataset_idx`` (a mixture), the result also holds per-dataset sums of the same loss
-    (z-loss term included), so their token-weighted mean is the step's loss. ``step`` is
-    unused by dense models.
+    (z-loss term included), taken from the per-token losses the loss already has, so
+    their token-weighted mean is the step's loss. ``step`` is unused by dense models.
     """
     model, tc = session.model, session.config.train
     mask_docs = session.config.data.document_masking
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    if mask_docs:
+        # A micro-batch of one document per row needs only the causal mask: dropping its
+        # doc_ids (read on the host, no sync) lets attention take the causal kernels.
+        micro_batches = [
+            b if needs_document_mask(b.get("doc_ids")) else _without(b, "doc_ids")
+            for b in micro_batches
+        ]
     names = getattr(session.data, "dataset_names", [])
     per_dataset = (
-        DatasetSums(names, session.runtime.device, z_loss_weight=tc.z_loss_weight)
+        DatasetSums(names, session.runtime.device)
         if names and "dataset_idx" in micro_batches[0]
         else None
     )
+    spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
+    # The model computes the loss only when it is the built-in one (a replaced
+    # session.loss_fn gets the logits).
+    fused = spec.chunk_tokens > 0 and isinstance(session.loss_fn, TokenCrossEntropy)
 
-    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(batch["input_ids"], doc_ids=batch.get("doc_ids") if mask_docs else None)
+    def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        doc_ids = batch.get("doc_ids") if mask_docs else None
+        inputs, labels = batch["input_ids"], batch["labels"]
+        if fused:
+            head = model(inputs, doc_ids=doc_ids, labels=labels, loss_spec=spec)
+        elif per_dataset is None:
+            return session.loss_fn(model(inputs, doc_ids=doc_ids), labels)
+        else:
+            head = logits_head_loss(model(inputs, doc_ids=doc_ids), labels, tc.z_loss_weight)
         if per_dataset is not None:
-            per_dataset.add(logits, batch)
-        return logits
+            per_dataset.add(head.token_losses, batch)
+        return head.loss_sum
 
-    loss, grad_norm, _ = accumulate(session, micro_batches, forward, add_moe_losses)
+    loss, grad_norm, _ = accumulate(session, micro_batches, micro_loss, add_moe_losses)
     result = StepResult(loss=loss, grad_norm=grad_norm)
     if per_dataset is not None:
         (
@@ -107,21 +130,26 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
     return result
 
 
+def _without(batch: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k != key}
+
+
 def vlm_step(session: TrainingSession, step: int) -> StepResult:
     """VLM step (no PP): pixel_values + input_ids forward, with a text-token count.
 
     The model is called as ``model(pixel_values, input_ids)`` and returns logits over the
-    text positions, aligned with ``labels``.
+    text positions, aligned with ``labels``; session.loss_fn turns them into the loss.
     """
     model, tc = session.model, session.config.train
     if not session.batches.has_data:
         raise RuntimeError("a VLM step needs a dataloader of image-text batches")
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
 
-    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(batch["pixel_values"], batch["input_ids"])
+    def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(batch["pixel_values"], batch["input_ids"])
+        return session.loss_fn(logits, batch["labels"])
 
-    loss, grad_norm, text_tokens = accumulate(session, micro_batches, forward, add_moe_losses)
+    loss, grad_norm, text_tokens = accumulate(session, micro_batches, micro_loss, add_moe_losses)
     return StepResult(loss=loss, grad_norm=grad_norm, text_tokens=text_tokens)
 
 
@@ -249,6 +277,7 @@ def _skip_bad_step(session: TrainingSession, result: StepResult, progress: _Prog
     """The step's loss or gradient norm is not finite: drop its gradients, advance nothing,
     and after a streak roll back to the last checkpoint (or stop)."""
     session.optimizer.zero_grad(set_to_none=True)
+    session.batches.take_wait_s()  # a skipped step is not timed
     detector = session.nan_detector
     session.tracker.log_event(
         progress.step + 1,
@@ -284,6 +313,7 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         lr=lr,
         tokens=tokens,
         tokens_seen=tokens_seen,
+        data_wait_s=session.batches.take_wait_s(),
         extra=dataset_metrics_row(
             result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts
         ),

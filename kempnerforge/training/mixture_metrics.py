@@ -8,31 +8,30 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.training.loss import token_losses
 
 
 class DatasetSums:
-    """Accumulates, per source dataset, CE sums and token counts over a step's micro-batches.
+    """Accumulates, per source dataset, loss sums and token counts over a step's micro-batches.
 
     Rows are attributed by the batch's ``dataset_idx``. Everything stays on the device
-    (index_add) and is read back in one transfer by ``finish``. The loss is the training
-    objective (cross-entropy plus ``z_loss_weight`` times the z-loss, as the step's loss),
-    so the per-dataset sums add up to the step's loss sum.
+    (index_add) and is read back in one transfer by ``finish``. The losses are the
+    per-token values of the step's own objective (cross-entropy plus the z-loss term, as
+    the step's loss), so the per-dataset sums add up to the step's loss sum.
     """
 
-    def __init__(self, names: list[str], device: torch.device, z_loss_weight: float = 0.0) -> None:
+    def __init__(self, names: list[str], device: torch.device) -> None:
         self.names = names
-        self.z_loss_weight = z_loss_weight
         self.loss_sums = torch.zeros(len(names), dtype=torch.float64, device=device)
         self.loss_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
         self.token_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
 
     @torch.no_grad()
-    def add(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+    def add(self, token_losses: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch: ``token_losses`` (batch, seq) is its objective per
+        position, 0 where the label is ignored (HeadLoss.token_losses)."""
         labels, source = batch["labels"], batch["dataset_idx"]
-        per_token = token_losses(logits.detach(), labels, self.z_loss_weight)
         supervised = labels != IGNORE_INDEX
-        self.loss_sums.index_add_(0, source, per_token.sum(1).double())
+        self.loss_sums.index_add_(0, source, token_losses.detach().sum(1).double())
         self.loss_counts.index_add_(0, source, supervised.sum(1))
         self.token_counts.index_add_(0, source, torch.full_like(source, labels.shape[1]))
 

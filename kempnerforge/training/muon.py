@@ -1,5 +1,9 @@
 """Muon: orthogonalised momentum for hidden weight matrices, AdamW for everything else."""
 
+# torch._foreach_* are the multi-tensor ops torch's own optimizers run on, but torch's
+# type stubs do not export underscored names.
+# pyright: reportPrivateImportUsage=false
+
 from __future__ import annotations
 
 import math
@@ -7,6 +11,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.optim.adamw import adamw as functional_adamw
+
+from kempnerforge.training.multi_tensor import bucket, use_foreach, with_grad
 
 # Quintic Newton-Schulz coefficients: they push every singular value into a band around 1
 # in few steps, trading exact orthogonality (singular values end in about [0.68, 1.13]) for
@@ -46,6 +53,12 @@ class Muon(torch.optim.Optimizer):
     AdamW groups (embeddings, output head, 1-D parameters): decoupled-decay AdamW with
     bias correction. Each group keeps its own lr, so a LambdaLR scales both sides from
     their own initial values. All state is per parameter, so state_dict round-trips.
+
+    ``foreach``: False loops over a group's parameters; True runs the same operations as
+    one foreach call per op (Newton-Schulz stays per matrix), with the same results; None
+    picks per device like Lion (see use_foreach), except that AdamW groups of CPU
+    parameters take torch's fused AdamW kernel, which reads the CPU step counts this state
+    keeps and agrees with the other two to float rounding.
     """
 
     def __init__(
@@ -57,6 +70,8 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -66,11 +81,17 @@ class Muon(torch.optim.Optimizer):
             "eps": eps,
             "weight_decay": weight_decay,
             "use_muon": True,
+            "foreach": foreach,
         }
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("Muon groups hold 2-D matrices only; put the rest in AdamW groups")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # state dicts saved before the switch existed
+            group.setdefault("foreach", None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -86,39 +107,162 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params, grads = with_grad(group)
+        bufs = []
+        for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            update = p.grad.add(buf, alpha=mu)  # Nesterov: look ahead along the momentum
-            ortho = newton_schulz_orthogonalize(update, group["ns_steps"])
-            scale = math.sqrt(max(1.0, p.size(0) / p.size(1)))
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            p.add_(ortho, alpha=-lr * scale)
+            bufs.append(state["momentum_buffer"])
+        for ps, gs, bs in bucket(params, grads, bufs):
+            foreach = use_foreach(group["foreach"], ps)
+            (_muon_foreach if foreach else _muon_loop)(ps, gs, bs, group)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params, grads = with_grad(group)
+        states = []
+        for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            t = int(state["step"].item())
-            m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+            states.append(state)
+        lists = bucket(
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+        )
+        for ps, gs, ms, vs, steps in lists:
+            if group["foreach"] is None and _fused_adamw_takes(ps):
+                update = _adamw_fused
+            elif use_foreach(group["foreach"], ps):
+                update = _adamw_foreach
+            else:
+                update = _adamw_loop
+            update(ps, gs, ms, vs, steps, group)
+
+
+def _muon_loop(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    for p, g, buf in zip(params, grads, bufs, strict=True):
+        buf.mul_(mu).add_(g)
+        update = g.add(buf, alpha=mu)  # Nesterov: look ahead along the momentum
+        ortho = newton_schulz_orthogonalize(update, group["ns_steps"])
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.add_(ortho, alpha=-lr * _shape_scale(p))
+
+
+def _muon_foreach(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    torch._foreach_mul_(bufs, mu)
+    torch._foreach_add_(bufs, grads)
+    updates = torch._foreach_add(grads, bufs, alpha=mu)
+    orthos = [newton_schulz_orthogonalize(u, group["ns_steps"]) for u in updates]
+    del updates
+    if wd != 0:
+        torch._foreach_mul_(params, 1 - lr * wd)
+    # One call per distinct shape scale (a handful), so each parameter gets the same single
+    # add-with-alpha as in the loop.
+    by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for p, ortho in zip(params, orthos, strict=True):
+        ps, os_ = by_scale.setdefault(_shape_scale(p), ([], []))
+        ps.append(p)
+        os_.append(ortho)
+    for scale, (ps, os_) in by_scale.items():
+        torch._foreach_add_(ps, os_, alpha=-lr * scale)
+
+
+def _shape_scale(p: torch.Tensor) -> float:
+    """sqrt(max(1, rows / cols)): a tall matrix's orthogonal update has a smaller RMS."""
+    return math.sqrt(max(1.0, p.size(0) / p.size(1)))
+
+
+def _adamw_loop(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    beta1, beta2 = group["betas"]
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        step += 1
+        t = int(step.item())
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+
+
+def _adamw_foreach(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    beta1, beta2 = group["betas"]
+    torch._foreach_add_(steps, 1)
+    ts = [int(s.item()) for s in steps]  # CPU scalars: no device sync
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in ts])
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    if wd != 0:
+        torch._foreach_mul_(params, 1 - lr * wd)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**t) for t in ts])
+
+
+def _fused_adamw_takes(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel can step these parameters with this state: it
+    wants each step count on its parameter's device, and the counts live on the CPU."""
+    return all(p.device.type == "cpu" and torch.is_floating_point(p) for p in params)
+
+
+def _adamw_fused(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    beta1, beta2 = group["betas"]
+    functional_adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        fused=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )

@@ -8,8 +8,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from kempnerforge.config.optimizer import OptimizerConfig
+from kempnerforge.config.optimizer import OptimizerConfig, fused_unsupported
 from kempnerforge.config.registry import Registry
 from kempnerforge.training.lion import Lion
 from kempnerforge.training.muon import Muon
@@ -71,15 +72,42 @@ def tensor_groups(params: ParamGroups) -> ParamGroups:
     return [{k: v for k, v in g.items() if k != "names"} for g in params]
 
 
-def _implementation_flags(cfg: OptimizerConfig, params: ParamGroups) -> dict[str, bool]:
-    """foreach / fused keyword arguments for torch optimizers from optimizer.implementation."""
+def fused_adamw_supported(params: ParamGroups) -> bool:
+    """Whether torch's fused AdamW kernel takes every parameter: floating point, on a device
+    type it has a kernel for (CUDA and CPU among them).
+
+    DTensor parameters (FSDP2, TP) qualify by their local device: the fused op has a
+    DTensor sharding rule, and the step count it keeps is a plain scalar tensor.
+    """
+    devices = _get_fused_kernels_supported_devices()
+    return all(
+        p.device.type in devices and torch.is_floating_point(p) for g in params for p in g["params"]
+    )
+
+
+def _adamw_flags(cfg: OptimizerConfig, params: ParamGroups) -> dict[str, bool]:
+    """foreach / fused keyword arguments for torch's AdamW from optimizer.implementation.
+
+    'auto' is fused wherever the kernel takes the parameters (one pass over memory, several
+    times faster than foreach on CPU too), else foreach. It depends only on the config and
+    the parameters' devices and dtypes, so a resumed run resolves it the same way.
+    """
     choice = cfg.implementation
     if choice == "auto":
-        on_cuda = all(p.is_cuda for g in params for p in g["params"])
-        choice = "fused" if on_cuda else "foreach"
+        choice = "fused" if fused_adamw_supported(params) else "foreach"
     if choice == "fused":
         return {"fused": True}
     return {"foreach": choice == "foreach"}
+
+
+def _foreach_flag(cfg: OptimizerConfig) -> bool | None:
+    """The ``foreach`` argument of Lion, Muon and schedule-free AdamW: None ('auto', the
+    optimizer picks its fastest path), True ('foreach') or False ('for_loop')."""
+    # Config validation refuses this for the built-in names; a builder registered under
+    # another name, or a field set after validation, still ends here.
+    if cfg.implementation == "fused":
+        raise fused_unsupported(cfg.name)
+    return {"auto": None, "foreach": True, "for_loop": False}[cfg.implementation]
 
 
 @OPTIMIZERS.register("adamw")
@@ -91,7 +119,7 @@ def build_adamw(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimi
         betas=(cfg.betas[0], cfg.betas[1]),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        **_implementation_flags(cfg, params),
+        **_adamw_flags(cfg, params),
     )
 
 
@@ -102,6 +130,7 @@ def build_lion(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimiz
         lr=cfg.lr,
         betas=(cfg.betas[0], cfg.betas[1]),
         weight_decay=cfg.weight_decay,
+        foreach=_foreach_flag(cfg),
     )
 
 
@@ -136,6 +165,7 @@ def build_muon(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimiz
         betas=(cfg.betas[0], cfg.betas[1]),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
+        foreach=_foreach_flag(cfg),
     )
 
 
@@ -148,6 +178,7 @@ def build_schedule_free_adamw(params: ParamGroups, cfg: OptimizerConfig) -> torc
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         warmup_steps=cfg.schedule_free_warmup_steps,
+        foreach=_foreach_flag(cfg),
     )
 
 

@@ -8,7 +8,7 @@ differing field falls in one of three kinds, and none is ever silent:
   hyperparameters, gradient clipping, the schedule, max_steps, the NaN thresholds, and
   the data sources (the sampler restarts its epoch over changed data, and says so);
 - operational: logged (info) and used: names, directories, intervals, logging, hooks,
-  threads and workers, eval, checkpoint and profiling settings;
+  threads and workers, the loss's chunk size, eval, checkpoint and profiling settings;
 - refused: anything else, because it changes what the saved state means: the model, the
   sequence length and batch, the seed, precision, the loss and z-loss, document masking,
   the tokenizer, the phase schedule, the optimizer and its parameter groups. The resume
@@ -71,9 +71,11 @@ OPERATIONAL = (
     "train.sample_prompt",
     "train.sample_tokens",
     "train.num_threads",
+    "train.allocator",
     "train.device",
     "train.compile",
     "train.deterministic",
+    "train.loss_chunk_tokens",
     "data.num_workers",
     "data.cache_dir",
     "eval.",

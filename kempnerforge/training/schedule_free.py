@@ -1,12 +1,18 @@
 """Schedule-free AdamW: iterate averaging in place of a decaying LR schedule, with a
 train/eval switch between the gradient point y and the averaged point x."""
 
+# torch._foreach_* are the multi-tensor ops torch's own optimizers run on, but torch's
+# type stubs do not export underscored names.
+# pyright: reportPrivateImportUsage=false
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from kempnerforge.training.multi_tensor import bucket, copy_all, use_foreach, with_grad
 
 
 class ScheduleFreeAdamW(torch.optim.Optimizer):
@@ -23,6 +29,11 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
     recomputes y from the stored x and z with the same expression, so the round trip is
     bitwise. The mode lives in each group's ``train_mode``, so a loaded optimizer knows
     whether the loaded parameters are x or y.
+
+    ``foreach``: True runs each operation as one foreach call over a group's parameters
+    (per device, dtype and mesh), False loops over them, None picks per device (see
+    use_foreach). Both run the same operations in the same order, in step(), eval() and
+    train() alike, with the same results.
     """
 
     def __init__(
@@ -33,6 +44,8 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
+        *,
+        foreach: bool | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -43,8 +56,14 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
             "train_mode": True,
             "k": 0,
             "weight_sum": 0.0,
+            "foreach": foreach,
         }
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # state dicts saved before the switch existed
+            group.setdefault("foreach", None)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -54,14 +73,21 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    def _points(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The x and z of each parameter, state created where missing."""
+        states = [self._init_state(p) for p in params]
+        return [s["x"] for s in states], [s["z"] for s in states]
+
     @torch.no_grad()
     def eval(self) -> None:
         """Put the parameters at the averaged point x (for eval and checkpoints)."""
         for group in self.param_groups:
             if not group["train_mode"]:
                 continue
-            for p in group["params"]:
-                p.copy_(self._init_state(p)["x"])
+            params = list(group["params"])
+            xs, _ = self._points(params)
+            for ps, x in bucket(params, xs):
+                copy_all(ps, x)
             group["train_mode"] = False
 
     @torch.no_grad()
@@ -70,9 +96,10 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["train_mode"]:
                 continue
-            for p in group["params"]:
-                state = self._init_state(p)
-                p.copy_(_interpolate(state["x"], state["z"], group["betas"][0]))
+            params = list(group["params"])
+            xs, zs = self._points(params)
+            for ps, x, z in bucket(params, xs, zs):
+                _interpolate(ps, x, z, group)
             group["train_mode"] = True
 
     @torch.no_grad()
@@ -88,7 +115,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         return loss
 
     def _group_step(self, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
+        beta2 = group["betas"][1]
         group["k"] += 1
         k, warmup = group["k"], group["warmup_steps"]
         lr = group["lr"] * (min(1.0, k / warmup) if warmup > 0 else 1.0)
@@ -96,19 +123,68 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         group["weight_sum"] += lr_t**2
         # lr 0 so far (e.g. DCP's state initialisation): keep x where it is.
         c = lr_t**2 / group["weight_sum"] if group["weight_sum"] > 0 else 0.0
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self._init_state(p)
-            z, x, v, g = state["z"], state["x"], state["exp_avg_sq"], p.grad
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            if group["weight_decay"] != 0:
-                z.sub_(p, alpha=lr_t * group["weight_decay"])  # decay at y, where g was taken
-            z.addcdiv_(g, v.sqrt().add_(group["eps"]), value=-lr_t)
-            x.lerp_(z, c)
-            p.copy_(_interpolate(x, z, beta1))
+        params, grads = with_grad(group)
+        xs, zs = self._points(params)
+        vs = [self.state[p]["exp_avg_sq"] for p in params]
+        for ps, gs, x, z, v in bucket(params, grads, xs, zs, vs):
+            foreach = use_foreach(group["foreach"], ps)
+            (_foreach_update if foreach else _loop_update)(ps, gs, x, z, v, group, lr_t, c)
+            _interpolate(ps, x, z, group)
 
 
-def _interpolate(x: torch.Tensor, z: torch.Tensor, beta1: float) -> torch.Tensor:
-    """y = beta1 * x + (1 - beta1) * z; train() and step() share it so y is bitwise the same."""
-    return torch.lerp(x, z, 1 - beta1)
+def _loop_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    group: dict[str, Any],
+    lr_t: float,
+    c: float,
+) -> None:
+    beta2, wd, eps = group["betas"][1], group["weight_decay"], group["eps"]
+    for p, g, x, z, v in zip(params, grads, xs, zs, vs, strict=True):
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if wd != 0:
+            z.sub_(p, alpha=lr_t * wd)  # decay at y, where g was taken
+        z.addcdiv_(g, v.sqrt().add_(eps), value=-lr_t)
+        x.lerp_(z, c)
+
+
+def _foreach_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    group: dict[str, Any],
+    lr_t: float,
+    c: float,
+) -> None:
+    beta2, wd, eps = group["betas"][1], group["weight_decay"], group["eps"]
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+    if wd != 0:
+        torch._foreach_sub_(zs, params, alpha=lr_t * wd)  # decay at y, where g was taken
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(zs, grads, denom, value=-lr_t)
+    torch._foreach_lerp_(xs, zs, c)
+
+
+def _interpolate(
+    params: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    """y = beta1 * x + (1 - beta1) * z into one bucket's parameters; train() and step()
+    share it so y is bitwise the same. Written as p = x, then p.lerp_(z): no temporary,
+    and the same lerp of (x, z) as torch.lerp(x, z, 1 - beta1)."""
+    weight = 1 - group["betas"][0]
+    if use_foreach(group["foreach"], params):
+        copy_all(params, xs)
+        torch._foreach_lerp_(params, zs, weight)
+        return
+    for p, x, z in zip(params, xs, zs, strict=True):
+        p.copy_(x).lerp_(z, weight)

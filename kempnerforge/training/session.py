@@ -6,6 +6,7 @@ sample) can name the session without importing the loop; loop.py re-exports all 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,13 @@ class BatchStream:
         self._pipeline = pipeline
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._iterator_loader: Any = None  # the loader the live iterator came from
+        self._wait_s = 0.0  # seconds spent in next_batch since the last take_wait_s
+
+    def take_wait_s(self) -> float:
+        """Seconds next_batch has waited for batches since the last call (a step's data
+        wait, for the tracker); resets the count."""
+        wait, self._wait_s = self._wait_s, 0.0
+        return wait
 
     @property
     def dataloader(self) -> Any:
@@ -77,6 +85,13 @@ class BatchStream:
         self._iterator_loader = None
 
     def next_batch(self) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
+        try:
+            return self._next_batch()
+        finally:
+            self._wait_s += time.perf_counter() - started
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
         self.ensure_started()
         assert self._iterator is not None
         try:

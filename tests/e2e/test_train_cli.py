@@ -121,3 +121,24 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, ca
     assert step >= 3
     assert train_rows(run_dir)[-1]["step"] == step
     assert "shutdown requested by SIGTERM" in err
+
+
+def test_the_allocator_is_preloaded_by_a_restart_and_logged_once(tmp_path, cache):
+    library = sorted(pathlib.Path("/usr/lib").glob("*/libc_malloc_debug.so.0"))
+    assert library, "glibc's libc_malloc_debug.so.0 (a real preloadable library) not found"
+    args = ["train", DEBUG, "--train.max_steps=2", f"--train.run_dir={tmp_path}"]
+    args += ["--eval.interval=0", "--checkpoint.interval=0", "--train.sample_prompt="]
+    env = {"KEMPNERFORGE_CACHE": str(cache), "KEMPNERFORGE_ALLOCATOR": str(library[0])}
+    proc = kempnerforge(*args, env_extra=env)
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    logged = [line for line in (out + err).splitlines() if "memory allocator:" in line]
+    assert len(logged) == 1 and f"({library[0]}, preloaded;" in logged[0], logged
+    assert "KEMPNERFORGE_ALLOCATOR names it" in logged[0]
+
+    env["KEMPNERFORGE_ALLOCATOR"] = "glibc"
+    proc = kempnerforge(*args, "--train.max_steps=3", env_extra=env)
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    assert "memory allocator: glibc malloc tuned to reuse freed memory" in out + err
+    assert "preloaded" not in out + err

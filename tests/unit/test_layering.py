@@ -17,6 +17,7 @@ LAYERS = {
     "config": 0,
     "model": 1,
     "data": 1,
+    "allocator": 1,
     "distributed": 2,
     "checkpoint": 3,
     "metrics": 3,

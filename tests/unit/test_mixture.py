@@ -350,10 +350,14 @@ def test_a_single_dataset_pipeline_has_no_names_and_no_set_weights(mixture_dirs)
         pipe.set_weights({"a": 1.0})
 
 
+@pytest.mark.parametrize("chunk_tokens", [0, 48])
 @pytest.mark.parametrize("z_loss_weight", [0.0, 0.01])
-def test_per_dataset_losses_add_up_to_the_step_loss(mixture_dirs, tmp_path, z_loss_weight):
+def test_per_dataset_losses_add_up_to_the_step_loss(
+    mixture_dirs, tmp_path, z_loss_weight, chunk_tokens
+):
     """loss/<name> is the same objective as the step's loss (z-loss included), so the
-    token-weighted mean of the per-dataset losses is the step's loss."""
+    token-weighted mean of the per-dataset losses is the step's loss, with the chunked
+    head and with whole logits."""
     from kempnerforge.config.loader import load_config
     from kempnerforge.distributed.runtime import RuntimeContext
     from kempnerforge.training.build import build_session
@@ -370,6 +374,7 @@ def test_per_dataset_losses_add_up_to_the_step_loss(mixture_dirs, tmp_path, z_lo
         [
             *TINY_MODEL,
             f"--train.z_loss_weight={z_loss_weight}",
+            f"--train.loss_chunk_tokens={chunk_tokens}",
             "--train.batch_size=8",
             f"--train.seq_len={SEQ_LEN}",
             "--train.grad_accum_steps=2",

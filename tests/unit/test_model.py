@@ -256,3 +256,43 @@ def test_preset_loads_and_matches_its_header_param_count(path: Path) -> None:
 def test_all_presets_are_present() -> None:
     names = {p.stem for p in PRESET_DIR.glob("*.toml")}
     assert names >= {"debug", "125m", "1b", "7b", "13b", "70b"}
+
+
+def test_a_document_mask_is_needed_only_where_a_row_holds_two_documents() -> None:
+    from kempnerforge.model.attention import needs_document_mask
+
+    single = torch.zeros(3, SEQ, dtype=torch.long)
+    assert not needs_document_mask(single) and not needs_document_mask(None)
+    packed = single.clone()
+    packed[1, 10:] = 1
+    assert needs_document_mask(packed)
+
+
+def test_one_document_per_row_gives_the_causal_result_without_a_mask() -> None:
+    model = tiny_model()
+    ids = random_ids()
+    torch.testing.assert_close(model(ids, torch.zeros_like(ids)), model(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_heads_with_a_document_mask_equal_repeated_heads_on_cpu() -> None:
+    cfg = tiny_config()
+    assert cfg.kv_heads < cfg.n_heads
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    x = torch.randn(2, SEQ, cfg.dim)
+    doc_ids = (torch.arange(SEQ) >= 9).long().expand(2, SEQ)
+    from kempnerforge.model.attention import document_causal_mask
+
+    mask = document_causal_mask(doc_ids)
+    cos, sin = rope_tables(cfg.head_dim, SEQ, cfg.rope_theta, torch.device("cpu"))
+    got = attn(x, cos, sin, mask)
+    # The same attention with the key/value heads repeated by hand and an explicit softmax.
+    b, s, hd = 2, SEQ, cfg.head_dim
+    q = apply_rope(attn.wq(x).view(b, s, -1, hd), cos, sin).transpose(1, 2)
+    k = apply_rope(attn.wk(x).view(b, s, -1, hd), cos, sin).transpose(1, 2)
+    v = attn.wv(x).view(b, s, -1, hd).transpose(1, 2)
+    group = cfg.n_heads // cfg.kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~mask, float("-inf"))
+    want = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

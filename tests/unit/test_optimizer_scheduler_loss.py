@@ -13,7 +13,12 @@ from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.scheduler import SchedulerConfig
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.model import build_model
-from kempnerforge.training.loss import IGNORE_INDEX, build_loss_fn, cross_entropy_sum
+from kempnerforge.training.loss import (
+    IGNORE_INDEX,
+    TokenCrossEntropy,
+    build_loss_fn,
+    cross_entropy_sum,
+)
 from kempnerforge.training.optimizer import build_optimizer, param_groups
 from kempnerforge.training.scheduler import build_scheduler, lr_factor
 
@@ -199,7 +204,7 @@ def test_cross_entropy_sum_ignores_masked_labels():
         if labels[b, s] != IGNORE_INDEX
     )
     assert cross_entropy_sum(logits, labels) == pytest.approx(float(expected), rel=1e-5)
-    assert build_loss_fn(TrainConfig()) is cross_entropy_sum
+    assert build_loss_fn(TrainConfig()) == TokenCrossEntropy(0.0)
 
 
 def test_z_loss_adds_weighted_logsumexp_squared_of_supervised_tokens():

@@ -123,7 +123,15 @@ def test_time_outside_start_and_end_is_not_counted(tmp_path, clock):
 
 
 def test_rows_are_json_with_the_documented_keys(tmp_path, clock):
-    with make_tracker(tmp_path, interval=1, flops_per_token=6e9, peak_flops_per_sec=1e15) as t:
+    import torch
+
+    with make_tracker(
+        tmp_path,
+        interval=1,
+        flops_per_token=6e9,
+        peak_flops_per_sec=1e15,
+        device=torch.device("cpu"),
+    ) as t:
         step(t, clock, 1, dt=2.0, tokens=1000, extra={"loss/web": 2.5})
     (row,) = strict_rows(tmp_path / METRICS_FILE)
     assert list(row) == [*STEP_KEYS, "loss/web"]
@@ -132,11 +140,33 @@ def test_rows_are_json_with_the_documented_keys(tmp_path, clock):
     assert abs(row["time"] - time.time()) < 60
 
 
-def test_mfu_is_omitted_without_a_peak(tmp_path, clock):
+def test_mfu_and_memory_are_omitted_without_a_peak_or_a_device(tmp_path, clock):
     with make_tracker(tmp_path, interval=1, flops_per_token=6e9) as tracker:
         row = step(tracker, clock, 1)
     assert "mfu" not in row
-    assert list(row) == [k for k in STEP_KEYS if k != "mfu"]
+    assert list(row) == [k for k in STEP_KEYS if k not in ("mfu", "peak_memory_gib")]
+
+
+def test_data_wait_share_is_the_waited_part_of_the_interval(tmp_path, clock):
+    with make_tracker(tmp_path, interval=2) as tracker:
+        step(tracker, clock, 1, dt=1.0, data_wait_s=0.25)
+        row = step(tracker, clock, 2, dt=3.0, data_wait_s=0.75)
+        assert row["data_wait_share"] == pytest.approx(0.25)
+        row = step(tracker, clock, 3, dt=1.0)
+        row = step(tracker, clock, 4, dt=1.0)
+    assert row["data_wait_share"] == 0.0  # a new interval starts from zero
+
+
+def test_peak_memory_is_the_peak_of_the_interval_on_the_cpu(tmp_path, clock):
+    import torch
+
+    with make_tracker(tmp_path, interval=1, device=torch.device("cpu")) as tracker:
+        big = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched, freed within step 1
+        del big
+        first = step(tracker, clock, 1)["peak_memory_gib"]
+        second = step(tracker, clock, 2)["peak_memory_gib"]
+    assert first - second > 0.2  # the second interval's peak no longer counts the tensor
+    assert list(strict_rows(tmp_path / METRICS_FILE)[0]).count("peak_memory_gib") == 1
 
 
 def test_extra_key_clashing_with_a_training_key_raises(tmp_path, clock):
