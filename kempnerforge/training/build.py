@@ -118,6 +118,13 @@ def build_session(
     tc = config.train
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
+    if runtime.device.type == "cpu":
+        logger.info(
+            "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
+            "(data.num_workers, one thread each)",
+            torch.get_num_threads(),
+            config.data.num_workers,
+        )
     shards = runtime.mesh_size("dp_shard") * runtime.tp_size * runtime.pp_size
     check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)

@@ -209,6 +209,8 @@ def test_loop_runs_to_max_steps_with_eval_checkpoints_and_hooks(tiny_overrides):
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm", "lr", "tokens_seen", "tokens_per_sec", "step_time_s"):
         assert key in train_rows[0]
+    for row in train_rows:  # the loop passes each step's wait for batches, and the device
+        assert 0.0 <= row["data_wait_share"] < 1.0 and row["peak_memory_gib"] > 0.05
     eval_rows = [r for r in rows if "eval_loss" in r]
     assert eval_rows and math.isclose(eval_rows[0]["eval_ppl"], math.exp(eval_rows[0]["eval_loss"]))
 
