@@ -178,8 +178,6 @@ def _train_under(
     preflight(config)
     runtime = init_runtime(config.distributed, config.train.device)
     logger = get_logger("kempnerforge.cli")
-    if allocator is not None:
-        logger.info(describe_allocator(allocator))
     ended_together = False  # every rank got to a return: leave the group in step
     try:
         with rank0_workspace(config, runtime):
@@ -197,6 +195,8 @@ def _train_under(
             session = build_session(
                 config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown
             )
+            if allocator is not None:  # once the data and model are known to be fine
+                logger.info(describe_allocator(allocator))
             if agreed_stop(shutdown, runtime):  # a signal during the build
                 logger.warning(
                     "stop requested by %s while the run was being built: exiting before the "

@@ -118,13 +118,6 @@ def build_session(
     tc = config.train
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
-    if runtime.device.type == "cpu":
-        logger.info(
-            "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
-            "(data.num_workers, one thread each)",
-            torch.get_num_threads(),
-            config.data.num_workers,
-        )
     shards = runtime.mesh_size("dp_shard") * runtime.tp_size * runtime.pp_size
     check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
@@ -141,6 +134,13 @@ def build_session(
     loss_fn = build_loss_fn(tc)
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
     flops_per_token = model_flops_per_token(config.model, tc.seq_len)
+    if runtime.device.type == "cpu":
+        logger.info(
+            "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
+            "(data.num_workers, one thread each)",
+            torch.get_num_threads(),
+            config.data.num_workers,
+        )
     logger.info(
         "model: %.2fM parameters, %.3g FLOPs/token",
         config.model.num_params() / 1e6,
