@@ -25,12 +25,14 @@ from kempnerforge.config.distributed import MESH_DIMS, PP_SCHEDULES
 from kempnerforge.config.errors import ConfigError
 
 PROG = "kempnerforge check-parallel"
+DEGREES = (*MESH_DIMS, "ep")
+"""The layout keys that take a degree: the mesh dimensions, and ep, which splits dp_shard."""
 LAYOUT_RULE = (
     "comma-separated key=value with keys "
-    + ", ".join(MESH_DIMS)
+    + ", ".join(DEGREES)
     + " (integers >= 1) and schedule ("
     + ", ".join(PP_SCHEDULES)
-    + "), e.g. 'dp_shard=2' or 'pp=2,schedule=1f1b'"
+    + "), e.g. 'dp_shard=2', 'pp=2,schedule=1f1b' or 'dp_shard=2,ep=2'"
 )
 STDERR_TAIL_LINES = 20
 """Lines of a failed run's stderr shown under the table."""
@@ -54,7 +56,8 @@ COMMON_OVERRIDES = (
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel layout to check: the four mesh degrees and an optional PP schedule."""
+    """One parallel layout to check: the four mesh degrees, the expert-parallel degree (a
+    divisor of dp_shard, so not a factor of the world size) and an optional PP schedule."""
 
     text: str
     """The layout as given on the command line, e.g. 'pp=2,schedule=1f1b'."""
@@ -62,6 +65,7 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
     schedule: str = ""
     """distributed.pp_schedule, or empty to keep the config's."""
 
@@ -82,7 +86,7 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """The --distributed.* overrides that select this layout."""
-        args = [f"--distributed.{dim}={getattr(self, dim)}" for dim in MESH_DIMS]
+        args = [f"--distributed.{dim}={getattr(self, dim)}" for dim in DEGREES]
         if self.schedule:
             args.append(f"--distributed.pp_schedule={self.schedule}")
         return args
@@ -105,7 +109,7 @@ def parse_layout(text: str) -> Layout:
             if value not in PP_SCHEDULES:
                 raise ConfigError("--layouts", text, LAYOUT_RULE, f"unknown schedule {value!r}")
             values[key] = value
-        elif key in MESH_DIMS:
+        elif key in DEGREES:
             if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise ConfigError("--layouts", text, LAYOUT_RULE, f"{key} must be >= 1")
             values[key] = int(value)

@@ -31,6 +31,10 @@ class DistributedConfig:
     tp: int = 1
     """Tensor-parallel degree, in processes; must divide model.n_heads and the key/value
     heads. 1 to 2**31 - 1."""
+    ep: int = 1
+    """Expert-parallel degree: the routed experts of every MoE layer are split over this
+    many of the dp_shard ranks, which send each token to the rank holding its expert
+    (all-to-all) and back. Must divide dp_shard and model.num_experts; 1 to 2**31 - 1."""
     pp: int = 1
     """Pipeline-parallel degree (processes along the pipeline); 1 to 2**31 - 1."""
     pp_schedule: str = "1f1b"
@@ -63,6 +67,7 @@ class DistributedConfig:
         check_positive("distributed.dp_replicate", self.dp_replicate, MAX_SIZE)
         check_positive("distributed.tp", self.tp, MAX_SIZE)
         check_positive("distributed.pp", self.pp, MAX_SIZE)
+        check_positive("distributed.ep", self.ep, MAX_SIZE)
         check_choice("distributed.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         check_at_least("distributed.pp_stages_per_rank", self.pp_stages_per_rank, 0, 64)
         if self.pp_schedule == "interleaved_1f1b" and self.pp_stages_per_rank == 1:

@@ -57,10 +57,6 @@ class JobConfig:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         dist, model, train = self.distributed, self.model, self.train
-        if model.is_moe:
-            raise ConfigError(
-                "model.num_experts", model.num_experts, "0", "MoE layers are not available yet"
-            )
         self._validate_layout(world_size)
         dp = dist.resolved_dp(world_size)
         per_step = train.batch_size * train.grad_accum_steps * dp
@@ -128,6 +124,7 @@ class JobConfig:
                     "set model.ffn_hidden_dim or model.multiple_of",
                 )
         self._validate_pipeline()
+        self._validate_experts(shape["dp_shard"])
         if self.optimizer.name == "muon" and (shape["dp_shard"] > 1 or dist.tp > 1):
             raise ConfigError(
                 "optimizer.name",
@@ -194,6 +191,50 @@ class JobConfig:
                 f"a multiple of distributed.pp = {dist.pp}",
                 "the pipeline's micro-batches are the step's micro-batches; each stage "
                 "needs whole rounds of them",
+            )
+
+    def _validate_experts(self, dp_shard: int) -> None:
+        """MoE against the layout: expert parallelism splits the experts over data-parallel
+        shard ranks; pipeline and tensor parallelism do not carry MoE layers."""
+        dist, model = self.distributed, self.model
+        if not model.is_moe:
+            if dist.ep > 1:
+                raise ConfigError(
+                    "distributed.ep",
+                    dist.ep,
+                    "1 for a dense model (model.num_experts = 0)",
+                    "expert parallelism splits the experts of MoE layers",
+                )
+            return
+        if dist.pp > 1:
+            raise ConfigError(
+                "distributed.pp",
+                dist.pp,
+                "1 with an MoE model (model.num_experts > 0)",
+                "the router losses and the expert loads that balance the experts are not "
+                "carried between pipeline stages; use distributed.ep and dp_shard instead",
+            )
+        if dist.tp > 1:
+            raise ConfigError(
+                "distributed.tp",
+                dist.tp,
+                "1 with an MoE model (model.num_experts > 0)",
+                "experts are not split by tensor parallelism; use distributed.ep to split "
+                "the experts over ranks",
+            )
+        if model.num_experts % dist.ep:
+            raise ConfigError(
+                "distributed.ep",
+                dist.ep,
+                f"a divisor of model.num_experts = {model.num_experts}",
+                "each expert-parallel rank holds the same number of whole experts",
+            )
+        if dp_shard % dist.ep:
+            raise ConfigError(
+                "distributed.ep",
+                dist.ep,
+                f"a divisor of distributed.dp_shard = {dp_shard}",
+                "expert-parallel ranks are data-parallel shard ranks that exchange tokens",
             )
 
     def _validate_mixture_weights(self) -> None:

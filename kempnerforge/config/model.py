@@ -5,8 +5,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kempnerforge.config.checks import MAX_LOSS_WEIGHT, MAX_SIZE, check_at_least, check_positive
+from kempnerforge.config.checks import (
+    MAX_LOSS_WEIGHT,
+    MAX_SIZE,
+    check_at_least,
+    check_choice,
+    check_positive,
+)
 from kempnerforge.config.errors import ConfigError
+
+MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_AUX_LEVELS = ("token", "sequence")
+MOE_BIAS_SCHEDULES = ("constant", "linear_warmup", "cosine_decay")
 
 
 @dataclass
@@ -44,11 +54,42 @@ class ModelConfig:
     """Std of the normal init; output projections are further scaled by 1/sqrt(2 * n_layers).
     > 0 and at most 1."""
     num_experts: int = 0
-    """Experts per MoE layer; 0 is a dense model. MoE layers are not available yet."""
+    """Routed experts per MoE layer; 0 is a dense model. 0 to 2**31 - 1."""
+    moe_top_k: int = 2
+    """Experts each token is sent to; 1 to num_experts."""
+    moe_frequency: int = 1
+    """Every Nth block is an MoE block (block i when (i + 1) % N == 0), the others dense;
+    1 makes every block MoE. 1 to n_layers."""
+    moe_router: str = "softmax"
+    """'softmax': softmax over experts, top-k, balanced by the auxiliary loss (Switch /
+    Mixtral). 'sigmoid': sigmoid scores, top-k chosen on score + a balancing bias that is
+    nudged after each step towards uniform load, with no auxiliary loss needed
+    (DeepSeek-V3); the bias never enters the gate weights or the gradients."""
+    moe_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek-style), each of
+    moe_expert_hidden_dim; 0 to 64."""
+    moe_expert_hidden_dim: int | None = None
+    """SwiGLU hidden size of one expert, in channels; None uses the dense hidden size.
+    Fine-grained experts use a fraction of it (e.g. hidden_dim / 4 with 4x the experts)."""
+    moe_capacity_factor: float | None = None
+    """None: dropless, every routed token is computed. A number > 0 caps each expert at
+    ceil(factor * tokens * top_k / num_experts) token slots per micro-batch; assignments
+    past it are dropped (first choices keep priority) and counted in moe/dropped_share."""
     moe_aux_loss_weight: float = 0.01
-    """Weight of the MoE load-balancing loss (used only when num_experts > 0); 0 to 1000."""
+    """Weight of the load-balancing loss num_experts * sum_i f_i * P_i (1.0 when
+    balanced); 0 to 1000. With the sigmoid router it is usually 0 or tiny."""
+    moe_aux_loss_level: str = "token"
+    """'token': f_i and P_i over all tokens of the micro-batch on every data-parallel rank
+    (the load counts are summed over ranks, so every layout trains the same). 'sequence':
+    over each sequence, then averaged (DeepSeek-V3's sequence-wise loss)."""
     moe_router_z_loss_weight: float = 0.0
-    """Weight of the MoE router z-loss (used only when num_experts > 0); 0 to 1000."""
+    """Weight of the router z-loss mean(logsumexp(router logits)^2); 0 to 1000."""
+    moe_bias_update_rate: float = 0.001
+    """Sigmoid router: how far each expert's balancing bias moves per step, towards the
+    mean load (sign rule); 0 freezes it. 0 to 1."""
+    moe_bias_schedule: str = "constant"
+    """Sigmoid router: 'constant', 'linear_warmup' (rate grows over the first 10% of
+    train.max_steps) or 'cosine_decay' (rate decays to 0 at train.max_steps)."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -68,6 +109,7 @@ class ModelConfig:
         check_at_least("model.num_experts", self.num_experts, 0, MAX_SIZE)
         for name in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
             check_at_least(f"model.{name}", getattr(self, name), 0.0, MAX_LOSS_WEIGHT)
+        self._check_moe()
         if self.hidden_dim > MAX_SIZE:
             raise ConfigError(
                 "model.dim",
@@ -107,6 +149,44 @@ class ModelConfig:
         hidden = int(2 * 4 * self.dim / 3 * self.ffn_multiplier)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    def _check_moe(self) -> None:
+        """Rules of the MoE fields: ranges always, the top-k against the experts when
+        num_experts > 0."""
+        check_positive("model.moe_top_k", self.moe_top_k, MAX_SIZE)
+        if self.is_moe and self.moe_top_k > self.num_experts:
+            raise ConfigError(
+                "model.moe_top_k",
+                self.moe_top_k,
+                f"<= model.num_experts = {self.num_experts}",
+                "a token cannot go to more experts than exist",
+            )
+        check_positive("model.moe_frequency", self.moe_frequency, self.n_layers)
+        check_choice("model.moe_router", self.moe_router, MOE_ROUTERS)
+        check_at_least("model.moe_shared_experts", self.moe_shared_experts, 0, 64)
+        if self.moe_expert_hidden_dim is not None:
+            check_positive("model.moe_expert_hidden_dim", self.moe_expert_hidden_dim, MAX_SIZE)
+        if self.moe_capacity_factor is not None:
+            # 64 already keeps every token when top_k <= 64 experts share a micro-batch.
+            check_positive("model.moe_capacity_factor", self.moe_capacity_factor, 64.0)
+        check_choice("model.moe_aux_loss_level", self.moe_aux_loss_level, MOE_AUX_LEVELS)
+        check_at_least("model.moe_bias_update_rate", self.moe_bias_update_rate, 0.0, 1.0)
+        check_choice("model.moe_bias_schedule", self.moe_bias_schedule, MOE_BIAS_SCHEDULES)
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """SwiGLU hidden size of one routed or shared expert."""
+        if self.moe_expert_hidden_dim is not None:
+            return self.moe_expert_hidden_dim
+        return self.hidden_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has an MoE feed-forward."""
+        return self.is_moe and (index + 1) % self.moe_frequency == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
     @property
     def is_moe(self) -> bool:
         """True when blocks use mixture-of-experts feed-forward layers."""
@@ -117,19 +197,32 @@ class ModelConfig:
 
         Counts what kempnerforge.model.transformer creates, without building it: the token
         embedding, per block the bias-free attention projections (wq and wo dim x dim, wk and
-        wv dim x kv_heads * head_dim), the three SwiGLU matrices (dim x hidden_dim) and two
-        RMSNorm gains, then the final norm and the output head unless tied. Cheap enough to
-        size memory at build time before any tensor exists.
+        wv dim x kv_heads * head_dim), the feed-forward (three SwiGLU matrices dim x
+        hidden_dim; in an MoE block the router dim x num_experts plus every routed and
+        shared expert's three matrices), two RMSNorm gains, then the final norm and the
+        output head unless tied. Cheap enough to size memory at build time before any
+        tensor exists.
         """
-        if self.is_moe:
-            raise ConfigError(
-                "model.num_experts", self.num_experts, "0", "MoE layers are not available yet"
-            )
+        return self._count_params(active=False)
+
+    def num_active_params(self) -> int:
+        """Parameters one token passes through: as num_params, but an MoE block counts its
+        router, top_k routed experts and the shared experts only. Equal to num_params for
+        a dense model; FLOPs and MFU are computed from it."""
+        return self._count_params(active=True)
+
+    def _count_params(self, *, active: bool) -> int:
         q_width = self.n_heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
         attention = 2 * self.dim * q_width + 2 * self.dim * kv_width
-        feed_forward = 3 * self.dim * self.hidden_dim
-        block = attention + feed_forward + 2 * self.dim
+        dense_ffn = 3 * self.dim * self.hidden_dim
+        expert = 3 * self.dim * self.expert_hidden_dim
+        routed = self.moe_top_k if active else self.num_experts
+        moe_ffn = self.dim * self.num_experts + (routed + self.moe_shared_experts) * expert
+        blocks = 0
+        for index in range(self.n_layers):
+            ffn = moe_ffn if self.is_moe_layer(index) else dense_ffn
+            blocks += attention + ffn + 2 * self.dim
         embedding = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return embedding + self.n_layers * block + self.dim + head
+        return embedding + blocks + self.dim + head

@@ -20,8 +20,10 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from kempnerforge.config.job import JobConfig
+from kempnerforge.distributed.expert_parallel import apply_ep, expert_fsdp_mesh, set_router_groups
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.model.moe import moe_layers
 
 logger = get_logger(__name__)
 
@@ -46,6 +48,9 @@ def parallelize_model(
     dc, tc = config.distributed, config.train
     if runtime.tp_size > 1:
         apply_tp(model, runtime.device_mesh["tp"])
+    if runtime.mesh_size("ep") > 1:
+        apply_ep(model, runtime.expert_mesh["ep"])
+    set_router_groups(model, runtime)
     apply_ac(model, dc.activation_checkpointing, dc.ac_every)
     compiled = tc.compile and _compile_allowed(runtime)
     if compiled:
@@ -59,14 +64,16 @@ def parallelize_model(
             reduce_dtype=torch.float32 if bf16 else None,
             reshard_after_forward=dc.reshard_after_forward,
             roots=roots,
+            expert_mesh=expert_fsdp_mesh(runtime),
         )
     logger.info(
-        "parallelized: tp %d, dp %d (replicate %d x shard %d), activation checkpointing "
-        "%s, compile %s",
+        "parallelized: tp %d, dp %d (replicate %d x shard %d), ep %d, activation "
+        "checkpointing %s, compile %s",
         runtime.tp_size,
         runtime.dp_size,
         runtime.mesh_size("dp_replicate"),
         runtime.mesh_size("dp_shard"),
+        runtime.mesh_size("ep"),
         dc.activation_checkpointing,
         compiled,
     )
@@ -339,6 +346,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
     roots: list[nn.Module] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard parameters over ``dp_mesh`` with FSDP2: each block is one unit, then each root.
 
@@ -349,12 +357,21 @@ def apply_fsdp(
     last block always keeps them, since backward needs them first, and FSDP itself keeps
     a root's. ``param_dtype`` (e.g. bf16) is the compute dtype of the gathered
     parameters, ``reduce_dtype`` that of the gradient reduction; the sharded parameters
-    and the optimizer stay in their own dtype.
+    and the optimizer stay in their own dtype. Under expert parallelism each MoE layer's
+    experts are a unit of their own over ``expert_mesh`` (see expert_parallel.py).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = transformer_blocks(model)
     for position, (_, block) in enumerate(blocks):
         keep = position == len(blocks) - 1
+        if expert_mesh is not None:
+            for layer in moe_layers(block):
+                fully_shard(
+                    layer.experts,
+                    mesh=expert_mesh,
+                    mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward and not keep,
+                )
         fully_shard(
             block,
             mesh=dp_mesh,

@@ -38,6 +38,11 @@ class RuntimeContext:
     pp_size: int = 1
     dp_mesh: Any = None
     """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D DeviceMesh."""
+    expert_mesh: Any = None
+    """With expert parallelism (distributed.ep > 1): the data-parallel ranks as a mesh of
+    ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group into
+    the ranks that hold different experts and ``efsdp`` counts the ranks holding the same
+    ones (FSDP shards the expert weights over them). None otherwise."""
     monitor_group: Any = None
     """A gloo group over the world, used only to find unresponsive ranks after a failed
     collective (kempnerforge.distributed.failure); None in a single process."""
@@ -52,22 +57,31 @@ class RuntimeContext:
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of mesh dimension ``name`` ('dp', 'dp_shard', 'dp_replicate',
-        'tp', 'pp') or 'world'; None where there is nothing to reduce over (a single process,
-        or a dimension of size 1), so callers skip the collective."""
+        'tp', 'pp', 'ep', 'efsdp') or 'world'; None where there is nothing to reduce over (a
+        single process, or a dimension of size 1), so callers skip the collective."""
         if self.device_mesh is None:
             return None
         if name == "world":
             return dist.group.WORLD
-        mesh = self.dp_mesh if name == "dp" else self.device_mesh[name]
-        if mesh.size() == 1:
+        mesh = self._mesh(name)
+        if mesh is None or mesh.size() == 1:
             return None
         return mesh.get_group()
 
     def mesh_size(self, name: str) -> int:
-        """Size of mesh dimension ``name`` (1 in a single process)."""
+        """Size of mesh dimension ``name`` (1 in a single process, and for 'ep' or 'efsdp'
+        without expert parallelism)."""
+        mesh = self._mesh(name)
+        return 1 if mesh is None else mesh.size()
+
+    def _mesh(self, name: str) -> DeviceMesh | None:
         if self.device_mesh is None:
-            return 1
-        return (self.dp_mesh if name == "dp" else self.device_mesh[name]).size()
+            return None
+        if name == "dp":
+            return self.dp_mesh
+        if name in ("ep", "efsdp"):
+            return None if self.expert_mesh is None else self.expert_mesh[name]
+        return self.device_mesh[name]
 
 
 def build_mesh(
@@ -81,6 +95,24 @@ def build_mesh(
     shape = cfg.mesh_shape(world_size)
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
     return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def build_expert_mesh(
+    cfg: DistributedConfig, world_size: int, device: torch.device
+) -> DeviceMesh | None:
+    """The data-parallel ranks as (``dp_replicate``, ``efsdp``, ``ep``); None when
+    distributed.ep is 1.
+
+    Collective over the world. Expert parallelism runs without pipeline and tensor
+    parallelism (JobConfig.validate), so the world is the data-parallel ranks, and rank r
+    sits at the same place here as in the job's mesh: its ``ep`` peers are consecutive
+    ranks of one dp_shard group.
+    """
+    if cfg.ep == 1:
+        return None
+    shard = cfg.resolved_dp_shard(world_size)
+    shape = (cfg.dp_replicate, shard // cfg.ep, cfg.ep)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "efsdp", "ep"))
 
 
 def world_size_from_env() -> int:
@@ -127,6 +159,7 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         return RuntimeContext(rank=rank, local_rank=local_rank, device=device)
     mesh, dp_mesh = build_mesh(cfg, world_size, device)
     return RuntimeContext(
+        expert_mesh=build_expert_mesh(cfg, world_size, device),
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,

@@ -131,6 +131,11 @@ class MetricsTracker:
         """
         self._step_start = time.perf_counter()
 
+    def logs_step(self, step: int) -> bool:
+        """Whether end_step(step) will write a row: the first step, every log_interval-th
+        and the last. Callers use it to gather costly extra metrics only for those."""
+        return not self._seen_step or step % self.cfg.log_interval == 0 or step == self.max_steps
+
     def end_step(
         self,
         step: int,
@@ -173,10 +178,10 @@ class MetricsTracker:
         self._last_step = step
         self._last_loss = loss
 
-        first = not self._seen_step
+        due = self.logs_step(step)
         self._seen_step = True
         self._unlogged = (step, loss, grad_norm, lr, tokens_seen, extra)
-        if not (first or step % self.cfg.log_interval == 0 or step == self.max_steps):
+        if not due:
             if self._console is not None and self._console.bar_due(now):
                 self._console.draw_bar(self._bar_text())
             return None
@@ -342,6 +347,11 @@ class MetricsTracker:
             parts.append(f"data wait {row['data_wait_share']:.0%}")
         if row.get("peak_memory_gib") is not None:
             parts.append(f"mem {row['peak_memory_gib']:.2f} GiB")
+        if row.get("moe/imbalance") is not None:
+            parts.append(f"moe aux {fmt(row.get('moe/aux_loss'), '.3f')}")
+            parts.append(f"imbalance {row['moe/imbalance']:.2f}")
+            if row.get("moe/dropped_share"):
+                parts.append(f"dropped {row['moe/dropped_share']:.1%}")
         parts.append(f"eta {self._eta()}")
         return " | ".join(parts)
 

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_causal_mask
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, head_loss
 from kempnerforge.model.mlp import SwiGLU
+from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 
@@ -21,7 +21,7 @@ from kempnerforge.model.rope import rope_tables
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         """Normalizes the attention input."""
@@ -29,8 +29,10 @@ class TransformerBlock(nn.Module):
         """Grouped-query causal self-attention."""
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         """Normalizes the feed-forward input."""
-        self.feed_forward = SwiGLU(cfg.dim, cfg.hidden_dim)
-        """SwiGLU feed-forward."""
+        self.feed_forward: SwiGLU | MoEFeedForward = (
+            MoEFeedForward(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg.dim, cfg.hidden_dim)
+        )
+        """SwiGLU feed-forward, or routed experts in an MoE block (see model/moe.py)."""
 
     def forward(
         self,
@@ -59,10 +61,6 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.is_moe:
-            raise ConfigError(
-                "model.num_experts", cfg.num_experts, "0", "MoE layers are not available yet"
-            )
         self.cfg = cfg
         """The shape this model was built from."""
         # Build on meta and materialize once: the default inits of nn.Linear / nn.Embedding
@@ -78,7 +76,7 @@ class Transformer(nn.Module):
         """Create the submodules and RoPE buffers, uninitialized; the head is tied later."""
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         """Token id -> residual-stream vector (None on a stage after the first)."""
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         """The Transformer blocks by index, applied in index order."""
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         """Final normalization before the output head (None on a stage without the head)."""
@@ -108,9 +106,9 @@ class Transformer(nn.Module):
         """The normal std parameter ``name`` is drawn with; None for a norm gain (ones)."""
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            # The projections that write the residual stream: its variance at init must
-            # not grow with depth.
+        if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
+            # The projections that write the residual stream (dense, shared and routed
+            # experts' down projections): its variance at init must not grow with depth.
             return self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         return self.cfg.init_std
 
@@ -141,6 +139,9 @@ class Transformer(nn.Module):
             seed = int(torch.randint(0, 2**62, ()))
         for name, param in self.named_parameters():
             fill_parameter(param, self._init_std(name), parameter_seed(seed, name))
+        for module in self.modules():
+            if isinstance(module, Router) and module.expert_bias is not None:
+                module.expert_bias.zero_()
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -200,8 +201,10 @@ class Transformer(nn.Module):
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token at seq_len: 6 * N + 12 * n_layers * dim * seq_len.
 
-    N is every weight that takes part in a matmul: all parameters but an untied input
-    embedding table (a lookup, no FLOPs), output head included. A forward pass costs 2
+    N is every weight that takes part in a token's matmuls: the active parameters (an MoE
+    block counts its router, its top_k routed experts and its shared experts, not every
+    expert) but an untied input embedding table (a lookup, no FLOPs), output head
+    included. A forward pass costs 2
     FLOPs per multiply-add, so 2 * N for the weights, and backward costs twice the forward
     (grads w.r.t. inputs and weights), hence 6 * N. Attention adds, per layer and token,
     QK^T and AV at seq_len * dim multiply-adds each: 2 * 2 * seq_len * dim forward, times 3
@@ -209,7 +212,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     the usual MFU convention. From the config, so a sharded or pipelined rank that holds
     part of the model reports the whole model's cost.
     """
-    n = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    n = cfg.num_active_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 

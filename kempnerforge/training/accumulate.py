@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
+from kempnerforge.model.moe import record_router_stats
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.session import TrainingSession
 
@@ -126,6 +127,7 @@ def accumulate(
                 # Aux terms are per-micro-batch means: average them over the micro-batches.
                 accum = tc.grad_accum_steps
                 objective = add_moe_losses(objective * accum, model, mc) / accum
+                record_router_stats(model)
             objective.backward()
         loss_sum += loss.detach()
     return finish_step(session, loss_sum, tokens)

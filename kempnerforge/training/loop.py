@@ -23,6 +23,7 @@ from kempnerforge.data.phases import PhaseState
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
+from kempnerforge.model.moe import begin_router_step, finish_router_step, moe_layers
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.training.accumulate import accumulate, autocast, finish_step, step_tokens
 from kempnerforge.training.eval import evaluate
@@ -62,16 +63,17 @@ def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
 def add_moe_losses(loss: torch.Tensor, model: torch.nn.Module, mc: ModelConfig) -> torch.Tensor:
     """MoE auxiliary + router z-loss terms (only called when mc.is_moe).
 
-    Reads the ``aux_loss`` and ``router_z_loss`` tensors that MoE layers leave on
-    themselves during forward, and adds their weighted sums to ``loss``.
+    ``loss`` plus moe_aux_loss_weight times the summed load-balancing losses, plus
+    moe_router_z_loss_weight times the summed z-losses, of every MoE layer's latest
+    forward (model/moe.py). The layers are found once per model, not by walking every
+    module each micro-batch; a weight of 0 adds nothing (and no graph).
     """
-    for module in model.modules():
-        aux = getattr(module, "aux_loss", None)
-        if isinstance(aux, torch.Tensor):
-            loss = loss + mc.moe_aux_loss_weight * aux
-        z = getattr(module, "router_z_loss", None)
-        if mc.moe_router_z_loss_weight > 0 and isinstance(z, torch.Tensor):
-            loss = loss + mc.moe_router_z_loss_weight * z
+    stats = [layer.last for layer in moe_layers(model) if layer.last is not None]
+    if stats and mc.moe_aux_loss_weight > 0:
+        loss = loss + mc.moe_aux_loss_weight * torch.stack([s.aux_loss for s in stats]).sum()
+    if stats and mc.moe_router_z_loss_weight > 0:
+        z = torch.stack([s.z_loss for s in stats]).sum()
+        loss = loss + mc.moe_router_z_loss_weight * z
     return loss
 
 
@@ -83,9 +85,12 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
     model/head_loss.py); with 0 it returns logits for session.loss_fn. When batches carry
     ``dataset_idx`` (a mixture), the result also holds per-dataset sums of the same loss
     (z-loss term included), taken from the per-token losses the loss already has, so
-    their token-weighted mean is the step's loss. ``step`` is unused by dense models.
+    their token-weighted mean is the step's loss. ``step`` goes to an MoE model's routers
+    (their balancing schedule); dense models do not use it.
     """
     model, tc = session.model, session.config.train
+    if session.config.model.is_moe:
+        begin_router_step(model, step)
     mask_docs = session.config.data.document_masking
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
     if mask_docs:
@@ -141,6 +146,8 @@ def vlm_step(session: TrainingSession, step: int) -> StepResult:
     text positions, aligned with ``labels``; session.loss_fn turns them into the loss.
     """
     model, tc = session.model, session.config.train
+    if session.config.model.is_moe:
+        begin_router_step(model, step)
     if not session.batches.has_data:
         raise RuntimeError("a VLM step needs a dataloader of image-text batches")
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
@@ -305,6 +312,16 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     progress.step += 1
     progress.tokens_seen += tokens
     step, tokens_seen = progress.step, progress.tokens_seen
+    router_row = None
+    if config.model.is_moe:
+        # The sigmoid routers' balancing step, from this step's load over every rank.
+        router_row = finish_router_step(
+            session.model,
+            config.model,
+            session.runtime.group("dp"),
+            max_steps=config.train.max_steps,
+            with_metrics=session.tracker.logs_step(step),
+        )
     advance_phases(session, step)
     session.tracker.end_step(
         step,
@@ -314,9 +331,18 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         tokens=tokens,
         tokens_seen=tokens_seen,
         data_wait_s=session.batches.take_wait_s(),
-        extra=dataset_metrics_row(
-            result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts
-        ),
+        extra={
+            **(
+                dataset_metrics_row(
+                    result.dataset_loss_sums,
+                    result.dataset_loss_counts,
+                    result.dataset_token_counts,
+                )
+                or {}
+            ),
+            **(router_row or {}),
+        }
+        or None,
     )
     session.hooks.on_step_end(
         StepContext(step, result.loss, result.grad_norm, lr, tokens_seen, session.model, optimizer)

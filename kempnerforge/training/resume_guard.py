@@ -5,8 +5,9 @@ differing field falls in one of three kinds, and none is ever silent:
 
 - applied: the new value takes effect from the resumed step, with a warning naming the
   field and both values: learning rate, weight decay, betas, eps and the other optimizer
-  hyperparameters, gradient clipping, the schedule, max_steps, the NaN thresholds, and
-  the data sources (the sampler restarts its epoch over changed data, and says so);
+  hyperparameters, the MoE router loss weights and bias update rate, gradient clipping,
+  the schedule, max_steps, the NaN thresholds, and the data sources (the sampler
+  restarts its epoch over changed data, and says so);
 - operational: logged (info) and used: names, directories, intervals, logging, hooks,
   threads and workers, the loss's chunk size, eval, checkpoint and profiling settings;
 - refused: anything else, because it changes what the saved state means: the model, the
@@ -47,6 +48,10 @@ APPLIED = (
     "optimizer.muon_ns_steps",
     "optimizer.muon_adam_lr",
     "optimizer.schedule_free_warmup_steps",
+    "model.moe_aux_loss_weight",
+    "model.moe_router_z_loss_weight",
+    "model.moe_bias_update_rate",
+    "model.moe_bias_schedule",
     "train.grad_clip_norm",
     "train.max_steps",
     "train.global_batch_size",

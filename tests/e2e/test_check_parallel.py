@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).parents[2]
 DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+DEBUG_MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 TINY = [
     "--model.dim=64",
     "--model.n_layers=2",
@@ -24,11 +25,11 @@ TINY = [
 ]
 
 
-def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path):
+def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path, config: str = DEBUG):
     env = {**os.environ, "KEMPNERFORGE_CACHE": str(cache)}
     env.pop("OMP_NUM_THREADS", None)  # torchrun gives each rank one thread of its own
     return subprocess.run(
-        [sys.executable, "-m", "kempnerforge", "check-parallel", DEBUG, *args, *TINY],
+        [sys.executable, "-m", "kempnerforge", "check-parallel", config, *args, *TINY],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -62,6 +63,26 @@ def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
         assert (world, result) == (worlds.get(layout, "2"), "PASS"), layout
         assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
     assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
+
+
+def test_expert_parallel_moe_layouts_match_one_process(tmp_path, builtin_cache):
+    layouts = ["dp_shard=2,ep=2", "dp_shard=2"]
+    proc = check_parallel(
+        "--layouts",
+        *layouts,
+        "--steps",
+        "3",
+        "--model.moe_expert_hidden_dim=32",
+        cwd=tmp_path,
+        cache=builtin_cache,
+        config=DEBUG_MOE,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert sorted(rows) == sorted(layouts)
+    for layout, world, loss_diff, norm_diff, result in rows.values():
+        assert (world, result) == ("2", "PASS"), layout
+        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
 
 
 def test_failing_layout_is_reported_with_its_error_and_exit_1(tmp_path, builtin_cache):

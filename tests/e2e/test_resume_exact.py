@@ -258,3 +258,57 @@ def test_first_row_after_a_resume_averages_every_step_since_the_previous_row(cor
         # previous row of metrics.jsonl, which a resumed run continues.
         assert row["loss_avg"] == pytest.approx(sum(covered) / len(covered), rel=1e-12), row
         previous = row["step"]
+
+
+MOE = [
+    "--model.num_experts=4",
+    "--model.moe_top_k=2",
+    "--model.moe_expert_hidden_dim=16",
+    "--model.moe_shared_experts=1",
+]
+
+
+def router_state(session: TrainingSession) -> dict[str, object]:
+    """The sigmoid routers' balancing biases: buffers, which parameters_of does not hold."""
+    return {
+        name: buffer.clone()
+        for name, buffer in session.model.named_buffers()
+        if name.endswith("expert_bias")
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "stop_at"),
+    [
+        pytest.param(
+            ["--model.moe_router=sigmoid", "--model.moe_bias_update_rate=0.01"], 3, id="sigmoid-k3"
+        ),
+        pytest.param(
+            [
+                "--model.moe_router=sigmoid",
+                "--model.moe_bias_schedule=cosine_decay",
+                "--train.grad_accum_steps=2",
+            ],
+            2,
+            id="sigmoid-cosine-accum2-k2",
+        ),
+        pytest.param(
+            ["--model.moe_capacity_factor=1.0", "--model.moe_router_z_loss_weight=0.01"],
+            4,
+            id="softmax-capacity-k4",
+        ),
+    ],
+)
+def test_moe_resume_matches_uninterrupted_run_with_router_biases(corpus, tmp_path, extra, stop_at):
+    expected = run_uninterrupted(overrides_for(corpus, tmp_path / "full", MOE + extra))
+    got = run_with_sigterms(overrides_for(corpus, tmp_path / "split", MOE + extra), [stop_at])
+    assert_same_run(got, expected, after=stop_at)
+    want, have = router_state(expected), router_state(got)
+    assert_tensors_bitwise_equal(have, want, "router bias")
+    if "--model.moe_router=sigmoid" in extra:
+        assert want and any(bool(b.abs().sum() > 0) for b in want.values())
+    rows = {r["step"]: r for r in train_rows(got.config.run_dir)}
+    want_rows = {r["step"]: r for r in train_rows(expected.config.run_dir)}
+    for step in range(stop_at + 1, MAX_STEPS + 1):
+        for key in ("moe/aux_loss", "moe/z_loss", "moe/load", "moe/dropped_share"):
+            assert rows[step][key] == want_rows[step][key], (step, key)

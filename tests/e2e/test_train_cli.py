@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).parents[2]
 DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+DEBUG_MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 
 
 def kempnerforge(*args: str, env_extra: dict | None = None, **kwargs) -> subprocess.Popen:
@@ -73,6 +74,36 @@ def test_debug_run_trains_then_resumes_from_latest(tmp_path, cache):
     assert [r["step"] for r in rows] == list(range(1, 41))  # 31..40 appended, nothing redone
     assert rows[30]["tokens_seen"] == 31 * 8 * 256
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_40"
+
+
+def test_debug_moe_config_trains_and_reports_its_routers(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    result = run(
+        "train",
+        DEBUG_MOE,
+        "--train.max_steps=30",
+        "--train.seq_len=128",
+        f"--train.run_dir={run_dir}",
+        "--metrics.log_interval=5",
+        "--metrics.progress=plain",
+        "--train.sample_tokens=0",
+        cache=cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    for row in rows:
+        loads = row["moe/load"]
+        # 4 MoE layers x 8 experts; every layer routes each token to 2 experts.
+        assert len(loads) == 4 and all(len(layer) == 8 for layer in loads)
+        assert all(sum(layer) == 2 * 8 * 128 for layer in loads)
+        assert row["moe/dropped_share"] == 0.0  # dropless
+        assert row["moe/imbalance"] >= 1.0 and row["moe/aux_loss"] > 0
+        assert row["moe/z_loss"] > 0
+    assert "moe aux" in result.stdout and "imbalance" in result.stdout
+    # FLOPs count the active parameters: 3.55M of the 10.63M.
+    assert "10.63M parameters" in result.stderr
 
 
 def test_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path, cache):

@@ -159,7 +159,11 @@ def test_dump_leaves_out_none_fields():
     ("overrides", "world_size", "message"),
     [
         (["--train.seq_len=4096"], 1, "train.seq_len = 4096: expected <= model.max_seq_len"),
-        (["--model.num_experts=4"], 1, "model.num_experts = 4: expected 0"),
+        (
+            ["--model.num_experts=4", "--distributed.ep=2"],
+            1,
+            "distributed.ep = 2: expected a divisor of distributed.dp_shard = 1",
+        ),
         (
             ["--distributed.dp_shard=3"],
             2,

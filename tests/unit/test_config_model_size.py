@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.transformer import build_model
 
@@ -49,6 +48,33 @@ def test_num_params_of_a_large_config_needs_no_memory():
     assert cfg.num_params() == 8_030_261_248  # Llama-3 8B
 
 
-def test_num_params_refuses_moe():
-    with pytest.raises(ConfigError, match=r"^model.num_experts = 4: expected 0"):
-        ModelConfig(num_experts=4).num_params()
+MOE = {"num_experts": 4, "moe_top_k": 2}
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        MOE,
+        {**MOE, "moe_shared_experts": 2},
+        {**MOE, "moe_frequency": 2},
+        {**MOE, "tie_embeddings": True, "moe_expert_hidden_dim": 24},
+        {**MOE, "n_layers": 3, "moe_frequency": 3, "moe_router": "sigmoid"},
+    ],
+    ids=["moe", "shared_experts", "every_second_block", "tied_fine_grained", "sigmoid"],
+)
+def test_num_params_of_an_moe_config_equals_the_built_model(shape):
+    cfg = ModelConfig(**{**TINY, **shape})
+    model = build_model(cfg)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_num_params_and_active_params_of_an_moe_config_by_hand():
+    # Dense block as above: 4096 attention + 9216 SwiGLU + 64 norms. An MoE block swaps the
+    # SwiGLU for a 32 x 4 router and four experts of 3 * 32 * 96 = 9216, one shared expert
+    # too; a token passes the router, 2 routed experts and the shared one.
+    cfg = ModelConfig(**TINY, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_frequency=2)
+    outside = 2 * 259 * 32 + 32
+    dense_block = 4096 + 9216 + 64
+    assert cfg.num_params() == outside + dense_block + 4096 + 128 + 5 * 9216 + 64
+    assert cfg.num_active_params() == outside + dense_block + 4096 + 128 + 3 * 9216 + 64
+    assert ModelConfig(**TINY).num_active_params() == ModelConfig(**TINY).num_params()

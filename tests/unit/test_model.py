@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model import Transformer, build_model, generate_greedy
 from kempnerforge.model.attention import Attention
+from kempnerforge.model.mlp import SwiGLU
+from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.rope import apply_rope, rope_tables
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
@@ -208,9 +209,22 @@ def test_init_is_controlled_by_the_global_seed() -> None:
         assert torch.equal(a, b)
 
 
-def test_moe_config_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="model.num_experts"):
-        Transformer(tiny_config(num_experts=4))
+def test_moe_blocks_follow_moe_frequency_and_are_initialized_like_dense_ones() -> None:
+    cfg = tiny_config(num_experts=4, moe_frequency=2, moe_shared_experts=1, init_std=0.02)
+    model = tiny_model(num_experts=4, moe_frequency=2, moe_shared_experts=1, init_std=0.02)
+    dense, moe = model.layers["0"].feed_forward, model.layers["1"].feed_forward
+    assert isinstance(dense, SwiGLU)
+    assert isinstance(moe, MoEFeedForward)
+    assert model.num_params() == cfg.num_params()
+    scaled = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    assert moe.experts.w2.std().item() == pytest.approx(scaled, rel=0.05)
+    assert moe.shared.w2.weight.std().item() == pytest.approx(scaled, rel=0.05)
+    assert moe.experts.w1.std().item() == pytest.approx(cfg.init_std, rel=0.05)
+    assert moe.router.gate.weight.std().item() == pytest.approx(cfg.init_std, rel=0.1)
+    logits = model(random_ids())
+    assert logits.shape == (2, SEQ, VOCAB)
+    assert torch.isfinite(logits).all()
+    assert moe.last is not None and moe.last.load.sum().item() == 2 * SEQ * cfg.moe_top_k
 
 
 def test_generate_greedy_is_deterministic_and_matches_argmax_loop() -> None:

@@ -25,8 +25,15 @@ def test_parse_layout_multiplies_degrees_and_maps_the_schedule():
         "--distributed.dp_replicate=2",
         "--distributed.dp_shard=2",
         "--distributed.tp=2",
+        "--distributed.ep=1",
         "--distributed.pp_schedule=gpipe",
     ]
+
+
+def test_parse_layout_takes_an_expert_parallel_degree_inside_dp_shard():
+    layout = pc.parse_layout("dp_shard=2,ep=2")
+    assert layout.world_size == 2 and layout.dp == 2 and layout.ep == 2
+    assert "--distributed.ep=2" in layout.overrides()
 
 
 @pytest.mark.parametrize(

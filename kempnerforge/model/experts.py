@@ -1,0 +1,186 @@
+"""Expert weights and the grouped SwiGLU that runs every expert in one matmul per projection.
+
+Tokens reach the experts sorted by expert, as one (rows, dim) tensor and a count per
+expert. The three projections then run as grouped matmuls over all experts at once
+(``torch._grouped_mm`` where this PyTorch has it for the device and the shapes), or as a
+batched matmul over rows padded to the largest group otherwise: never a Python loop over
+tokens or experts. ``looped_swiglu`` is the per-expert loop, kept as the reference the
+tests and the benchmark compare against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+EXPERT_COMPUTE = ("auto", "grouped_mm", "padded_bmm")
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored as three stacked weights.
+
+    w1 and w3 are (experts, dim, hidden), w2 (experts, hidden, dim): each expert's slice
+    is the transpose of the dense SwiGLU's nn.Linear weights, laid out so rows @ w[e]
+    needs no transpose. Under expert parallelism the weights are DTensors sharded on the
+    expert dimension and each rank computes its own experts (``local_weights``).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        """Gate projections (passed through SiLU)."""
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        """Up projections (multiplied by the gate)."""
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        """Down projections into the residual stream; their init is depth-scaled."""
+        self.compute = "auto"
+        """'auto', 'grouped_mm' or 'padded_bmm' (see grouped_swiglu); not state."""
+        self.grad_scale = 1.0
+        """Factor on the weights' gradients (1 / ep under expert parallelism: see
+        distributed/expert_parallel.py); not state."""
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) of the experts this rank computes, as plain tensors."""
+        weights = [_local(w) for w in (self.w1, self.w3, self.w2)]
+        if self.grad_scale != 1.0:
+            weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
+        return weights[0], weights[1], weights[2]
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2 = self.local_weights()
+        return grouped_swiglu(rows, counts, w1, w3, w2, self.compute)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def grouped_swiglu(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    compute: str = "auto",
+) -> torch.Tensor:
+    """SwiGLU of each row through its expert: rows (N, dim) sorted by expert, counts (E,).
+
+    Row i belongs to the expert whose block of ``counts`` covers it. Under autocast the
+    weights are cast to the autocast dtype, as nn.Linear would be. 'auto' takes
+    ``torch._grouped_mm`` where it runs for this device, dtype and shape, else a batched
+    matmul over rows padded to the largest group (one host read of the counts).
+    """
+    if rows.shape[0] == 0:
+        # No row here (a rank whose experts got no token): the weights still join the
+        # graph, so backward gives them a zero gradient like every other rank's.
+        return (F.silu(rows @ w1[0]) * (rows @ w3[0])) @ w2[0]
+    dtype = _compute_dtype(rows)
+    rows, w1, w3, w2 = (t.to(dtype) for t in (rows, w1, w3, w2))
+    method = compute if compute != "auto" else _auto_method(rows, w1)
+    if method == "grouped_mm":
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate = _grouped_mm(rows, w1, offsets)
+        hidden = F.silu(gate) * _grouped_mm(rows, w3, offsets)
+        return _grouped_mm(hidden, w2, offsets)
+    if method != "padded_bmm":
+        raise ValueError(f"expert compute: one of {EXPERT_COMPUTE}, not {compute!r}")
+    return _padded_swiglu(rows, counts, w1, w3, w2)
+
+
+def looped_swiglu(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The same result as grouped_swiglu with one matmul per expert (the reference)."""
+    outputs, start = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        part = rows[start : start + count]
+        start += count
+        outputs.append((F.silu(part @ w1[expert]) * (part @ w3[expert])) @ w2[expert])
+    return torch.cat(outputs)
+
+
+def _compute_dtype(rows: torch.Tensor) -> torch.dtype:
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return rows.dtype
+
+
+def _auto_method(rows: torch.Tensor, weight: torch.Tensor) -> str:
+    """'grouped_mm' where this PyTorch runs it: on CPU, or bf16 on a CUDA device of compute
+    capability 9.0 or later; every inner dimension a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "padded_bmm"
+    aligned = all((size * rows.element_size()) % 16 == 0 for size in weight.shape[1:])
+    if not aligned:
+        return "padded_bmm"
+    if rows.device.type == "cpu":
+        return "grouped_mm"
+    if rows.device.type == "cuda" and rows.dtype == torch.bfloat16:
+        major, _ = torch.cuda.get_device_capability(rows.device)
+        return "grouped_mm" if major >= 9 else "padded_bmm"
+    return "padded_bmm"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: the grouped matmul's
+    backward refuses the expanded (stride 0) gradients a plain .sum() produces."""
+
+    @staticmethod
+    def forward(ctx: object, tensor: torch.Tensor) -> torch.Tensor:
+        # The same storage as a new tensor, not a view: FSDP warns about a unit whose
+        # output is a view (an in-place op on it would skip its backward hook).
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # A private op (no stable name yet), looked up at run time.
+    grouped_mm = getattr(torch, "_grouped_mm")  # noqa: B009
+    out = grouped_mm(rows.contiguous(), weight.contiguous(), offs=offsets)
+    return _ContiguousGrad.apply(out)
+
+
+def _padded_swiglu(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """Rows scattered into an (E, largest group, dim) block, three batched matmuls, rows
+    gathered back. Padding rows are zeros, whose SwiGLU is zero, so they add nothing to
+    any gradient."""
+    experts = counts.shape[0]
+    expert_of_row = torch.repeat_interleave(torch.arange(experts, device=rows.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(rows.shape[0], device=rows.device) - starts[expert_of_row]
+    width = int(counts.max())
+    padded = rows.new_zeros(experts, width, rows.shape[1])
+    padded = padded.index_put((expert_of_row, slot), rows)
+    hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    return torch.bmm(hidden, w2)[expert_of_row, slot]
