@@ -55,6 +55,11 @@ def parallelize_model(
     compiled = tc.compile and _compile_allowed(runtime)
     if compiled:
         apply_compile(model)
+        if config.model.is_moe:
+            logger.info(
+                "MoE blocks compile in pieces: the routing's host reads and the grouped "
+                "expert matmuls run eagerly between compiled graphs"
+            )
     if runtime.dp_size > 1:
         bf16 = tc.precision_on(runtime.device.type) == "bf16"
         apply_fsdp(

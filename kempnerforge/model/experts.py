@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-EXPERT_COMPUTE = ("auto", "grouped_mm", "padded_bmm")
+EXPERT_COMPUTE = ("auto", "grouped_mm", "padded_bmm", "looped")
+"""How GroupedExperts computes: 'looped' (one matmul per expert) is the reference the tests
+and the benchmark compare with, not a choice for training."""
 
 
 class GroupedExperts(nn.Module):
@@ -38,7 +40,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         """Down projections into the residual stream; their init is depth-scaled."""
         self.compute = "auto"
-        """'auto', 'grouped_mm' or 'padded_bmm' (see grouped_swiglu); not state."""
+        """One of EXPERT_COMPUTE (see grouped_swiglu); not state."""
         self.grad_scale = 1.0
         """Factor on the weights' gradients (1 / ep under expert parallelism: see
         distributed/expert_parallel.py); not state."""
@@ -86,9 +88,11 @@ def grouped_swiglu(
         gate = _grouped_mm(rows, w1, offsets)
         hidden = F.silu(gate) * _grouped_mm(rows, w3, offsets)
         return _grouped_mm(hidden, w2, offsets)
-    if method != "padded_bmm":
-        raise ValueError(f"expert compute: one of {EXPERT_COMPUTE}, not {compute!r}")
-    return _padded_swiglu(rows, counts, w1, w3, w2)
+    if method == "padded_bmm":
+        return _padded_swiglu(rows, counts, w1, w3, w2)
+    if method == "looped":
+        return looped_swiglu(rows, counts, w1, w3, w2)
+    raise ValueError(f"expert compute: one of {EXPERT_COMPUTE}, not {compute!r}")
 
 
 def looped_swiglu(
@@ -158,6 +162,9 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+# Run eagerly inside a compiled block: the compiler's shape rules for this op accept bf16
+# only (the CUDA kernel's rule), while the CPU kernel also runs fp32.
+@torch.compiler.disable
 def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     # A private op (no stable name yet), looked up at run time.
     grouped_mm = getattr(torch, "_grouped_mm")  # noqa: B009

@@ -178,7 +178,10 @@ class MoEFeedForward(nn.Module):
         counts = _expert_counts(key, experts)
         if keep is not None:
             order = order[: int(counts.sum())]  # a host read: how many were kept
-        rows = tokens[order // k]
+        # One copy of each token per slot, then a permutation: every index is taken once,
+        # so backward never adds into one row from two places (no atomics, same bits on
+        # every run), unlike gathering tokens[order // k].
+        rows = tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[1])[order]
         if self.ep_group is None:
             out_rows = self.experts(rows, counts)
         else:

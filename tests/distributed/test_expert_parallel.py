@@ -53,7 +53,16 @@ ROUTERS = {
 LAYOUTS = {
     "ep2": ["--distributed.dp_shard=2", "--distributed.ep=2"],
     "ep1": ["--distributed.dp_shard=2", "--distributed.ep=1"],
+    # Recomputed blocks run the router's all-reduce and the token exchange again in
+    # backward, on every rank alike.
+    "ep2-ac": [
+        "--distributed.dp_shard=2",
+        "--distributed.ep=2",
+        "--distributed.activation_checkpointing=full",
+    ],
 }
+HSDP_EP = ["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--distributed.ep=2"]
+"""4 ranks: two replicas, each splitting the experts over its 2 shard ranks."""
 
 
 def _objective(model: torch.nn.Module, config: Any, ids: torch.Tensor, labels: torch.Tensor):
@@ -86,7 +95,7 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    share = 4 // runtime.dp_size
+    share = 4 // runtime.dp_size  # 4 sequences a step, split over the data-parallel ranks
     mine = slice(runtime.dp_rank * share, (runtime.dp_rank + 1) * share)
     gaps: dict[str, list[float]] = {"loss": [], "grads": [], "norm": [], "bias": []}
     losses = []
@@ -164,13 +173,26 @@ def test_moe_layouts_train_like_one_process(two_ranks, router, layout):
         assert result["eval_logits"] < TOL
         if router == "sigmoid":
             assert result["bias_moved"]
-        if layout == "ep2":
+        if layout.startswith("ep2"):
             # Each rank stores and computes its own half of the experts.
             assert result["expert_local_shape"][0] == 2, result
             assert "Shard(dim=0)" in result["expert_placements"]
         else:
             assert result["expert_local_shape"][0] in (2, 4)  # FSDP rows, not experts
         del rank
+
+
+def _hsdp_scenario(rank: int, world_size: int) -> dict[str, Any]:
+    return _train(rank, world_size, ROUTERS["sigmoid"] + HSDP_EP)
+
+
+@pytest.mark.distributed
+def test_experts_split_within_hsdp_replicas_train_like_one_process():
+    for result in run_distributed(_hsdp_scenario, 4, timeout_s=300):
+        assert result["init"] == 0.0
+        assert all(gap < TOL for gap in result["gaps"].values()), result["gaps"]
+        assert result["params"] < TOL and result["eval_logits"] < TOL
+        assert result["expert_local_shape"][0] == 2 and result["bias_moved"]
 
 
 @pytest.mark.distributed

@@ -168,3 +168,44 @@ def test_one_process_resumes_onto_two_ranks(base, reference, tmp_path) -> None:
         atol=LOSS_TOL,
         rtol=0,
     )
+
+
+MOE = [
+    "--model.num_experts=4",
+    "--model.moe_top_k=2",
+    "--model.moe_expert_hidden_dim=16",
+    "--model.moe_router=sigmoid",
+    "--model.moe_bias_update_rate=0.01",
+    "--model.moe_aux_loss_weight=0.01",
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(base, tmp_path_factory) -> dict:
+    return _one_process(base, tmp_path_factory.mktemp("moe-one"), *MOE, "--train.batch_size=4")
+
+
+def test_an_moe_model_with_experts_split_over_two_ranks_trains_like_one_process(
+    base, moe_reference, tmp_path
+) -> None:
+    layout = ["--distributed.dp_shard=2", "--distributed.ep=2", "--train.batch_size=2"]
+    ranks = _two_ranks(base, tmp_path / "two", *MOE, *layout)
+    _assert_matches(ranks, moe_reference)
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_one_process(
+    base, moe_reference, tmp_path
+) -> None:
+    """Saved with the experts split over 2 ranks (DTensor shards) and the balancing biases
+    moved; one process loads the whole experts and biases and continues the same run."""
+    run = tmp_path / "run"
+    layout = ["--distributed.dp_shard=2", "--distributed.ep=2", "--train.batch_size=2"]
+    _two_ranks(base, run, *MOE, *layout, "--train.max_steps=2")
+    resumed = _one_process(base, run, *MOE, "--train.batch_size=4")
+    assert resumed["start_step"] == 2
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]),
+        torch.tensor(moe_reference["losses"][2:]),
+        atol=LOSS_TOL,
+        rtol=0,
+    )

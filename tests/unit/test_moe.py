@@ -806,3 +806,35 @@ def test_cli_reports_a_bad_moe_config_in_one_line_and_exits_2(capsys, package_lo
         "kempnerforge: error: model.moe_router = 'sigmod': expected one of 'softmax', "
         "'sigmoid' (did you mean 'sigmoid'?)"
     ]
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_compiled_moe_blocks_match_eager(capacity) -> None:
+    """Compiled blocks run the routing's host reads and the grouped matmul eagerly (graph
+    breaks) and give the eager outputs and gradients."""
+    from kempnerforge.distributed.parallelize import apply_compile
+    from kempnerforge.model.transformer import Transformer
+
+    cfg = ModelConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        vocab_size=64,
+        max_seq_len=32,
+        num_experts=4,
+        moe_top_k=2,
+        moe_expert_hidden_dim=16,
+        moe_capacity_factor=capacity,
+    )
+    eager, compiled = Transformer(cfg), Transformer(cfg)
+    eager.init_weights(1)
+    compiled.init_weights(1)
+    apply_compile(compiled, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    want, got = eager(ids), compiled(ids)
+    want.pow(2).mean().backward()
+    got.pow(2).mean().backward()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=0)
