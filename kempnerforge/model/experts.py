@@ -10,7 +10,8 @@ tests and the benchmark compare against.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -162,14 +163,21 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-# Run eagerly inside a compiled block: the compiler's shape rules for this op accept bf16
-# only (the CUDA kernel's rule), while the CPU kernel also runs fp32.
-@torch.compiler.disable
-def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _eager_grouped_mm(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
     # A private op (no stable name yet), looked up at run time.
     grouped_mm = getattr(torch, "_grouped_mm")  # noqa: B009
     out = grouped_mm(rows.contiguous(), weight.contiguous(), offs=offsets)
     return _ContiguousGrad.apply(out)
+
+
+_grouped_mm = cast(
+    Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    torch.compiler.disable(_eager_grouped_mm),
+)
+"""The grouped matmul, run eagerly inside a compiled block: the compiler's shape rules for
+this op accept bf16 only (the CUDA kernel's rule), while the CPU kernel also runs fp32."""
 
 
 def _padded_swiglu(
