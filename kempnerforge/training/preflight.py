@@ -66,5 +66,6 @@ def check_model_fits(config: ModelConfig, device: torch.device, shards: int = 1)
             f"gradients, optimizer moments) fit this {device.type} device's "
             f"{available / 2**30:.1f} GiB",
             f"this config builds {num_params:.3g} parameters, {needed / 2**30:.1f} GiB; "
-            "lower model.dim, model.n_layers or model.vocab_size",
+            "lower model.dim, model.n_layers or model.vocab_size"
+            + (" (or model.num_experts)" if config.is_moe else ""),
         )
