@@ -134,7 +134,7 @@ class MoEFeedForward(nn.Module):
         flat_ids = routing.expert_ids.reshape(-1)  # assignment q = token * k + slot
         load = _expert_counts(flat_ids, self.num_experts)
         keep = self._within_capacity(routing.expert_ids)
-        out = self._run_experts(tokens, routing, flat_ids, keep)
+        out = self._run_experts(tokens, routing, flat_ids, load, keep)
         if self.shared is not None:
             out = out + self.shared(tokens)
         dropped = (
@@ -168,14 +168,17 @@ class MoEFeedForward(nn.Module):
         tokens: torch.Tensor,
         routing: Routing,
         flat_ids: torch.Tensor,
+        load: torch.Tensor,
         keep: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Sort the kept assignments by expert, run the experts, weight and sum per token."""
+        """Sort the kept assignments by expert, run the experts, weight and sum per token.
+
+        ``load`` is the routed count per expert, which is the kept count when dropless."""
         k, experts = self.top_k, self.num_experts
         # Dropped assignments sort last, under a virtual expert E, and are cut off.
         key = flat_ids if keep is None else torch.where(keep.reshape(-1), flat_ids, experts)
         order = torch.argsort(key, stable=True)
-        counts = _expert_counts(key, experts)
+        counts = load if keep is None else _expert_counts(key, experts)
         if keep is not None:
             order = order[: int(counts.sum())]  # a host read: how many were kept
         # One copy of each token per slot, then a permutation: every index is taken once,
