@@ -157,6 +157,7 @@ def load_model_and_optimizer(
     check_model_keys(root, saved, model_sd)
     if not optim_sd.get("state") and any(k.startswith("optimizer.state.") for k in saved):
         raise CheckpointError(root, "the optimizer has no state to load the saved one into")
+    optim_sd = _saved_state_only(optim_sd, saved)
     to_load: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     read_dcp(root, to_load, "model/optimizer do not load", process_group, no_dist)
     set_state_dict(
@@ -165,6 +166,23 @@ def load_model_and_optimizer(
         model_state_dict=to_load["model"],
         optim_state_dict=to_load["optimizer"],
     )
+
+
+def _saved_state_only(optim_sd: dict[str, Any], saved: set[str]) -> dict[str, Any]:
+    """The optimizer state to load: only the parameters the checkpoint has state for.
+
+    A parameter that was frozen when the checkpoint was written (training/freeze.py), or
+    unfrozen but not yet stepped, has no optimizer state in it; it must have none after
+    the load either, exactly as in the run that wrote the checkpoint, so its entry (made
+    up by get_state_dict) is dropped instead of being looked for in the files.
+    """
+    state = optim_sd.get("state", {})
+    # Saved keys are "optimizer.state.<parameter fqn>.<state name>".
+    with_state = {k.rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")}
+    kept = {fqn: v for fqn, v in state.items() if f"optimizer.state.{fqn}" in with_state}
+    if len(kept) == len(state):
+        return optim_sd
+    return {**optim_sd, "state": kept}
 
 
 def load_model_weights(

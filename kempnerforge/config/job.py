@@ -18,6 +18,13 @@ from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.config.scheduler import SchedulerConfig
 from kempnerforge.config.train import TrainConfig
+from kempnerforge.config.vlm import (
+    AdapterConfig,
+    VisionEncoderConfig,
+    VisionSpec,
+    VLMConfig,
+    resolve_vision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +41,49 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    vision_encoder: VisionEncoderConfig | None = None
+    adapter: AdapterConfig | None = None
+    vlm: VLMConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.vlm is None:
+            for name in ("vision_encoder", "adapter"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        name, f"[{name}]", "a [vlm] table beside it", "it configures a VLM"
+                    )
+            return
+        if self.vision_encoder is None:
+            raise ConfigError(
+                "vlm", "[vlm]", "a [vision_encoder] table beside it", "a VLM needs an encoder"
+            )
+        if self.adapter is None:
+            self.adapter = AdapterConfig()
 
     @property
     def is_vlm(self) -> bool:
-        """True for a vision-language job. No VLM sections exist yet, so always False."""
-        return False
+        """True for a vision-language job: one with a [vlm] table."""
+        return self.vlm is not None
+
+    def vision_spec(self) -> VisionSpec:
+        """The encoder's shape (see config/vlm.py); reads the tower's config files."""
+        if self.vision_encoder is None:
+            raise ValueError("vision_spec() of a job without [vision_encoder]")
+        return resolve_vision(self.vision_encoder)
+
+    def image_tokens(self, spec: VisionSpec) -> int:
+        """Adapted tokens per image: the encoder's, fewer after a pooling adapter."""
+        adapter = self.adapter or AdapterConfig()
+        if adapter.type == "pool":
+            return (spec.grid // adapter.pool_window) ** 2
+        return spec.num_tokens
+
+    def decoder_positions(self, spec: VisionSpec) -> int:
+        """Positions of the decoder's sequence for one sample: the image tokens (joint
+        decoder only) and the text."""
+        assert self.vlm is not None
+        residual = self.image_tokens(spec) if self.vlm.arch == "joint_decoder" else 0
+        return residual + self.vlm.max_text_len
 
     @property
     def run_dir(self) -> str:
@@ -84,11 +129,44 @@ class JobConfig:
                 train.max_steps,
                 train.max_steps,
             )
+        if self.vlm is not None:
+            self._validate_vlm()
         if self.profiling.enable and self.profiling.start_step > train.max_steps:
             raise ConfigError(
                 "profiling.start_step",
                 self.profiling.start_step,
                 f"<= train.max_steps = {train.max_steps} when profiling.enable is true",
+            )
+
+    def _validate_vlm(self) -> None:
+        """A VLM against the layout and the decoder: the encoder's shape is read here, so a
+        bad tower directory or image size fails before anything is built."""
+        assert self.vlm is not None and self.adapter is not None
+        model, vlm = self.model, self.vlm
+        spec = self.vision_spec()
+        if self.adapter.type == "pool" and spec.grid % self.adapter.pool_window:
+            raise ConfigError(
+                "adapter.pool_window",
+                self.adapter.pool_window,
+                f"a divisor of the encoder's token grid side {spec.grid}",
+                f"the encoder gives {spec.num_tokens} tokens per image",
+            )
+        positions = self.decoder_positions(spec)
+        if positions > model.max_seq_len:
+            image = positions - vlm.max_text_len
+            raise ConfigError(
+                "vlm.max_text_len",
+                vlm.max_text_len,
+                f"<= model.max_seq_len - image tokens = {model.max_seq_len} - {image}",
+                "the joint decoder's sequence is the image tokens then the text; raise "
+                "model.max_seq_len or lower vlm.max_text_len",
+            )
+        if vlm.arch == "cross_attention" and vlm.cross_attention_every_n_layers > model.n_layers:
+            raise ConfigError(
+                "vlm.cross_attention_every_n_layers",
+                vlm.cross_attention_every_n_layers,
+                f"<= model.n_layers = {model.n_layers}",
+                "otherwise no decoder layer is followed by a cross-attention block",
             )
 
     def _validate_layout(self, world_size: int) -> None:
@@ -123,6 +201,17 @@ class JobConfig:
                     f"a divisor of the feed-forward size {model.hidden_dim}",
                     "set model.ffn_hidden_dim or model.multiple_of",
                 )
+        if self.vlm is not None:
+            for name, degree in (("pp", dist.pp), ("tp", dist.tp)):
+                if degree > 1:
+                    raise ConfigError(
+                        f"distributed.{name}",
+                        degree,
+                        "1 for a vision-language model ([vlm])",
+                        "the vision encoder, the adapter and the cross-attention blocks are "
+                        "not split into pipeline stages or tensor-parallel shards; use "
+                        "distributed.dp_shard (FSDP) to spread a VLM over devices",
+                    )
         self._validate_pipeline()
         self._validate_experts(shape["dp_shard"])
         if self.optimizer.name == "muon" and (shape["dp_shard"] > 1 or dist.tp > 1):

@@ -167,6 +167,10 @@ def coerce(hint: Any, value: Any, field: str) -> Any:
         is_none = value is None or (raw is not None and raw.lower() in ("none", "null"))
         if is_none and type(None) in options:
             return None
+        tables = [o for o in options if dataclasses.is_dataclass(o) and isinstance(o, type)]
+        if isinstance(value, dict) and len(tables) == 1:
+            # An optional section given as a table: its own errors name its own fields.
+            return coerce(tables[0], value, field)
         errors = []
         for option in options:
             if option is type(None):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -383,7 +383,45 @@ def apply_fsdp(
             mp_policy=policy,
             reshard_after_forward=reshard_after_forward and not keep,
         )
+    for unit in extra_units(model):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    for unit in own_dtype_units(model):
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     for root in roots or [model]:
         fully_shard(
             root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
         )
+
+
+def extra_units(model: nn.Module) -> list[nn.Module]:
+    """Modules besides the decoder blocks that are FSDP units of their own, in the
+    parameter dtype: a vision-language model's adapter and cross-attention blocks (its
+    ``fsdp_units()``); none for a text model."""
+    units = getattr(model, "fsdp_units", None)
+    return list(units()) if callable(units) else []  # type: ignore[arg-type]
+
+
+def own_dtype_units(model: nn.Module) -> list[nn.Module]:
+    """FSDP units that keep their parameters' own dtype in compute, whatever the mixed
+    precision: a vision-language model's encoder layers (its ``own_dtype_fsdp_units()``)."""
+    units = getattr(model, "own_dtype_fsdp_units", None)
+    return list(units()) if callable(units) else []  # type: ignore[arg-type]
+
+
+def refresh_sharded_trainable(model: nn.Module) -> None:
+    """Tell FSDP which parameters train after requires_grad changed mid-run (a freeze
+    schedule's transition).
+
+    FSDP2 settles each unit's gradient dtypes from its trainable parameters once, at the
+    first forward; a unit whose parameters were all frozen then has none, and would fail
+    to reduce their gradients once they are unfrozen. Settling them again from the
+    current requires_grad fixes that; units not yet initialised settle at their first
+    forward anyway. A model without FSDP is left alone.
+    """
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()  # noqa: SLF001 - no public way to re-settle dtypes
+        for group in getattr(state, "_fsdp_param_groups", []):
+            if getattr(group, "_reset_sharded_params", False):  # lazily initialised already
+                group._init_mp_dtypes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -104,13 +105,7 @@ class Transformer(nn.Module):
 
     def _init_std(self, name: str) -> float | None:
         """The normal std parameter ``name`` is drawn with; None for a norm gain (ones)."""
-        if name.endswith("norm.weight"):
-            return None
-        if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
-            # The projections that write the residual stream (dense, shared and routed
-            # experts' down projections): its variance at init must not grow with depth.
-            return self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
-        return self.cfg.init_std
+        return init_std(self.cfg, name)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -124,21 +119,41 @@ class Transformer(nn.Module):
         sharded (DTensor) parameter keeps its shard of the same full draw, a pipeline stage
         the same layers as the whole model. One full parameter exists at a time.
         """
-        cfg = self.cfg
-        # to_empty() gives each module its own tensor, which silently unties the head.
+        self.tie_head()
+        if any(p.is_meta for p in self.parameters()):
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        self.init_parameters(seed)
+        self.reset_buffers()
+
+    def tie_head(self) -> None:
+        """Make the head's weight the embedding's again when cfg.tie_embeddings: to_empty()
+        gives each module its own tensor, which silently unties them."""
         if (
-            cfg.tie_embeddings
+            self.cfg.tie_embeddings
             and self.output is not None
             and self.tok_embeddings is not None
             and self.output.weight is not self.tok_embeddings.weight
         ):
             self.output.weight = self.tok_embeddings.weight
-        if any(p.is_meta for p in self.parameters()):
-            return
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()))
+
+    @torch.no_grad()
+    def init_parameters(self, seed: int, prefix: str = "") -> None:
+        """Draw every parameter from its own generator seeded by ``seed`` and its name.
+
+        ``prefix`` is prepended to the names that seed the generators: a model that holds
+        this one as a submodule passes the submodule's path (``"decoder."``), so each
+        parameter's draw follows its name in the enclosing model's state dict.
+        """
         for name, param in self.named_parameters():
-            fill_parameter(param, self._init_std(name), parameter_seed(seed, name))
+            fill_parameter(param, self._init_std(name), parameter_seed(seed, prefix + name))
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables and zero the routers' balancing biases: to_empty()
+        leaves buffers uninitialized and they are not drawn like parameters."""
+        cfg = self.cfg
         for module in self.modules():
             if isinstance(module, Router) and module.expert_bias is not None:
                 module.expert_bias.zero_()
@@ -169,14 +184,53 @@ class Transformer(nn.Module):
         computed here, not by the caller, because FSDP gathers the head's weight only
         inside this forward.
         """
-        seq_len = input_ids.shape[1]
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        cos, sin = self.rope(input_ids.shape[1])
         mask = None if doc_ids is None else document_causal_mask(doc_ids)
-        h = input_ids if self.tok_embeddings is None else self.tok_embeddings(input_ids)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+        h = self.run_layers(self.embed(input_ids), cos, sin, mask)
         if self.norm is None or self.output is None:
             return h
+        return self.apply_head(h, labels, loss_spec)
+
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE (cos, sin) rows of positions 0 .. seq_len - 1."""
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> residual stream (batch, seq, dim); a stage without the
+        embedding passes its input (hidden states) through."""
+        return input_ids if self.tok_embeddings is None else self.tok_embeddings(input_ids)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run the blocks in index order over the residual stream ``h``.
+
+        ``after_layer(index, h)``, if given, is called on each block's output and its result
+        continues the stream: a model that interleaves its own blocks with these (gated
+        cross-attention) reuses the loop instead of copying it.
+        """
+        for index, layer in self.layers.items():
+            h = layer(h, cos, sin, mask)
+            if after_layer is not None:
+                h = after_layer(int(index), h)
+        return h
+
+    def apply_head(
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_spec: HeadLossSpec | None = None,
+    ) -> torch.Tensor | HeadLoss:
+        """Final norm then the head: logits, or with ``labels`` the HeadLoss (see forward).
+
+        Only for a model holding the norm and the head (not a pipeline stage without them).
+        """
+        assert self.norm is not None and self.output is not None, "a stage without the head"
         if labels is not None:
             return head_loss(self.norm(h), self.output, labels, loss_spec or HeadLossSpec())
         return self.output(self.norm(h))
@@ -222,6 +276,22 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def init_std(cfg: ModelConfig, name: str) -> float | None:
+    """The normal std a block-style parameter ``name`` is drawn with; None for a norm gain.
+
+    init_std for the embedding and every projection, init_std / sqrt(2 * n_layers) for the
+    projections that write the residual stream, ones for norm gains. Shared by the decoder
+    and by any block built like its blocks (gated cross-attention).
+    """
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
+        # The projections that write the residual stream (dense, shared and routed
+        # experts' down projections): its variance at init must not grow with depth.
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std
+
+
 def fill_parameter(param: torch.Tensor, std: float | None, seed: int) -> None:
     """Fill ``param`` with normal(0, std) (ones when std is None) drawn by a generator seeded
     with ``seed``; a DTensor gets its own shard of the same full tensor."""
@@ -232,8 +302,24 @@ def fill_parameter(param: torch.Tensor, std: float | None, seed: int) -> None:
     generator = torch.Generator(device=local.device).manual_seed(seed)
     full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
     full.normal_(0.0, std, generator=generator)
+    copy_full_tensor(param, full)
+
+
+def zero_parameter(param: torch.Tensor) -> None:
+    """Set ``param`` (or, for a DTensor, this rank's shard of it) to zeros."""
+    (param.to_local() if isinstance(param, DTensor) else param).zero_()
+
+
+def copy_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole-model value ``full`` into ``param``: a DTensor keeps its own shard.
+
+    ``full`` must have param's full shape; it is cast to the parameter's dtype and device.
+    Every rank passes the same ``full``, so the slicing needs no communication.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):
-        # src_data_rank=None: every rank drew the same tensor, so each keeps its slice
+        # src_data_rank=None: every rank holds the same tensor, so each keeps its slice
         # without any communication.
         full = distribute_tensor(
             full, param.device_mesh, param.placements, src_data_rank=None

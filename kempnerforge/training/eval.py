@@ -11,9 +11,8 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.metrics.logging import get_logger
-from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec
-from kempnerforge.training.loss import cross_entropy_sum
+from kempnerforge.training.forward import select_batch_loss
 from kempnerforge.training.session import TrainingSession
 
 logger = get_logger(__name__)
@@ -79,6 +78,7 @@ def evaluate_model(
     if not data.eval_datasets:
         return {}
     batch_size = config.eval.batch_size or config.train.batch_size
+    batch_loss = select_batch_loss(config)
     spec = HeadLossSpec(config.train.loss_chunk_tokens, z_loss_weight=0.0)
     was_training = model.training
     model.eval()
@@ -89,11 +89,7 @@ def evaluate_model(
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, tokens
             for cpu_batch in data.eval_batches(config.eval.steps, batch_size, name):
                 batch = {k: v.to(device) for k, v in cpu_batch.items()}
-                masked = config.data.document_masking and needs_document_mask(
-                    cpu_batch.get("doc_ids")
-                )
-                doc_ids = batch.get("doc_ids") if masked else None
-                sums[0] += _loss_sum(model, batch, doc_ids, spec).double()
+                sums[0] += batch_loss(model, batch, cpu_batch, spec).double()
                 sums[1] += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
             if group is not None:
                 dist.all_reduce(sums, group=group)
@@ -112,17 +108,3 @@ def evaluate_model(
     if config.eval.sets:
         metrics.update(per_set)
     return metrics
-
-
-def _loss_sum(
-    model: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    doc_ids: torch.Tensor | None,
-    spec: HeadLossSpec,
-) -> torch.Tensor:
-    """Summed cross-entropy of one batch (the spec carries no z-loss): the model's chunked
-    head when spec.chunk_tokens > 0, else whole logits."""
-    if spec.chunk_tokens > 0:
-        head = model(batch["input_ids"], doc_ids=doc_ids, labels=batch["labels"], loss_spec=spec)
-        return head.loss_sum
-    return cross_entropy_sum(model(batch["input_ids"], doc_ids=doc_ids), batch["labels"])

@@ -27,6 +27,7 @@ from kempnerforge.model.moe import begin_router_step, finish_router_step, moe_la
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.training.accumulate import accumulate, autocast, finish_step, step_tokens
 from kempnerforge.training.eval import evaluate
+from kempnerforge.training.freeze import freeze_meta_at_step
 from kempnerforge.training.grad import total_grad_norm
 from kempnerforge.training.hooks import StepContext
 from kempnerforge.training.loss import TokenCrossEntropy
@@ -143,7 +144,12 @@ def vlm_step(session: TrainingSession, step: int) -> StepResult:
     """VLM step (no PP): pixel_values + input_ids forward, with a text-token count.
 
     The model is called as ``model(pixel_values, input_ids)`` and returns logits over the
-    text positions, aligned with ``labels``; session.loss_fn turns them into the loss.
+    text positions, aligned with ``labels`` (the data shifts them: each text position
+    predicts the next token); session.loss_fn turns them into the summed loss, or, with
+    train.loss_chunk_tokens > 0, the model computes it from the labels in chunks, as in
+    text_step. The loss is token-weighted over the step's supervised text tokens, and
+    ``text_tokens`` is their count over every data-parallel rank, which the loop counts
+    as the step's tokens. An MoE decoder's routers get ``step`` as in text_step.
     """
     model, tc = session.model, session.config.train
     if session.config.model.is_moe:
@@ -151,10 +157,14 @@ def vlm_step(session: TrainingSession, step: int) -> StepResult:
     if not session.batches.has_data:
         raise RuntimeError("a VLM step needs a dataloader of image-text batches")
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
+    fused = spec.chunk_tokens > 0 and isinstance(session.loss_fn, TokenCrossEntropy)
 
     def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(batch["pixel_values"], batch["input_ids"])
-        return session.loss_fn(logits, batch["labels"])
+        pixels, input_ids, labels = batch["pixel_values"], batch["input_ids"], batch["labels"]
+        if fused:
+            return model(pixels, input_ids, labels=labels, loss_spec=spec).loss_sum
+        return session.loss_fn(model(pixels, input_ids), labels)
 
     loss, grad_norm, text_tokens = accumulate(session, micro_batches, micro_loss, add_moe_losses)
     return StepResult(loss=loss, grad_norm=grad_norm, text_tokens=text_tokens)
@@ -201,9 +211,15 @@ def checkpoint_extra(config: JobConfig, step: int, phases: PhaseState) -> dict:
 
     ``config`` is the whole resolved config: a resume compares it field by field with
     its own (see resume_guard) and a run's effective settings stay recoverable from any
-    of its checkpoints. vlm_freeze joins these once vision-language models exist.
+    of its checkpoints. A VLM's ``vlm_freeze`` is the freeze state after the last
+    FreezeStage at or before ``step`` (freeze_meta_at_step): a stage firing at ``step``
+    runs before the save, so the checkpoint of a transition step holds the new state, and
+    a resume checks its own schedule against it.
     """
-    return {"step": step, "phases": phases.state_dict(), "config": config_to_dict(config)}
+    extra = {"step": step, "phases": phases.state_dict(), "config": config_to_dict(config)}
+    if config.is_vlm:
+        extra["vlm_freeze"] = freeze_meta_at_step(config, step)
+    return extra
 
 
 # --- What the loop does around the step body ------------------------------------------
@@ -247,7 +263,17 @@ def _checkpoint_committed(session: TrainingSession, step: int, path: str, second
     session.hooks.on_checkpoint_save(step, path)
 
 
-def _tokens_per_step(session: TrainingSession) -> int:
+def _tokens_per_step(session: TrainingSession, result: StepResult) -> int:
+    """Tokens the step trained on, over every rank: a VLM's supervised text tokens (from
+    its step body), a text model's every position of every sequence."""
+    if session.config.is_vlm:
+        if result.text_tokens is None:
+            raise RuntimeError(
+                f"the step body {getattr(session.step_fn, '__name__', session.step_fn)} "
+                "returned no text_tokens for a vision-language run: its tokens/s and "
+                "tokens_seen would be wrong; count the supervised text tokens in StepResult"
+            )
+        return result.text_tokens
     tc = session.config.train
     return tc.batch_size * tc.seq_len * tc.grad_accum_steps * session.runtime.dp_size
 
@@ -304,11 +330,11 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     """Update the weights, advance step, schedule and phases, then log, evaluate and save."""
     config, optimizer = session.config, session.optimizer
     lr = optimizer.param_groups[0]["lr"]  # the LR this update uses
+    tokens = _tokens_per_step(session, result)
     optimizer.step()
     session.scheduler.step()
     refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
     optimizer.zero_grad(set_to_none=True)
-    tokens = _tokens_per_step(session)
     progress.step += 1
     progress.tokens_seen += tokens
     step, tokens_seen = progress.step, progress.tokens_seen

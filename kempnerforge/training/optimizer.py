@@ -28,7 +28,11 @@ EMBEDDING_MODULE_TYPES = (torch.nn.Embedding,)
 def param_groups(
     model: torch.nn.Module, cfg: OptimizerConfig, *, with_names: bool = False
 ) -> ParamGroups:
-    """Split trainable parameters into a decayed and a non-decayed group.
+    """Split the parameters into a decayed and a non-decayed group.
+
+    Frozen parameters (requires_grad False) are included: they have no gradient, so every
+    optimizer here skips them, and a freeze schedule that unfreezes them later trains them
+    with the optimizer as built (training/freeze.py), instead of leaving them out for good.
 
     Matrices decay. 1-D parameters (norm weights, biases) and embedding tables do not,
     unless cfg.decay_norms_and_biases / cfg.decay_embeddings say otherwise. A tied
@@ -44,8 +48,6 @@ def param_groups(
     decay: list[tuple[str, torch.nn.Parameter]] = []
     no_decay: list[tuple[str, torch.nn.Parameter]] = []
     for name, param in model.named_parameters():  # de-duplicated: a tied weight appears once
-        if not param.requires_grad:
-            continue
         if id(param) in embedding_ids:
             (decay if cfg.decay_embeddings else no_decay).append((name, param))
         elif param.ndim < 2:

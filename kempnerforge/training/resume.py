@@ -19,6 +19,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.training.freeze import check_saved_freeze
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.optimizer import set_optimizer_mode
 from kempnerforge.training.profiling import build_profiler
@@ -103,6 +104,7 @@ def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePla
         world_size=checkpointer.world_size,
     ):
         mode = FRESH_OPTIMIZER
+    check_saved_freeze(extra.get("vlm_freeze"), config, step, path)
     max_steps = config.train.max_steps
     if step > max_steps:
         raise ConfigError(

@@ -6,8 +6,10 @@ differing field falls in one of three kinds, and none is ever silent:
 - applied: the new value takes effect from the resumed step, with a warning naming the
   field and both values: learning rate, weight decay, betas, eps and the other optimizer
   hyperparameters, the MoE router loss weights and bias update rate, gradient clipping,
-  the schedule, max_steps, the NaN thresholds, and the data sources (the sampler
-  restarts its epoch over changed data, and says so);
+  the schedule, max_steps, the NaN thresholds, the data sources (the sampler restarts
+  its epoch over changed data, and says so), and a VLM's freeze list and schedule, as
+  long as they give the freeze state the checkpoint recorded (vlm_freeze) at its step:
+  only stages still to come may change;
 - operational: logged (info) and used: names, directories, intervals, logging, hooks,
   threads and workers, the loss's chunk size, eval, checkpoint and profiling settings;
 - refused: anything else, because it changes what the saved state means: the model, the
@@ -65,6 +67,10 @@ APPLIED = (
     "data.mix_temperature",
     "data.shuffle",
     "data.builtin_eval_fraction",
+    "vlm.freeze",
+    "vlm.freeze_schedule",
+    "vlm.data",
+    "vlm.synthetic_samples",
 )
 """Fields (or section prefixes ending in '.') whose new value takes effect on resume."""
 
@@ -83,6 +89,8 @@ OPERATIONAL = (
     "train.loss_chunk_tokens",
     "data.num_workers",
     "data.cache_dir",
+    "vlm.eval_data",
+    "vlm.bad_images",
     "eval.",
     "checkpoint.",
     "metrics.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.model import generate_greedy
+from kempnerforge.training.forward import vlm_window_logits
 from kempnerforge.training.optimizer import optimizer_eval_mode
 from kempnerforge.training.session import TrainingSession
 
@@ -23,6 +24,8 @@ def sample_text(session: TrainingSession) -> str | None:
     forward on one rank, so there is no sample.
     """
     tc = session.config.train
+    if session.config.is_vlm and tc.sample_tokens > 0:
+        return caption_sample(session)
     if not tc.sample_prompt or tc.sample_tokens == 0 or session.pipeline is not None:
         return None
     tokenizer = session.data.tokenizer
@@ -35,6 +38,34 @@ def sample_text(session: TrainingSession) -> str | None:
             stop_id=tokenizer.eos_id,
         )
     return tc.sample_prompt + tokenizer.decode(new_ids)
+
+
+def caption_sample(session: TrainingSession) -> str | None:
+    """A vision-language model's greedy caption of the first held-out image (the first
+    training image without eval data), after BOS and train.sample_prompt, with the
+    reference caption; None without data."""
+    config, tokenizer = session.config, session.data.tokenizer
+    assert config.vlm is not None
+    dataset = session.data.eval_dataset or session.data.dataset
+    if dataset is None or len(dataset) == 0:
+        return None
+    sample = dataset[0]
+    device = session.runtime.device
+    pixels = sample["pixel_values"][None].to(device)
+    prompt = [tokenizer.bos_id, *tokenizer.encode(config.train.sample_prompt)]
+    room = config.vlm.max_text_len - len(prompt)
+    with optimizer_eval_mode(session.optimizer):
+        new_ids = generate_greedy(
+            session.model,
+            prompt,
+            max_new_tokens=max(0, min(config.train.sample_tokens, room)),
+            max_seq_len=config.vlm.max_text_len,
+            stop_id=tokenizer.eos_id,
+            forward=vlm_window_logits(session.model, pixels),
+        )
+    labels = [int(t) for t in sample["labels"] if int(t) >= 0 and int(t) != tokenizer.eos_id]
+    caption = config.train.sample_prompt + tokenizer.decode(new_ids)
+    return f"caption of image 0: {caption!r}\nreference:          {tokenizer.decode(labels)!r}"
 
 
 def print_sample(session: TrainingSession) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
+from kempnerforge.training.freeze import freeze_for_step
 from kempnerforge.training.session import TrainingSession
 
 
@@ -40,5 +41,10 @@ def restore_train_state(
     phases = state.get("extra", {}).get("phases")
     if phases:
         session.phases.load_state_dict(phases)
+    step = int(state["step"])
+    # The freeze state is the config's at this step, whatever the model held before; the
+    # loaded optimizer state already matches it (a frozen parameter has none saved).
+    freeze_for_step(session.model, session.config, step)
+    session.phases.skip_freeze_to(step)
     restore_rng_state(state["rng"])
-    return int(state["step"]), int(state["tokens_seen"])
+    return step, int(state["tokens_seen"])

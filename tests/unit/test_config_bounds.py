@@ -11,19 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kempnerforge.config.errors import ConfigError
-from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
+from kempnerforge.config.reference import section_classes
 
 
 def _fields_of_type(kind: type) -> list[str]:
     """Dotted names of the top-level section fields declared as ``kind`` or ``kind | None``."""
     names = []
-    for section in dataclasses.fields(JobConfig):
-        cls = section.default_factory  # type: ignore[misc]
+    for section, cls in section_classes().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if hints[f.name] in (kind, kind | None):
-                names.append(f"{section.name}.{f.name}")
+                names.append(f"{section}.{f.name}")
     return names
 
 
@@ -216,8 +215,7 @@ def test_ordinary_mixture_temperatures_validate(tmp_path):
 # ---- fuzzing a whole TOML file ----------------------------------------------------------
 
 _SECTIONS = {
-    section.name: [f.name for f in dataclasses.fields(section.default_factory())]  # type: ignore[misc]
-    for section in dataclasses.fields(JobConfig)
+    section: [f.name for f in dataclasses.fields(cls)] for section, cls in section_classes().items()
 }
 _ints = st.one_of(
     st.integers(-10, 10_000),
@@ -296,8 +294,8 @@ _TYPED: dict[str, st.SearchStrategy[str]] = {
 
 
 def _value_for(section: str, key: str) -> st.SearchStrategy[str]:
-    cls = dict((f.name, f.default_factory) for f in dataclasses.fields(JobConfig)).get(section)
-    hint = typing.get_type_hints(cls).get(key) if cls else None  # type: ignore[arg-type]
+    cls = section_classes().get(section)
+    hint = typing.get_type_hints(cls).get(key) if cls else None
     typed = _TYPED.get(key)
     if typed is None and hint in (int, int | None):
         typed = _ints
