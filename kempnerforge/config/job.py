@@ -161,6 +161,21 @@ class JobConfig:
                 "the joint decoder's sequence is the image tokens then the text; raise "
                 "model.max_seq_len or lower vlm.max_text_len",
             )
+        data = self.data
+        for field_name, value in (
+            ("data.path", data.path),
+            ("data.eval_path", data.eval_path),
+            ("data.datasets", data.datasets),
+            ("eval.sets", self.eval.sets),
+        ):
+            if value:
+                raise ConfigError(
+                    field_name,
+                    value,
+                    "empty for a vision-language job ([vlm])",
+                    "it names token data; give image-text pairs with vlm.data and "
+                    "vlm.eval_data (jsonl indexes)",
+                )
         if vlm.arch == "cross_attention" and vlm.cross_attention_every_n_layers > model.n_layers:
             raise ConfigError(
                 "vlm.cross_attention_every_n_layers",

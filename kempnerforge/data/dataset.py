@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -12,6 +12,17 @@ from kempnerforge.data.errors import DataError
 from kempnerforge.data.token_file import DTYPES, check_token_ids, check_tokens_file, read_meta
 
 IGNORE_INDEX = -100
+
+
+class SampleDataset(Protocol):
+    """What the training loader and eval read: samples by index, and a path naming where
+    they come from (for messages)."""
+
+    path: str
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]: ...
 
 
 class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +12,11 @@ from torch.utils.data import default_collate
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
+from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
-from kempnerforge.data.dataset import MemoryMappedDataset
+from kempnerforge.data.dataset import MemoryMappedDataset, SampleDataset
 from kempnerforge.data.errors import DataError, DataPathError
+from kempnerforge.data.image_text import build_image_text_datasets
 from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
@@ -42,13 +44,17 @@ class DataPipeline:
 
     ``bos_per_document`` says whether the training documents start with BOS (every source of
     a mixture), so a prompt given to the trained model can start the same way.
+
+    A vision-language job's datasets are image-text pairs (build_image_text_pipeline): its
+    batches hold ``pixel_values`` (float32, ``(batch, 3, S, S)``), ``input_ids`` and
+    ``labels`` (int64, ``(batch, vlm.max_text_len)``), read the same stateful way.
     """
 
-    dataset: MemoryMappedDataset | MixtureDataset | None
+    dataset: MixtureDataset | SampleDataset | None
     sampler: ShardedSampler | MixtureSampler | None
     dataloader: TrainDataLoader | None
     tokenizer: Tokenizer
-    eval_datasets: dict[str, MemoryMappedDataset] = field(default_factory=dict)
+    eval_datasets: Mapping[str, SampleDataset] = field(default_factory=dict)
     dp_rank: int = 0
     dp_size: int = 1
     dataset_names: list[str] = field(default_factory=list)
@@ -86,7 +92,7 @@ class DataPipeline:
         logger.info("mixture weights now %s", dict(zip(self.dataset_names, weights, strict=True)))
 
     @property
-    def eval_dataset(self) -> MemoryMappedDataset | None:
+    def eval_dataset(self) -> SampleDataset | None:
         """The first held-out set, or None without eval data."""
         return next(iter(self.eval_datasets.values()), None)
 
@@ -153,11 +159,12 @@ class DataPipeline:
         return self._eval_batches(self.eval_datasets[name], num_batches, batch_size)
 
     def _eval_batches(
-        self, dataset: MemoryMappedDataset, num_batches: int, batch_size: int
+        self, dataset: SampleDataset, num_batches: int, batch_size: int
     ) -> Iterator[dict[str, torch.Tensor]]:
+        size = len(dataset)
         for j in range(num_batches):
             first = (j * self.dp_size + self.dp_rank) * batch_size
-            samples = [dataset[(first + k) % len(dataset)] for k in range(batch_size)]
+            samples = [dataset[(first + k) % size] for k in range(batch_size)]
             yield default_collate(samples)
 
 
@@ -290,6 +297,65 @@ def build_data_pipeline(
         dp_size=dp_size,
         dataset_names=names if with_train else [],
         bos_per_document=bos,
+    )
+
+
+def build_image_text_pipeline(
+    cfg: DataConfig,
+    vlm: VLMConfig,
+    spec: VisionSpec,
+    *,
+    batch_size: int,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    model_vocab_size: int | None = None,
+    with_train: bool = True,
+) -> DataPipeline:
+    """A vision-language job's data: image-text pairs from vlm.data (or synthetic ones),
+    tokenised with data.tokenizer, read in data.shuffle order by data.num_workers workers.
+
+    The held-out sets come from vlm.eval_data (or the synthetic held-out set); [[eval.sets]]
+    name prepared token directories, which a vision-language job does not read.
+    """
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            model_vocab_size,
+            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
+            f"data.tokenizer = {cfg.tokenizer!r}",
+        )
+    dataset, eval_datasets = build_image_text_datasets(
+        vlm, spec, tokenizer, seed, with_train=with_train
+    )
+    sampler = loader = None
+    if dataset is not None:
+        size = len(dataset)
+        sampler = ShardedSampler(size, dp_rank, dp_size, seed, shuffle=cfg.shuffle)
+        if sampler.samples_per_rank < batch_size:
+            raise DataError(
+                f"{vlm.data or 'the synthetic image-text data'}: {size} pairs give each of "
+                f"{dp_size} data-parallel ranks {sampler.samples_per_rank}, fewer than one "
+                f"batch of {batch_size}; add pairs (or raise vlm.synthetic_samples) or lower "
+                "train.batch_size"
+            )
+        loader = build_train_loader(dataset, sampler, batch_size, cfg.num_workers, seed)
+        logger.info(
+            "training data %s: %s image-text pairs, %d batches per epoch per rank",
+            vlm.data or "synthetic images",
+            f"{size:,}",
+            sampler.samples_per_rank // batch_size,
+        )
+    return DataPipeline(
+        dataset=dataset,
+        sampler=sampler,
+        dataloader=loader,
+        tokenizer=tokenizer,
+        eval_datasets=eval_datasets,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        bos_per_document=True,
     )
 
 

@@ -15,7 +15,7 @@ from kempnerforge.config.vlm import AdapterConfig, VisionEncoderConfig, VisionSp
 from kempnerforge.model.adapter import ImageAdapter, build_adapter
 from kempnerforge.model.cross_attention import GatedCrossAttentionBlock
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
-from kempnerforge.model.transformer import Transformer
+from kempnerforge.model.transformer import Transformer, flops_per_token
 from kempnerforge.model.vision import VisionEncoder, build_vision_encoder
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
@@ -179,6 +179,40 @@ class VisionLanguageModel(nn.Module):
     def num_params(self) -> int:
         """Parameters of the whole model (a tied embedding/head matrix once)."""
         return sum(p.numel() for p in self.parameters())
+
+    def group_sizes(self) -> dict[str, int]:
+        """Parameters per freeze group ('encoder', 'adapter', 'decoder', and
+        'cross_attention' when the arch has it), whole-model counts also when sharded."""
+        sizes: dict[str, int] = {}
+        for name, param in self.named_parameters():
+            group = name.split(".", 1)[0]
+            sizes[group] = sizes.get(group, 0) + param.numel()
+        return sizes
+
+    def flops_per_text_token(self, text_len: int) -> float:
+        """Approximate training FLOPs of one sample divided by its ``text_len`` text
+        positions, for MFU.
+
+        The decoder's cost over its whole sequence (image prefix included for the joint
+        decoder: transformer.flops_per_token at that length, times the length); the adapter
+        and the gated blocks trained (6 FLOPs per weight and token they process, plus the
+        blocks' attention over the image tokens); the encoder forward only (2 per weight
+        and token: it is usually frozen, and its attention is not counted). The loop counts
+        *supervised* text tokens, so padded captions make the reported MFU a lower bound.
+        """
+        sizes = self.group_sizes()
+        positions = self.num_image_tokens + text_len
+        total = flops_per_token(self.cfg, positions) * positions
+        total += 6.0 * sizes.get("adapter", 0) * self.adapter.num_output_tokens
+        total += 2.0 * sizes.get("encoder", 0) * self.spec.num_tokens
+        if self.cross_attention is not None:
+            context = self.adapter.num_output_tokens
+            per_block_attention = 12.0 * self.cfg.dim * context
+            blocks = len(self.cross_attention)
+            total += (6.0 * sizes.get("cross_attention", 0) + blocks * per_block_attention) * (
+                text_len
+            )
+        return total / text_len
 
 
 def _check_batch(

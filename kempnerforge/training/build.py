@@ -13,7 +13,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.data.phases import PhaseState, TrainingPhase
-from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline, build_image_text_pipeline
 from kempnerforge.distributed.parallelize import parallelize_model
 from kempnerforge.distributed.pipeline import (
     PipelineBundle,
@@ -28,8 +28,10 @@ from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.model import build_model
 from kempnerforge.model.transformer import flops_per_token as model_flops_per_token
+from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
+from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.loop import TrainingSession, select_step_fn
@@ -78,7 +80,9 @@ def build_model_on_mesh(
     activation checkpointing, compile, FSDP: parallelize_model), and only then
     materialised on this rank's device, so no rank ever holds more than its shard. A
     pipeline rank keeps only the layers of its stages. Weights are drawn per parameter
-    from the seed (Transformer.init_weights), identical in every layout.
+    from the seed (Transformer.init_weights), identical in every layout. A vision-language
+    model (a [vlm] job) is built the same way, its pretrained tower read from its
+    directory by init_weights, and starts in the freeze state of step 0 (vlm.freeze).
     """
     tc, dc = config.train, config.distributed
     stage_ids: list[int] = []
@@ -89,16 +93,52 @@ def build_model_on_mesh(
             ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
             model, stages = build_stage_model(config.model, stage_ids, ranges)
             stage_modules.extend(stages)
+        elif config.is_vlm:
+            model = build_vlm(config, config.vision_spec())
         else:
             model = build_model(config.model)
     parallelize_model(model, runtime, config, roots=stage_modules or None)
     model.to_empty(device=runtime.device)
     torch.manual_seed(tc.seed)  # the weights depend on the seed, not on what ran before
     model.init_weights()
+    frozen = freeze_for_step(model, config, 0)
+    if frozen:
+        logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
     if dc.pp == 1:
         return model, None
     setattr(model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
     return model, build_pipeline(stage_modules, stage_ids, runtime, config, loss_fn)
+
+
+def build_job_data(
+    config: JobConfig, runtime: RuntimeContext, *, with_train: bool = True
+) -> DataPipeline:
+    """This rank's data: image-text pairs for a [vlm] job, token windows otherwise."""
+    tc = config.train
+    if config.is_vlm:
+        assert config.vlm is not None
+        return build_image_text_pipeline(
+            config.data,
+            config.vlm,
+            config.vision_spec(),
+            batch_size=tc.batch_size,
+            seed=tc.seed,
+            dp_rank=runtime.dp_rank,
+            dp_size=runtime.dp_size,
+            model_vocab_size=config.model.vocab_size,
+            with_train=with_train,
+        )
+    return build_data_pipeline(
+        config.data,
+        seq_len=tc.seq_len,
+        batch_size=tc.batch_size,
+        seed=tc.seed,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dp_size,
+        model_vocab_size=config.model.vocab_size,
+        with_train=with_train,
+        eval_sets=config.eval.sets,
+    )
 
 
 def build_session(
@@ -121,19 +161,20 @@ def build_session(
     shards = runtime.mesh_size("dp_shard") * runtime.tp_size * runtime.pp_size
     check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
-    data = build_data_pipeline(
-        config.data,
-        seq_len=tc.seq_len,
-        batch_size=tc.batch_size,
-        seed=tc.seed,
-        dp_rank=runtime.dp_rank,
-        dp_size=runtime.dp_size,
-        model_vocab_size=config.model.vocab_size,
-        eval_sets=config.eval.sets,
-    )
+    data = build_job_data(config, runtime)
     loss_fn = build_loss_fn(tc)
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
-    flops_per_token = model_flops_per_token(config.model, tc.seq_len)
+    if isinstance(model, VisionLanguageModel):
+        assert config.vlm is not None
+        flops_per_token = model.flops_per_text_token(config.vlm.max_text_len)
+        logger.info(
+            "vision-language model (%s): %s; FLOPs per text token approximate "
+            "(VisionLanguageModel.flops_per_text_token)",
+            config.vlm.arch,
+            ", ".join(f"{group} {n / 1e6:.2f}M" for group, n in model.group_sizes().items()),
+        )
+    else:
+        flops_per_token = model_flops_per_token(config.model, tc.seq_len)
     if runtime.device.type == "cpu":
         logger.info(
             "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
@@ -141,10 +182,12 @@ def build_session(
             torch.get_num_threads(),
             config.data.num_workers,
         )
+    is_vlm = isinstance(model, VisionLanguageModel)
     logger.info(
-        "model: %.2fM parameters, %.3g FLOPs/token",
-        config.model.num_params() / 1e6,
+        "model: %.2fM parameters, %.3g FLOPs/%stoken",
+        (model.num_params() if is_vlm else config.model.num_params()) / 1e6,
         flops_per_token,
+        "text " if is_vlm else "",
     )
     optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
@@ -169,7 +212,8 @@ def build_session(
         step_fn=select_step_fn(config),
         data=data,
         phases=PhaseState(
-            [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases]
+            [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases],
+            freeze_stages=config.vlm.freeze_schedule if config.vlm is not None else None,
         ),
         checkpointer=checkpointer or build_checkpointer(config, runtime),
         tracker=tracker,

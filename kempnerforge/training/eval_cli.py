@@ -46,6 +46,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
     from kempnerforge.metrics.logging import configure_logging
     from kempnerforge.model import build_model
+    from kempnerforge.model.vlm import build_vlm
     from kempnerforge.training.eval import evaluate_model
 
     if args.steps is not None:
@@ -61,7 +62,8 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         if config.train.num_threads:
             torch.set_num_threads(config.train.num_threads)
         data = build_eval_data(config, runtime)
-        model = build_model(config.model).to(runtime.device)
+        with torch.device(runtime.device):
+            model = build_vlm(config) if config.is_vlm else build_model(config.model)
         checkpointer = CheckpointManager(config.checkpoint, config.checkpoint_dir)
         step = checkpointer.read_extra(args.checkpoint).get("step")
         checkpointer.load_weights(args.checkpoint, model=model)
@@ -88,19 +90,16 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
     """Tokenizer and eval sets only (no training loader); a DataError when there are none."""
-    from kempnerforge.data.pipeline import build_data_pipeline
+    from kempnerforge.training.build import build_job_data
 
-    data = build_data_pipeline(
-        config.data,
-        seq_len=config.train.seq_len,
-        batch_size=config.train.batch_size,
-        seed=config.train.seed,
-        dp_rank=runtime.dp_rank,
-        dp_size=runtime.dp_size,
-        model_vocab_size=config.model.vocab_size,
-        with_train=False,
-        eval_sets=config.eval.sets,
-    )
+    data = build_job_data(config, runtime, with_train=False)
+    if not data.eval_datasets and config.is_vlm:
+        from kempnerforge.data.errors import DataError
+
+        raise DataError(
+            "no held-out image-text pairs: set vlm.eval_data to a jsonl index (or leave "
+            "vlm.data empty to use the synthetic held-out set)"
+        )
     if not data.eval_datasets:
         data.eval_batches(1, 1)  # raises the DataError that says how to configure eval data
     return data
