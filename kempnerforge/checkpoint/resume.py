@@ -149,26 +149,67 @@ def load_model_and_optimizer(
     process_group: dist.ProcessGroup | None,
     no_dist: bool,
 ) -> None:
-    """Load the DCP files of `root` (whose keys are `saved`) into model and optimizer."""
-    # get_state_dict creates the optimizer state DCP loads into, but only when no
-    # parameter holds a gradient; stale gradients mean nothing after a load anyway.
+    """Load the DCP files of `root` (whose keys are `saved`) into model and optimizer.
+
+    The optimizer ends with exactly the checkpoint's state: an entry for every parameter
+    the checkpoint has state for, none for the others (frozen when it was written, or not
+    yet stepped), whatever the live optimizer held and whichever parameters are frozen
+    now. So a resume or rollback across a freeze stage (training/freeze.py) neither loses
+    saved moments nor keeps stale ones.
+    """
+    # get_state_dict creates the optimizer state DCP loads into, but only for an optimizer
+    # without state and gradients, and only for parameters that require grad; set_state_dict
+    # loads state only into parameters that require grad. So the live state is dropped,
+    # every parameter is trainable while the state is created, only those with saved state
+    # while it is loaded, and the flags are put back after.
     optimizer.zero_grad(set_to_none=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_model_keys(root, saved, model_sd)
-    if not optim_sd.get("state") and any(k.startswith("optimizer.state.") for k in saved):
-        raise CheckpointError(root, "the optimizer has no state to load the saved one into")
-    optim_sd = _saved_state_only(optim_sd, saved)
-    to_load: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-    read_dcp(root, to_load, "model/optimizer do not load", process_group, no_dist)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=to_load["model"],
-        optim_state_dict=to_load["optimizer"],
-    )
+    optimizer.state.clear()
+    trainable = {param: param.requires_grad for param in model.parameters()}
+    with_state = _state_fqns(saved)
+    # A tied parameter is listed under each of its names; its state may be under any one.
+    has_saved_state = {
+        id(param)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if state_fqn(name) in with_state
+    }
+    try:
+        for param in trainable:
+            param.requires_grad_(True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        check_model_keys(root, saved, model_sd)
+        if not optim_sd.get("state") and with_state:
+            raise CheckpointError(root, "the optimizer has no state to load the saved one into")
+        optim_sd = _saved_state_only(optim_sd, with_state)
+        to_load: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        read_dcp(root, to_load, "model/optimizer do not load", process_group, no_dist)
+        for param in trainable:
+            param.requires_grad_(id(param) in has_saved_state)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=to_load["model"],
+            optim_state_dict=to_load["optimizer"],
+        )
+    finally:
+        for param, flag in trainable.items():
+            param.requires_grad_(flag)
+    for param in [p for p in optimizer.state if id(p) not in has_saved_state]:
+        del optimizer.state[param]
 
 
-def _saved_state_only(optim_sd: dict[str, Any], saved: set[str]) -> dict[str, Any]:
+def state_fqn(name: str) -> str:
+    """A parameter's name as DCP keys it: without the wrappers compile and activation
+    checkpointing put in module paths."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _state_fqns(saved: set[str]) -> set[str]:
+    """The parameter FQNs that have optimizer state among the checkpoint's keys."""
+    prefix = "optimizer.state."
+    return {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
+
+
+def _saved_state_only(optim_sd: dict[str, Any], with_state: set[str]) -> dict[str, Any]:
     """The optimizer state to load: only the parameters the checkpoint has state for.
 
     A parameter that was frozen when the checkpoint was written (training/freeze.py), or
@@ -177,9 +218,7 @@ def _saved_state_only(optim_sd: dict[str, Any], saved: set[str]) -> dict[str, An
     up by get_state_dict) is dropped instead of being looked for in the files.
     """
     state = optim_sd.get("state", {})
-    # Saved keys are "optimizer.state.<parameter fqn>.<state name>".
-    with_state = {k.rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")}
-    kept = {fqn: v for fqn, v in state.items() if f"optimizer.state.{fqn}" in with_state}
+    kept = {fqn: v for fqn, v in state.items() if fqn in with_state}
     if len(kept) == len(state):
         return optim_sd
     return {**optim_sd, "state": kept}

@@ -115,7 +115,9 @@ class JobConfig:
             )
         self._validate_phases()
         self._validate_mixture_weights()
-        if train.seq_len > model.max_seq_len:
+        # A vision-language job's sequence is its image tokens plus vlm.max_text_len
+        # (checked in _validate_vlm); train.seq_len is not used by it.
+        if train.seq_len > model.max_seq_len and not self.is_vlm:
             raise ConfigError(
                 "train.seq_len", train.seq_len, f"<= model.max_seq_len = {model.max_seq_len}"
             )

@@ -24,3 +24,22 @@ class DataPathError(ConfigError, DataError):
     def __init__(self, field: str, path: str, problem: DataError) -> None:
         super().__init__(field, path, "a prepare-data directory this job can read", str(problem))
         self.args = (f"{field}: {problem}",)
+
+
+WORKER_PREFIX = "Caught DataError in DataLoader worker"
+
+
+def unwrap_worker_error(error: DataError) -> DataError:
+    """The DataError a dataloader worker raised, with its own one-line message.
+
+    A worker's exception reaches the training process re-created from its formatted
+    traceback ("Caught DataError in DataLoader worker process 0. Original Traceback ...");
+    the message a user needs is the traceback's last line. Errors raised in the training
+    process itself come back unchanged.
+    """
+    text = str(error)
+    if not text.startswith(WORKER_PREFIX):
+        return error
+    marker = f"{DataError.__module__}.{DataError.__name__}: "
+    last = text.rstrip().rsplit(marker, 1)
+    return DataError(last[1]) if len(last) == 2 else error

@@ -15,6 +15,7 @@ import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
+from kempnerforge.data.errors import DataError, unwrap_worker_error
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline import PipelineBundle
@@ -88,6 +89,8 @@ class BatchStream:
         started = time.perf_counter()
         try:
             return self._next_batch()
+        except DataError as e:
+            raise unwrap_worker_error(e) from None
         finally:
             self._wait_s += time.perf_counter() - started
 
