@@ -385,11 +385,18 @@ def apply_fsdp(
         )
     for unit in extra_units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
-    for unit in own_dtype_units(model):
+    own_dtype = own_dtype_units(model)
+    for unit in own_dtype:
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    # A root's float inputs are the pixels of a vision-language model: they go to an
+    # encoder that keeps its own dtype, so the root must not round them to param_dtype
+    # first (the units inside still cast their own inputs).
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=not own_dtype
+    )
     for root in roots or [model]:
         fully_shard(
-            root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+            root, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward
         )
 
 

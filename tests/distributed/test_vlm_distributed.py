@@ -96,3 +96,48 @@ def test_sharded_vlm_resumed_after_its_freeze_stage_matches_one_process(tmp_path
     resumed = two_ranks(overrides)
     assert resumed[0]["start_step"] == at and resumed[0]["step"] == STEPS
     assert_matches(resumed, reference, first=at)
+
+
+def dtypes_seen_under_bf16(rank: int, world_size: int, overrides: list[str]) -> dict:
+    """Train two bf16 steps; the dtypes the encoder and the adapter computed with."""
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.distributed.runtime import init_runtime
+    from kempnerforge.training.build import build_session
+    from kempnerforge.training.loop import run_training_loop
+
+    config = load_config(None, overrides)
+    config.validate(world_size)
+    session = build_session(config, init_runtime(config.distributed, "cpu"))
+    seen: dict[str, str] = {}
+    model = session.model
+
+    def note(name: str):
+        def hook(module, args, output):
+            seen[f"{name} input"] = str(args[0].dtype)
+            seen[f"{name} output"] = str(output.dtype)
+
+        return hook
+
+    model.encoder.register_forward_hook(note("encoder"))  # type: ignore[union-attr]
+    model.adapter.register_forward_hook(note("adapter"))  # type: ignore[union-attr]
+    with session.tracker:
+        step, _ = run_training_loop(session)
+    return {"step": step, **seen}
+
+
+def test_an_fp32_tower_gets_fp32_pixels_under_bf16_sharding(tmp_path):
+    tower = save_tiny_clip(tmp_path / "clip")
+    overrides = [
+        *base(tmp_path / "run", "--vision_encoder.type=clip", f"--vision_encoder.path={tower}"),
+        "--train.mixed_precision=bf16",
+        "--train.max_steps=2",
+        "--vlm.freeze_schedule=[]",
+        "--train.batch_size=2",
+        "--distributed.dp_shard=2",
+    ]
+    for record in run_distributed(dtypes_seen_under_bf16, 2, overrides):
+        assert record["step"] == 2
+        # The encoder is not rounded to bf16, neither its weights nor the pixels it reads;
+        # the adapter computes in bf16 like the decoder.
+        assert record["encoder input"] == record["encoder output"] == "torch.float32"
+        assert record["adapter output"] == "torch.bfloat16"
