@@ -380,3 +380,59 @@ def test_a_corrupt_image_is_skipped_and_reported_when_configured(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipping unreadable image" in done.stderr and "img/5.png" in done.stderr
+
+
+class NaNOnCalls:
+    """Test-only fault injection: a NaN loss on chosen (1-based) micro-batch calls."""
+
+    def __init__(self, real, bad: set[int]) -> None:
+        self.real, self.bad, self.calls = real, bad, 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        loss = self.real(logits, labels)
+        return loss * float("nan") if self.calls in self.bad else loss
+
+
+def optimizer_counts(session: TrainingSession) -> tuple[int | None, int | None]:
+    """The decoder's and the adapter's optimizer step counts; None without state."""
+    named = dict(session.model.named_parameters())
+
+    def count(name: str) -> int | None:
+        state = session.optimizer.state.get(named[name], {})
+        return int(state["step"]) if "step" in state else None
+
+    return count("decoder.norm.weight"), count("adapter.fc1.weight")
+
+
+def test_a_nan_rollback_across_freeze_stages_restores_the_checkpoints_optimizer_state(tmp_path):
+    overrides = vlm_overrides(
+        tmp_path / "run",
+        "--train.loss_chunk_tokens=0",
+        "--checkpoint.interval=4",
+        "--train.nan_consecutive_max=2",
+    )
+    session = make_session(overrides)
+    session.loss_fn = NaNOnCalls(session.loss_fn, {6, 7})  # both attempts at step 6
+    starts: list[tuple[int | None, int | None]] = []
+    inner = session.step_fn
+
+    def noting(s: TrainingSession, step: int) -> StepResult:
+        starts.append(optimizer_counts(s))
+        return inner(s, step)
+
+    session.step_fn = noting
+    with session.tracker:
+        step, _ = run_training_loop(session)
+    assert step == MAX_STEPS
+    [rollback] = events(session.config.run_dir, "nan_rollback")
+    assert rollback["step"] == 4
+    # Decoder trained from step 4, adapter until step 5 (its state dropped when frozen).
+    before = [(None, None), (None, 1), (None, 2), (None, 3), (1, 4), (2, None), (2, None)]
+    assert starts[:7] == before
+    # Back at the checkpoint of step 4: the adapter, frozen in the live run, is trainable
+    # again with the moments it had then, and the decoder has its step-4 moments.
+    assert starts[7] == (1, 4)
+    rows = events(session.config.run_dir, "freeze")
+    freezes = [(e["step"], e["unfrozen"], e["frozen"]) for e in rows]
+    assert freezes == [(3, ["decoder"], []), (5, [], ["adapter"]), (5, [], ["adapter"])]
