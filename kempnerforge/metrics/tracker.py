@@ -13,6 +13,7 @@ from typing import IO, Any
 import torch
 
 from kempnerforge.config.metrics import MetricsConfig
+from kempnerforge.metrics.backends import MetricBackend, scalar_values
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
 from kempnerforge.metrics.jsonl import jsonable, merge_row, open_append
 from kempnerforge.metrics.memory import peak_memory_gib, reset_peak_memory
@@ -74,6 +75,9 @@ class MetricsTracker:
             reported only when both this and `flops_per_token` are given.
         stream: console stream, sys.stdout by default.
         device: the device whose peak memory each row reports; None reports none.
+        backends: further destinations of the training and eval rows' numbers
+            (metrics/backends.py: TensorBoard, W&B), given on rank 0 only; closed with
+            the tracker.
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class MetricsTracker:
         peak_flops_per_sec: float | None = None,
         stream: IO[str] | None = None,
         device: torch.device | None = None,
+        backends: list[MetricBackend] | None = None,
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -100,6 +105,7 @@ class MetricsTracker:
         if device is not None:
             reset_peak_memory(device)
         self._file = open_append(self.path) if rank == 0 else None
+        self._backends = list(backends or []) if rank == 0 else []
         out: IO[str] = stream if stream is not None else sys.stdout
         mode = resolve_progress(cfg.progress, out) if rank == 0 else "off"
         self._console = Console(out, bar=mode == "bar") if mode != "off" else None
@@ -265,6 +271,9 @@ class MetricsTracker:
                 self._console.draw_bar(self._bar_text())
             self._console.close()
             self._console = None
+        backends, self._backends = self._backends, []
+        for backend in backends:
+            backend.close()
         file, self._file = self._file, None
         if file is not None:
             try:
@@ -319,6 +328,10 @@ class MetricsTracker:
         except OSError as e:
             # A full disk surfaces here with no file name; the user needs to know which.
             raise OSError(e.errno, e.strerror, self.path) from e
+        if self._backends and "event" not in row:
+            values = scalar_values(row)
+            for backend in self._backends:
+                backend.log(int(row["step"]), values)
 
     def _recent_rates(self) -> tuple[float | None, float | None]:
         """(tokens/s, seconds/step) over the recent steps, for the ETA and the bar."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -23,6 +24,7 @@ from kempnerforge.distributed.pipeline import (
     stages_of_rank,
 )
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
@@ -150,8 +152,9 @@ def build_session(
 ) -> TrainingSession:
     """Everything the loop needs, built in dependency order from a validated config.
 
-    Writes nothing into the run directory but metrics.jsonl (the tracker opens it); the
-    CLI records config.toml once the build has succeeded. ``checkpointer`` and
+    Writes nothing into the run directory but metrics.jsonl (the tracker opens it) and the
+    files of the metrics.backends; the CLI records config.toml once the build has
+    succeeded. ``checkpointer`` and
     ``shutdown_handler`` are the CLI's when it made them before the build (to plan the
     resume, and to catch a stop signal during the build); fresh ones otherwise.
     """
@@ -201,6 +204,11 @@ def build_session(
         # Tokens are counted over all ranks, so the peak must cover all their devices.
         peak_flops_per_sec=peak * runtime.world_size if peak else None,
         device=runtime.device,
+        backends=build_backends(
+            config.metrics, config.run_dir, name=tc.name, config=dataclasses.asdict(config)
+        )
+        if runtime.rank == 0
+        else None,
     )
     return TrainingSession(
         config=config,

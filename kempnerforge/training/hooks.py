@@ -48,6 +48,13 @@ class TrainingHook:
     def on_train_begin(self, config: JobConfig) -> None:
         """Before the first step (also after a resume); `config` is the validated job."""
 
+    def on_gradients(self, ctx: StepContext) -> None:
+        """After a good step's backward (gradients reduced and clipped), before the
+        optimizer update and zero_grad: the one moment the gradients exist, for gradient
+        statistics. ``ctx.step`` is the step being taken and the parameters are still
+        those before its update. Called only for steps that update (not for skipped
+        non-finite ones). Read the gradients; never change them."""
+
     def on_step_end(self, ctx: StepContext) -> None:
         """After every optimizer step that was taken (skipped NaN steps are not reported)."""
 
@@ -91,6 +98,9 @@ class HookRunner:
 
     def on_train_begin(self, config: JobConfig) -> None:
         self._dispatch("on_train_begin", None, config)
+
+    def on_gradients(self, ctx: StepContext) -> None:
+        self._dispatch("on_gradients", ctx.step, ctx)
 
     def on_step_end(self, ctx: StepContext) -> None:
         self._dispatch("on_step_end", ctx.step, ctx)

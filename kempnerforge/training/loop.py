@@ -331,6 +331,18 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     config, optimizer = session.config, session.optimizer
     lr = optimizer.param_groups[0]["lr"]  # the LR this update uses
     tokens = _tokens_per_step(session, result)
+    if len(session.hooks):
+        session.hooks.on_gradients(
+            StepContext(
+                progress.step + 1,
+                result.loss,
+                result.grad_norm,
+                lr,
+                progress.tokens_seen + tokens,
+                session.model,
+                optimizer,
+            )
+        )
     optimizer.step()
     session.scheduler.step()
     refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
