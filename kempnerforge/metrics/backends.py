@@ -92,7 +92,7 @@ class WandbBackend:
             id=run_id,
             resume="allow",
             dir=run_dir,
-            mode=cfg.wandb_mode,
+            mode=cfg.wandb_mode,  # pyright: ignore[reportArgumentType]  (checked in MetricsConfig)
             config=config,
         )
 

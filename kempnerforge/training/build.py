@@ -229,5 +229,5 @@ def build_session(
         nan_detector=NaNDetector(tc.nan_consecutive_max),
         shutdown_handler=shutdown_handler or ShutdownHandler(),
         pipeline=pipeline,
-        profiler=build_profiler(config.profiling, config.run_dir, first_step=0),
+        profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),
     )

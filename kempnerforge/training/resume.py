@@ -159,7 +159,9 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
     step, tokens_seen = restore_train_state(session, state)
     refresh_learning_rates(session)
     cfg = session.config
-    session.profiler = build_profiler(cfg.profiling, cfg.run_dir, first_step=step)
+    session.profiler = build_profiler(
+        cfg.profiling, cfg.run_dir, first_step=step, rank=session.runtime.rank
+    )
     session.tracker.log_event(step, "resume", path=plan.path, tokens_seen=tokens_seen)
     logger.info("resumed from %s at step %d (%d tokens seen)", plan.path, step, tokens_seen)
     return step, tokens_seen

@@ -230,7 +230,7 @@ def test_dump_leaves_out_none_fields():
             "train.global_batch_size = 10: expected batch_size * grad_accum_steps * dp",
         ),
         (
-            ["--profiling.enable=true", "--profiling.start_step=2000", "--profiling.end_step=2001"],
+            ["--profiling.enable=true", "--profiling.start_step=2000"],
             1,
             "profiling.start_step = 2000: expected <= train.max_steps",
         ),
