@@ -55,3 +55,39 @@ def peak_memory_gib(device: torch.device) -> float:
         return hwm / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**20 if sys.platform.startswith("linux") else peak / 2**30
+
+
+def _vm_rss_bytes() -> int | None:
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_row(device: torch.device) -> dict[str, float]:
+    """Memory now, in GiB, for a metrics row: the process's resident host memory
+    (``host_rss_gib``, Linux only) and, on CUDA, the tensors allocated and the memory the
+    caching allocator holds (``cuda_allocated_gib``, ``cuda_reserved_gib``)."""
+    row: dict[str, float] = {}
+    rss = _vm_rss_bytes()
+    if rss is not None:
+        row["host_rss_gib"] = rss / 2**30
+    if device.type == "cuda":
+        row["cuda_allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        row["cuda_reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+    return row
+
+
+def peak_memory_max_gib(device: torch.device) -> float:
+    """peak_memory_gib's largest value over every rank (collective when distributed: all
+    ranks call it at the same step), so a row shows the rank closest to running out."""
+    peak = peak_memory_gib(device)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return peak
+    value = torch.tensor([peak], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return float(value.item())

@@ -16,7 +16,7 @@ from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.metrics.backends import MetricBackend, scalar_values
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
 from kempnerforge.metrics.jsonl import jsonable, merge_row, open_append
-from kempnerforge.metrics.memory import peak_memory_gib, reset_peak_memory
+from kempnerforge.metrics.memory import memory_row, peak_memory_gib, reset_peak_memory
 from kempnerforge.metrics.mfu import mfu
 
 METRICS_FILE = "metrics.jsonl"
@@ -30,14 +30,20 @@ STEP_KEYS = (
     "lr",
     "tokens_seen",
     "tokens_per_sec",
+    "tokens_per_sec_per_device",
     "step_time_s",
     "data_wait_share",
     "mfu",
     "peak_memory_gib",
+    "host_rss_gib",
+    "cuda_allocated_gib",
+    "cuda_reserved_gib",
     "time",
 )
-"""Keys of a training row, in order; 'mfu' only when a peak is known, 'peak_memory_gib' only
-when the tracker knows the device. Extra keys follow."""
+"""Keys of a training row, in order; 'mfu' only when a peak is known, the memory keys only
+when the tracker knows the device (the cuda_* ones on a GPU, host_rss_gib on Linux). Extra
+keys follow."""
+MEMORY_KEYS = ("peak_memory_gib", "host_rss_gib", "cuda_allocated_gib", "cuda_reserved_gib")
 
 _RECENT_STEPS = 20  # steps averaged for the ETA and the bar's tok/s
 _BAR_WIDTH = 24
@@ -78,6 +84,8 @@ class MetricsTracker:
         backends: further destinations of the training and eval rows' numbers
             (metrics/backends.py: TensorBoard, W&B), given on rank 0 only; closed with
             the tracker.
+        num_devices: the devices whose tokens `tokens` counts (the world size when it is a
+            global count): rows also carry `tokens_per_sec_per_device`.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class MetricsTracker:
         stream: IO[str] | None = None,
         device: torch.device | None = None,
         backends: list[MetricBackend] | None = None,
+        num_devices: int = 1,
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -102,6 +111,7 @@ class MetricsTracker:
         self._flops_per_token = flops_per_token
         self._peak = peak_flops_per_sec
         self._device = device
+        self._num_devices = max(1, num_devices)
         if device is not None:
             reset_peak_memory(device)
         self._file = open_append(self.path) if rank == 0 else None
@@ -305,6 +315,9 @@ class MetricsTracker:
             "lr": lr,
             "tokens_seen": tokens_seen,
             "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": (
+                None if tokens_per_sec is None else tokens_per_sec / self._num_devices
+            ),
             "step_time_s": self._interval_time / self._interval_steps,
             "data_wait_share": _ratio(self._interval_wait, self._interval_time),
         }
@@ -316,6 +329,7 @@ class MetricsTracker:
             )
         if self._device is not None:
             row["peak_memory_gib"] = peak_memory_gib(self._device)
+            row.update(memory_row(self._device))
         row["time"] = time.time()
         return merge_row(row, extra) if extra else row
 

@@ -204,6 +204,7 @@ def build_session(
         # Tokens are counted over all ranks, so the peak must cover all their devices.
         peak_flops_per_sec=peak * runtime.world_size if peak else None,
         device=runtime.device,
+        num_devices=runtime.world_size,
         backends=build_backends(
             config.metrics, config.run_dir, name=tc.name, config=dataclasses.asdict(config)
         )

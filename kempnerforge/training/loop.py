@@ -21,6 +21,7 @@ from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.metrics.logging import get_logger
+from kempnerforge.metrics.memory import peak_memory_max_gib
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
 from kempnerforge.model.moe import begin_router_step, finish_router_step, moe_layers
@@ -379,6 +380,7 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
                 or {}
             ),
             **(router_row or {}),
+            **_run_health_row(session, step),
         }
         or None,
     )
@@ -392,6 +394,17 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     session.checkpointer.poll()  # commit a finished background save, never blocks
     if session.checkpointer.should_save(step, config.train.max_steps):
         _save_checkpoint(session, progress)
+
+
+def _run_health_row(session: TrainingSession, step: int) -> dict[str, float]:
+    """On log steps: the NaN-skipped steps so far and, when distributed, the largest peak
+    memory over all ranks (a collective every rank reaches at the same log steps)."""
+    if not session.tracker.logs_step(step):
+        return {}
+    row: dict[str, float] = {"skipped_steps": session.nan_detector.total_skipped}
+    if session.runtime.is_distributed:
+        row["peak_memory_gib_max_rank"] = peak_memory_max_gib(session.runtime.device)
+    return row
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:

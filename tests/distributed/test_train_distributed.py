@@ -7,6 +7,8 @@ floating-point sums differs (reductions over ranks, sharded matmuls).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -104,6 +106,15 @@ def test_a_pipeline_trains_like_one_process_and_every_stage_reports_the_loss(
     ]
     ranks = _two_ranks(base, tmp_path / "two", *layout, *batch)
     _assert_matches(ranks, reference)
+    # Every logged row carries the largest peak memory over both ranks (one collective
+    # per log step, reached by every stage).
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").open()]
+    train = [r for r in rows if "loss" in r and "event" not in r]
+    assert len(train) == STEPS
+    for row in train:
+        assert row["peak_memory_gib_max_rank"] >= row["peak_memory_gib"] > 0
+        assert row["skipped_steps"] == 0
+        assert row["tokens_per_sec_per_device"] == pytest.approx(row["tokens_per_sec"] / 2)
 
 
 def test_a_run_resumed_on_one_process_sees_the_samples_the_two_rank_run_would_have(

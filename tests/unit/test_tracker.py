@@ -13,7 +13,7 @@ import pytest
 
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.metrics.logging import configure_logging, get_live_line, get_logger
-from kempnerforge.metrics.tracker import METRICS_FILE, STEP_KEYS, MetricsTracker
+from kempnerforge.metrics.tracker import MEMORY_KEYS, METRICS_FILE, STEP_KEYS, MetricsTracker
 
 
 class Clock:
@@ -134,7 +134,9 @@ def test_rows_are_json_with_the_documented_keys(tmp_path, clock):
     ) as t:
         step(t, clock, 1, dt=2.0, tokens=1000, extra={"loss/web": 2.5})
     (row,) = strict_rows(tmp_path / METRICS_FILE)
-    assert list(row) == [*STEP_KEYS, "loss/web"]
+    cpu_keys = [k for k in STEP_KEYS if not k.startswith("cuda_")]
+    assert list(row) == [*cpu_keys, "loss/web"]
+    assert row["host_rss_gib"] > 0
     assert row["mfu"] == pytest.approx(500 * 6e9 / 1e15)
     assert row["loss/web"] == 2.5
     assert abs(row["time"] - time.time()) < 60
@@ -144,7 +146,7 @@ def test_mfu_and_memory_are_omitted_without_a_peak_or_a_device(tmp_path, clock):
     with make_tracker(tmp_path, interval=1, flops_per_token=6e9) as tracker:
         row = step(tracker, clock, 1)
     assert "mfu" not in row
-    assert list(row) == [k for k in STEP_KEYS if k not in ("mfu", "peak_memory_gib")]
+    assert list(row) == [k for k in STEP_KEYS if k != "mfu" and k not in MEMORY_KEYS]
 
 
 def test_data_wait_share_is_the_waited_part_of_the_interval(tmp_path, clock):
