@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import os
 import signal
 import sys
@@ -244,6 +245,20 @@ def _ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+TOOL_COMMANDS: dict[str, tuple[str, str, str, str, bool]] = {
+    "capture": (
+        "kempnerforge.training.capture_cli",
+        "add_capture_arguments",
+        "run_capture",
+        "save chosen layers' outputs over a few batches to a safetensors file",
+        True,
+    ),
+}
+"""Commands beside train, eval and prepare-data: name -> (module, its add-arguments and
+run functions, help, whether --section.field=value config overrides are accepted). Each
+module imports its heavy dependencies inside the run function, so --help stays fast."""
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from kempnerforge.data.prepare_args import add_prepare_data_arguments
     from kempnerforge.training.eval_cli import add_eval_arguments
@@ -272,6 +287,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "prepare-data", help="tokenize text into a memory-mapped token file"
     )
     add_prepare_data_arguments(prepare)
+    for name, (module, add, _, help_text, _) in TOOL_COMMANDS.items():
+        sub = commands.add_parser(
+            name, help=help_text, description=help_text[:1].upper() + help_text[1:] + "."
+        )
+        getattr(importlib.import_module(module), add)(sub)
     # Listed here for --help only: main hands its arguments to parallel_check's own parser.
     commands.add_parser(
         "check-parallel",
@@ -313,6 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "eval":
                 return _eval(args, extra)
             return _train(args, extra, allocator)
+        if args.command in TOOL_COMMANDS:
+            module, _, run, _, takes_overrides = TOOL_COMMANDS[args.command]
+            unknown = [a for a in extra if not a.startswith("--") or "." not in a.split("=")[0]]
+            if unknown or (extra and not takes_overrides):
+                parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            return getattr(importlib.import_module(module), run)(args, extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _prepare_data(args)
