@@ -253,6 +253,20 @@ TOOL_COMMANDS: dict[str, tuple[str, str, str, str, bool]] = {
         "save chosen layers' outputs over a few batches to a safetensors file",
         True,
     ),
+    "generate": (
+        "kempnerforge.training.generate_cli",
+        "add_generate_arguments",
+        "run_generate",
+        "continue a prompt with a checkpoint's model (KV cache, temperature, top-k, top-p)",
+        True,
+    ),
+    "plot": (
+        "kempnerforge.metrics.plot",
+        "add_plot_arguments",
+        "run_plot",
+        "draw the training curves of one or more runs as PNG files",
+        False,
+    ),
 }
 """Commands beside train, eval and prepare-data: name -> (module, its add-arguments and
 run functions, help, whether --section.field=value config overrides are accepted). Each

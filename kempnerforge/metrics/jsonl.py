@@ -7,6 +7,9 @@ import numbers
 import os
 from typing import IO, Any
 
+METRICS_FILE = "metrics.jsonl"
+"""File name of the metrics log inside the run directory."""
+
 
 def open_append(path: str) -> IO[str]:
     """Open metrics.jsonl for appending, starting a fresh line after a torn last row."""

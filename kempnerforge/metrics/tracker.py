@@ -15,12 +15,9 @@ import torch
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.metrics.backends import MetricBackend, scalar_values
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
-from kempnerforge.metrics.jsonl import jsonable, merge_row, open_append
+from kempnerforge.metrics.jsonl import METRICS_FILE, jsonable, merge_row, open_append
 from kempnerforge.metrics.memory import memory_row, peak_memory_gib, reset_peak_memory
 from kempnerforge.metrics.mfu import mfu
-
-METRICS_FILE = "metrics.jsonl"
-"""File name of the metrics log inside the run directory."""
 
 STEP_KEYS = (
     "step",

@@ -1,6 +1,8 @@
-"""nn.Modules of the decoder-only Transformer, its builder and greedy decoding."""
+"""nn.Modules of the decoder-only Transformer, its builder, and decoding (greedy samples,
+and sampled generation with a key/value cache)."""
 
-from kempnerforge.model.generate import generate_greedy
+from kempnerforge.model.generate import generate, generate_greedy
+from kempnerforge.model.kv_cache import KVCache, forward_cached
 from kempnerforge.model.transformer import Transformer, build_model
 
-__all__ = ["Transformer", "build_model", "generate_greedy"]
+__all__ = ["KVCache", "Transformer", "build_model", "forward_cached", "generate", "generate_greedy"]

@@ -148,6 +148,26 @@ class MoEFeedForward(nn.Module):
         )
         return out.reshape(batch, seq, -1)
 
+    def forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x (batch, seq, dim) when decoding: the same routing and
+        experts as forward, but no capacity limit and nothing recorded.
+
+        ``last`` (and so the step totals and the balancing bias built from it) is left as
+        it is, so decoding between training steps changes no training statistic. A
+        capacity limit would depend on how many tokens one call holds (a single new token
+        during cached decoding), so every assignment is kept; for a dropless layer
+        (moe_capacity_factor unset) the result equals forward's.
+        """
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        routing = self.router(tokens)
+        flat_ids = routing.expert_ids.reshape(-1)
+        load = _expert_counts(flat_ids, self.num_experts)
+        out = self._run_experts(tokens, routing, flat_ids, load, None)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.reshape(batch, seq, -1)
+
     def _within_capacity(self, expert_ids: torch.Tensor) -> torch.Tensor | None:
         """(T, k) bool: which assignments fit their expert's capacity; None when dropless.
 

@@ -128,3 +128,16 @@ def test_a_backend_without_its_package_names_the_extra(tmp_path, monkeypatch, mo
             backend(str(tmp_path))
         else:
             backend(MetricsConfig(), str(tmp_path), "run", {})
+
+
+def test_the_command_line_parser_imports_no_torch():
+    """`kempnerforge --help` stays fast: building the parser of every command loads no
+    torch (each command imports its heavy dependencies when it runs)."""
+    import subprocess
+
+    code = (
+        "import sys; from kempnerforge.cli import _build_parser; _build_parser(); "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'kempnerforge' in m)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -1,5 +1,5 @@
-"""`kempnerforge capture` on a real checkpoint: the saved outputs are the model's own, and
-the example probe reads them."""
+"""The tool commands through the command line on a real checkpoint: capture (the saved
+outputs are the model's own, and the example probe reads them), generate and plot."""
 
 from __future__ import annotations
 
@@ -100,3 +100,26 @@ def test_the_example_probe_reads_a_capture(checkpoint, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "probe accuracy" in done.stdout and "layers.1" in done.stdout
+
+
+def test_generate_through_the_command_line_continues_the_prompt(checkpoint, capsys):
+    path, _ = checkpoint
+    args = ["--prompt", "alpha ", "--max-new-tokens", "6", "--temperature", "0"]
+    assert main(["generate", "--checkpoint", path, *args]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("alpha ")
+    # Greedy is deterministic, with or without the cache.
+    assert main(["generate", "--checkpoint", path, *args, "--no-cache"]) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_plot_through_the_command_line_writes_the_curves(checkpoint, tmp_path, capsys):
+    path, _ = checkpoint
+    run_dir = str(Path(path).parents[1])
+    assert main(["plot", run_dir, "--out", str(tmp_path / "plots")]) == 0
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert {"loss.png", "lr.png", "grad_norm.png", "tokens_per_sec.png"} <= set(written)
+    with pytest.raises(SystemExit) as refused:  # plot takes no config overrides
+        main(["plot", run_dir, "--train.max_steps=3"])
+    assert refused.value.code == 2
+    assert "unrecognized arguments: --train.max_steps=3" in capsys.readouterr().err

@@ -1,0 +1,182 @@
+"""`kempnerforge plot`: training curves of one or more runs from their metrics.jsonl, as PNGs.
+
+One PNG per metric (loss, eval loss, learning rate, tokens/s, gradient norm) with one line
+per run, so runs compare on the same axes. Reading follows the tracker's rules for a
+resumed run: see read_curves. matplotlib (the ``plot`` extra) is imported only when
+plotting, with the Agg backend, so the package never needs a display or matplotlib itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kempnerforge.config.errors import ConfigError
+from kempnerforge.data.errors import DataError
+from kempnerforge.metrics.jsonl import METRICS_FILE
+
+PLOTTED = {
+    "loss": "training loss",
+    "eval_loss": "eval loss",
+    "lr": "learning rate",
+    "tokens_per_sec": "tokens / s",
+    "grad_norm": "gradient norm",
+}
+"""The metrics plotted, by their metrics.jsonl key, with their axis labels; one PNG each,
+named <key>.png."""
+
+RESTART_EVENTS = ("resume", "nan_rollback")
+"""Events after which the run continues from the event's step: rows logged earlier for a
+later step belong to the part of the run that was redone."""
+
+PLOTS_DIR = "plots"
+"""Where the PNGs go by default, inside the first run directory."""
+
+
+@dataclass
+class RunCurves:
+    """One run's plotted metrics: for each, its (step, value) points in step order."""
+
+    name: str
+    """The run's name in the legends."""
+    points: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Metric key -> points; a metric the run never logged (finite) is absent."""
+
+
+def read_curves(path: str | os.PathLike[str], name: str = "") -> RunCurves:
+    """The PLOTTED metrics of the metrics.jsonl at ``path``, as the run ended up with them.
+
+    Rows are read in file order, and the row a metric takes at a step is the last one
+    logged for that step: after a resume (or a NaN rollback) at step S the run redid the
+    steps after S, so an event of RESTART_EVENTS also drops every earlier value of a
+    step past S, including steps the restarted run did not log again. Event rows carry no
+    plotted values; a null value (non-finite, as the tracker writes it) leaves a gap; an
+    unreadable line (the torn last row of a killed run) is skipped.
+    """
+    values: dict[str, dict[int, float | None]] = {key: {} for key in PLOTTED}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict) or not _is_step(row.get("step")):
+                continue
+            step = int(row["step"])
+            if "event" in row:
+                if row["event"] in RESTART_EVENTS:
+                    for by_step in values.values():
+                        for later in [s for s in by_step if s > step]:
+                            del by_step[later]
+                continue
+            for key, by_step in values.items():
+                if key in row:
+                    value = row[key]
+                    by_step[step] = float(value) if _is_finite(value) else None
+    curves = RunCurves(name or str(path))
+    for key, by_step in values.items():
+        points = [(s, v) for s, v in sorted(by_step.items()) if v is not None]
+        if points:
+            curves.points[key] = points
+    return curves
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def run_names(run_dirs: list[str]) -> list[str]:
+    """Legend names: each directory's last component, or the path as given when two runs
+    would share a name."""
+    names = [Path(d).resolve().name or d for d in run_dirs]
+    if len(set(names)) < len(names):
+        return [os.path.normpath(d) for d in run_dirs]
+    return names
+
+
+def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write <out_dir>/<key>.png for each PLOTTED metric some run has; return the paths.
+
+    Each figure has one line per run that logged the metric, labelled with its name.
+    Raises DataError when matplotlib is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise DataError(
+            "kempnerforge plot needs matplotlib: pip install 'kempnerforge[plot]'"
+        ) from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, label in PLOTTED.items():
+        present = [run for run in runs if key in run.points]
+        if not present:
+            continue
+        figure = Figure(figsize=(8, 4.5), dpi=100)
+        FigureCanvasAgg(figure)  # the Agg backend, whatever pyplot's default is
+        axes = figure.add_subplot()
+        for run in present:
+            steps, ys = zip(*run.points[key], strict=True)
+            marker = "o" if len(steps) <= 30 else None
+            axes.plot(steps, ys, label=run.name, marker=marker, markersize=3, linewidth=1.2)
+        axes.set_xlabel("step")
+        axes.set_ylabel(label)
+        axes.set_title(label)
+        axes.grid(True, alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        path = out / f"{key}.png"
+        figure.savefig(path, format="png")
+        written.append(path)
+    return written
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `kempnerforge plot`."""
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help=f"run directories (each holding {METRICS_FILE}); several are overlaid",
+    )
+    parser.add_argument(
+        "--out",
+        default="",
+        help=f"directory for the PNGs (default: <first RUN_DIR>/{PLOTS_DIR})",
+    )
+
+
+def run_plot(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Plot every run of ``args.run_dirs`` into ``args.out``; print the files written; 0.
+
+    A run directory without metrics.jsonl, or runs with nothing to plot, raise DataError;
+    ``overrides`` (config overrides) do not apply to plotting and raise ConfigError.
+    """
+    if overrides:
+        raise ConfigError(
+            "<override>", " ".join(overrides), "none: kempnerforge plot reads metrics only"
+        )
+    paths = [os.path.join(d, METRICS_FILE) for d in args.run_dirs]
+    for run_dir, path in zip(args.run_dirs, paths, strict=True):
+        if not os.path.isfile(path):
+            raise DataError(f"{run_dir}: no {METRICS_FILE} (not a run directory?)")
+    names = run_names(args.run_dirs)
+    runs = [read_curves(p, n) for p, n in zip(paths, names, strict=True)]
+    if not any(run.points for run in runs):
+        raise DataError(
+            f"{', '.join(paths)}: no training or eval rows to plot (has the run logged a step?)"
+        )
+    out = args.out or os.path.join(args.run_dirs[0], PLOTS_DIR)
+    for path in plot_runs(runs, out):
+        print(path)
+    return 0

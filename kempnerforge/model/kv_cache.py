@@ -1,0 +1,204 @@
+"""Decoding with a key/value cache: each new position runs through the model once.
+
+``forward_cached`` runs only the new positions of a sequence: every block projects their
+queries, keys and values, stores the keys and values in the cache at their absolute
+positions, and attends from the new queries to all stored keys so far. The result equals
+the full forward's logits at those positions (fp32: to rounding).
+
+This is a separate path through the same modules; Transformer.forward, the training
+forward, is not involved and keeps its numerics, its compiled blocks and its FSDP hooks.
+The path calls the blocks' submodules directly, so it takes a model held whole on one
+device: not FSDP-sharded, tensor-parallel or expert-parallel, not a pipeline stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from kempnerforge.model.attention import Attention
+from kempnerforge.model.moe import MoEFeedForward
+from kempnerforge.model.rope import apply_rope
+from kempnerforge.model.transformer import Transformer, TransformerBlock
+
+
+@dataclass
+class KVCache:
+    """Per-block keys and values of the positions decoded so far, preallocated.
+
+    ``keys[i]`` and ``values[i]`` belong to the i-th block in layer order, each of shape
+    (batch, kv_heads, max_len, head_dim) with RoPE already applied to the keys. Positions
+    0 .. position - 1 hold data; the next forward_cached call writes from ``position``.
+    """
+
+    keys: list[torch.Tensor]
+    """Each block's keys, (batch, kv_heads, max_len, head_dim)."""
+    values: list[torch.Tensor]
+    """Each block's values, (batch, kv_heads, max_len, head_dim)."""
+    position: int = 0
+    """How many positions are stored (the absolute position of the next token)."""
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Transformer,
+        max_len: int | None = None,
+        *,
+        batch: int = 1,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty cache for ``model``: ``max_len`` positions (default and at most
+        model.cfg.max_seq_len), on the model's device, in its parameters' dtype unless
+        ``dtype`` is given."""
+        cfg = model.cfg
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        if not 1 <= max_len <= cfg.max_seq_len:
+            raise ValueError(
+                f"a cache of {max_len} positions: expected 1 to model.max_seq_len = "
+                f"{cfg.max_seq_len}"
+            )
+        if batch < 1:
+            raise ValueError(f"a cache for a batch of {batch}: expected at least 1")
+        keys, values = [], []
+        for block in _blocks(model):
+            weight = block.attention.wk.weight
+            kv_heads = weight.shape[0] // cfg.head_dim
+            shape = (batch, kv_heads, max_len, cfg.head_dim)
+            kind = dtype or weight.dtype
+            keys.append(torch.zeros(shape, dtype=kind, device=weight.device))
+            values.append(torch.zeros(shape, dtype=kind, device=weight.device))
+        return cls(keys, values)
+
+    @property
+    def max_len(self) -> int:
+        """How many positions the cache holds at most."""
+        return self.keys[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        """Rows of the batch the cache was made for."""
+        return self.keys[0].shape[0]
+
+    def reset(self) -> None:
+        """Start over at position 0 (the stored tensors are overwritten as it goes)."""
+        self.position = 0
+
+
+def check_whole_model(model: Transformer) -> None:
+    """Raise ValueError unless ``model`` can decode with a cache: the embedding, the head
+    and plain (not sharded) parameters on one device."""
+    if model.tok_embeddings is None or model.norm is None or model.output is None:
+        raise ValueError("cached decoding needs the whole model, not a pipeline stage")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            "cached decoding needs a model whose parameters are plain tensors on one device, "
+            "not a sharded (FSDP, tensor- or expert-parallel) one; use generate_greedy there"
+        )
+
+
+@torch.no_grad()
+def forward_cached(
+    model: Transformer,
+    input_ids: torch.Tensor,
+    cache: KVCache,
+    *,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """Logits (batch, new, vocab_size) of the new positions input_ids (batch, new).
+
+    The new tokens take absolute positions cache.position .. cache.position + new - 1
+    (their RoPE rows), and each attends to every stored position and to the new ones up
+    to itself. Their keys and values are stored and cache.position advances by ``new``.
+    MoE blocks route each token as in training, without a capacity limit and without
+    recording router statistics (MoEFeedForward.forward_inference). ``last_only`` keeps
+    only the last position's logits (batch, 1, vocab_size): a long prompt then never
+    materializes logits for every position.
+    """
+    check_whole_model(model)
+    batch, new = input_ids.shape
+    start, end = cache.position, cache.position + input_ids.shape[1]
+    if new < 1:
+        raise ValueError("forward_cached needs at least one new position")
+    if batch != cache.batch:
+        raise ValueError(f"a batch of {batch} rows for a cache made for {cache.batch}")
+    if end > cache.max_len:
+        raise ValueError(
+            f"{cache.position} cached + {new} new positions exceed the cache's "
+            f"{cache.max_len} positions"
+        )
+    cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
+    mask = None
+    if start > 0 and new > 1:
+        # Query i sits at position start + i and sees keys 0 .. start + i.
+        queries = torch.arange(start, end, device=input_ids.device)
+        mask = torch.arange(end, device=input_ids.device)[None, :] <= queries[:, None]
+    h = model.embed(input_ids)
+    for index, block in enumerate(_blocks(model)):
+        x = block.attention_norm(h)
+        h = h + _attend(block.attention, x, cos, sin, cache, index, start, mask)
+        x = block.ffn_norm(h)
+        feed_forward = block.feed_forward
+        if isinstance(feed_forward, MoEFeedForward):
+            h = h + feed_forward.forward_inference(x)
+        else:
+            h = h + feed_forward(x)
+    cache.position = end
+    if last_only:
+        h = h[:, -1:]
+    logits = model.apply_head(h)
+    assert isinstance(logits, torch.Tensor)
+    return logits
+
+
+def _blocks(model: Transformer) -> list[TransformerBlock]:
+    blocks = []
+    for block in model.layers.values():
+        if not isinstance(block, TransformerBlock):
+            raise TypeError(f"cached decoding runs TransformerBlocks, not {type(block).__name__}")
+        blocks.append(block)
+    return blocks
+
+
+def _attend(
+    attention: Attention,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    index: int,
+    start: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention.forward's computation for new positions start.. over the cached ones.
+
+    The first call (start 0) is the causal self-attention of the training forward. A
+    single new position sees every stored key, so needs no mask; several new positions
+    after stored ones take ``mask`` (SDPA's is_causal would align the causal triangle to
+    the first key, not to the new queries' positions). Grouped key/value heads are
+    repeated to the query heads when there are fewer.
+    """
+    batch, new, _ = x.shape
+    end = start + new
+    head_dim = attention.head_dim
+    q = attention.wq(x).view(batch, new, -1, head_dim)
+    k = attention.wk(x).view(batch, new, -1, head_dim)
+    v = attention.wv(x).view(batch, new, -1, head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = cache.keys[index], cache.values[index]
+    keys[:, :, start:end] = k.transpose(1, 2)
+    values[:, :, start:end] = v.transpose(1, 2)
+    q = q.transpose(1, 2)
+    k_all = keys[:, :, :end].to(q.dtype)
+    v_all = values[:, :, :end].to(q.dtype)
+    n_rep = q.shape[1] // k_all.shape[1]
+    if n_rep > 1:
+        k_all = k_all.repeat_interleave(n_rep, dim=1)
+        v_all = v_all.repeat_interleave(n_rep, dim=1)
+    if start == 0:
+        out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=new > 1)
+    else:
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))
