@@ -260,6 +260,20 @@ TOOL_COMMANDS: dict[str, tuple[str, str, str, str, bool]] = {
         "continue a prompt with a checkpoint's model (KV cache, temperature, top-k, top-p)",
         True,
     ),
+    "export": (
+        "kempnerforge.interop.cli",
+        "add_export_arguments",
+        "run_export",
+        "write a checkpoint as a Hugging Face model folder (Llama, or a matching MoE class)",
+        True,
+    ),
+    "import-hf": (
+        "kempnerforge.interop.cli",
+        "add_import_arguments",
+        "run_import",
+        "turn a local Hugging Face model folder into a [model] table and a step_0 checkpoint",
+        True,
+    ),
     "plot": (
         "kempnerforge.metrics.plot",
         "add_plot_arguments",

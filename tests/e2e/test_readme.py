@@ -65,7 +65,7 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     debug_metrics = (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text()
 
     commands = readme_commands()
-    assert len(commands) == 7, commands
+    assert len(commands) == 8, commands
     results = []
     for line in commands:
         result = run(line, tmp_path, env)
@@ -88,6 +88,8 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     assert report["step"] == 30 and report["metrics"]["eval_tokens"] > 0
     assert "eval_loss" in report["metrics"]
     assert results[5].stdout.startswith("def ") and len(results[5].stdout) > len("def ")
+    exported = tmp_path / "exported" / "mycorpus"
+    assert {"config.json", "model.safetensors"} <= {p.name for p in exported.iterdir()}
     plots = sorted(p.name for p in (quick / "plots").iterdir())
     assert {"loss.png", "eval_loss.png", "lr.png", "tokens_per_sec.png"} <= set(plots)
     # None of them touched the run `make train` made.

@@ -23,6 +23,7 @@ LAYERS = {
     "metrics": 3,
     "resilience": 3,
     "training": 4,
+    "interop": 4,
     "parallel_check": 4,
     "cli": 5,
     "__main__": 6,
