@@ -83,6 +83,9 @@ def _worker(
     )
     try:
         result = fn(rank, world_size, *args)
+        # Every rank done before any tears its groups down: a rank that destroys them
+        # while a peer's last collectives are still arriving can abort in gloo's threads.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
