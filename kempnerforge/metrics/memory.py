@@ -80,14 +80,3 @@ def memory_row(device: torch.device) -> dict[str, float]:
         row["cuda_allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
         row["cuda_reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
     return row
-
-
-def peak_memory_max_gib(device: torch.device) -> float:
-    """peak_memory_gib's largest value over every rank (collective when distributed: all
-    ranks call it at the same step), so a row shows the rank closest to running out."""
-    peak = peak_memory_gib(device)
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return peak
-    value = torch.tensor([peak], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return float(value.item())

@@ -21,7 +21,6 @@ from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.metrics.logging import get_logger
-from kempnerforge.metrics.memory import peak_memory_max_gib
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
 from kempnerforge.model.moe import begin_router_step, finish_router_step, moe_layers
@@ -397,14 +396,10 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
 
 
 def _run_health_row(session: TrainingSession, step: int) -> dict[str, float]:
-    """On log steps: the NaN-skipped steps so far and, when distributed, the largest peak
-    memory over all ranks (a collective every rank reaches at the same log steps)."""
+    """On log steps: the NaN-skipped steps so far (the same number on every rank)."""
     if not session.tracker.logs_step(step):
         return {}
-    row: dict[str, float] = {"skipped_steps": session.nan_detector.total_skipped}
-    if session.runtime.is_distributed:
-        row["peak_memory_gib_max_rank"] = peak_memory_max_gib(session.runtime.device)
-    return row
+    return {"skipped_steps": session.nan_detector.total_skipped}
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:
