@@ -279,13 +279,7 @@ def build_data_pipeline(
     if not eval_sets and eval_dir:
         field = "data.eval_path" if cfg.eval_path else None
         eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir, field)
-    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            model_vocab_size,
-            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
-            f"data.tokenizer = {cfg.tokenizer!r}",
-        )
+    check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
     bos = _bos_per_document(dataset, eval_datasets)
     return DataPipeline(
         dataset=dataset,
@@ -319,13 +313,7 @@ def build_image_text_pipeline(
     name prepared token directories, which a vision-language job does not read.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
-    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            model_vocab_size,
-            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
-            f"data.tokenizer = {cfg.tokenizer!r}",
-        )
+    check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
     dataset, eval_datasets = build_image_text_datasets(
         vlm, spec, tokenizer, seed, with_train=with_train
     )
@@ -357,6 +345,18 @@ def build_image_text_pipeline(
         dp_size=dp_size,
         bos_per_document=True,
     )
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, spec: str, model_vocab_size: int | None) -> None:
+    """A ConfigError on model.vocab_size when the tokenizer (data.tokenizer = ``spec``) has
+    more ids than the model's embedding; nothing to check without a model size."""
+    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            model_vocab_size,
+            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
+            f"data.tokenizer = {spec!r}",
+        )
 
 
 def _bos_per_document(
