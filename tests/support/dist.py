@@ -6,6 +6,7 @@ import datetime
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -90,3 +91,11 @@ def _worker(
         dist.destroy_process_group()
     with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # Leave without interpreter finalisation. A gloo worker thread can still be dropping
+    # the last reference to a finished collective (whose tensors are Python-owned) after
+    # the barrier returned; if that happens while Python finalises, the thread is forced
+    # out of the GIL inside a noexcept destructor and the rank dies of SIGABRT although
+    # its work is done and its result written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
