@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
 
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig
     from kempnerforge.config.model import ModelConfig
 
 EXPORT_FORMATS = ("hf",)
-RUN_CONFIG = "config.toml"
-"""The resolved config a run keeps in its run directory (<run_dir>/config.toml)."""
 MODEL_TOML = "model.toml"
 """The [model] table import-hf writes."""
 IMPORTED_STEP = 0
@@ -53,7 +52,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         default="",
-        help=f"the run's TOML config (default: {RUN_CONFIG} of the run directory two "
+        help=f"the run's TOML config (default: {RUN_CONFIG_FILE} of the run directory two "
         "levels above --checkpoint, else the config recorded in the checkpoint)",
     )
 
@@ -133,7 +132,7 @@ def export_config(
 
     if config_path:
         return load_config(config_path, overrides), config_path
-    run_config = checkpoint.parent.parent / RUN_CONFIG
+    run_config = run_config_beside(checkpoint)
     if run_config.is_file():
         return load_config(str(run_config), overrides), str(run_config)
     if not isinstance(saved, dict):
@@ -146,7 +145,7 @@ def export_config(
     import tomli_w
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, RUN_CONFIG)
+        path = os.path.join(tmp, RUN_CONFIG_FILE)
         with open(path, "w") as f:
             f.write(tomli_w.dumps(saved))
         config = load_config(path, overrides)

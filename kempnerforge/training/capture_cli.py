@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kempnerforge.config.errors import ConfigError, closest_name
+from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
 
 if TYPE_CHECKING:
     import torch
@@ -105,14 +106,12 @@ def run_config_of(checkpoint: str) -> str:
     """config.toml of the run holding ``checkpoint`` (<run_dir>/checkpoints/step_<N>)."""
     if not os.path.isdir(checkpoint):
         raise ConfigError("--checkpoint", checkpoint, "an existing checkpoint directory")
-    path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.toml"
-    )
-    if not os.path.exists(path):
+    path = run_config_beside(checkpoint)
+    if not path.is_file():
         raise ConfigError(
-            "--config", "", f"the run's config.toml (there is no {path})", "pass --config"
+            "--config", "", f"the run's {RUN_CONFIG_FILE} (there is no {path})", "pass --config"
         )
-    return path
+    return str(path)
 
 
 def resolve_modules(model: torch.nn.Module, layers: str) -> dict[str, torch.nn.Module]:

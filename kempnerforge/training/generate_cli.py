@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kempnerforge.config.errors import ConfigError
+from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
 
 if TYPE_CHECKING:
     from kempnerforge.config.data import DataConfig
 
-CONFIG_NAME = "config.toml"
 """The config a run records in its run directory (training/workspace.py)."""
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -38,7 +38,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         default="",
         help=f"the TOML config the checkpoint was trained with (default: the run's "
-        f"{CONFIG_NAME}, two directories above the checkpoint)",
+        f"{RUN_CONFIG_FILE}, two directories above the checkpoint)",
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -83,14 +83,14 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     """Print ``args.prompt`` and its continuation by the weights of ``args.checkpoint``; 0."""
     check_arguments(args)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    config_path = Path(args.config) if args.config else checkpoint.parent.parent / CONFIG_NAME
+    config_path = Path(args.config) if args.config else run_config_beside(checkpoint)
     if not config_path.is_file():
         raise ConfigError(
             "--config",
             str(config_path),
             "an existing TOML file",
             "the config the checkpoint was trained with; by default the run directory's "
-            f"{CONFIG_NAME}, two directories above the checkpoint",
+            f"{RUN_CONFIG_FILE}, two directories above the checkpoint",
         )
 
     # Heavy imports here, so `kempnerforge --help` stays fast.

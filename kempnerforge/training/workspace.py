@@ -20,6 +20,7 @@ import torch.distributed as dist
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
+from kempnerforge.config.run_config import RUN_CONFIG_FILE
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.resilience.peers import PeerSetupError
@@ -27,9 +28,8 @@ from kempnerforge.resilience.run_lock import LOCK_NAME, RunLock
 
 logger = get_logger(__name__)
 
-CONFIG_FILE = "config.toml"
 CONFIG_HISTORY = "config_history"
-_RUN_DIR_ENTRIES = {CONFIG_FILE, CONFIG_HISTORY, "metrics.jsonl", LOCK_NAME, "checkpoints"}
+_RUN_DIR_ENTRIES = {RUN_CONFIG_FILE, CONFIG_HISTORY, "metrics.jsonl", LOCK_NAME, "checkpoints"}
 _CHECKPOINT_ENTRY = re.compile(r"latest|\.lock|step_\d+(\.(tmp|old|trash))?")
 
 
@@ -134,7 +134,7 @@ def record_config(config: JobConfig, started: float | None = None) -> str:
         suffix += 1
         entry = history / f"config-{stamp}-{suffix}.toml"
     _write_atomic(entry, text)
-    _write_atomic(run_dir / CONFIG_FILE, text)
+    _write_atomic(run_dir / RUN_CONFIG_FILE, text)
     return str(entry)
 
 

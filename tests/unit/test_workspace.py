@@ -8,9 +8,9 @@ import pytest
 
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
+from kempnerforge.config.run_config import RUN_CONFIG_FILE as CONFIG_FILE
 from kempnerforge.resilience.run_lock import RunLockError
 from kempnerforge.training.workspace import (
-    CONFIG_FILE,
     CONFIG_HISTORY,
     check_directories,
     locked_directories,
