@@ -81,6 +81,20 @@ def _exit_on_sigterm_from(parent: int) -> None:
             os._exit(0)
 
 
+def stop_workers(iterator: Any) -> None:
+    """Stop a dropped loader iterator's worker processes now.
+
+    Left to the garbage collector, an iterator caught in a reference cycle is shut down in
+    whatever order the collector picks: its queues may be finalised first, so the stop
+    message never reaches the workers and each one sits out torch's 5 s join timeout
+    before it is killed, stalling whatever code the collection interrupted. A single-process
+    iterator has no workers and is left alone.
+    """
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def build_train_loader(
     dataset: Dataset[Any],
     sampler: ShardedSampler | MixtureSampler,

@@ -438,8 +438,10 @@ def run_training_loop(
     """Run the step loop from step to train.max_steps.
 
     Returns the final (step, tokens_seen). Drains any pending async checkpoint before
-    returning so the caller can tear down the process group safely. session.data is read
-    once and must stay fixed for the duration; only its dataloader may be swapped mid-run.
+    returning so the caller can tear down the process group safely, and stops the training
+    loader's workers (its position is kept: another call continues at the next batch).
+    session.data is read once and must stay fixed for the duration; only its dataloader
+    may be swapped mid-run.
 
     ``step`` counts optimizer updates: a step skipped for a non-finite loss or gradient
     norm consumes its batches but advances neither ``step`` nor the scheduler, so the LR
@@ -473,5 +475,8 @@ def run_training_loop(
             session.profiler.stop()
     # Drain the pending save first: teardown must not race a background write.
     session.checkpointer.wait()
+    # The run's position is recorded; its loader workers go now, not whenever the session
+    # is collected. Training again on this session continues at the same batch.
+    session.batches.reset()
     session.hooks.on_train_end(progress.step, progress.tokens_seen)
     return progress.step, progress.tokens_seen

@@ -16,6 +16,7 @@ import torch
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.data.errors import DataError, unwrap_worker_error
+from kempnerforge.data.loader import stop_workers
 from kempnerforge.data.phases import PhaseState
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline import PipelineBundle
@@ -72,18 +73,22 @@ class BatchStream:
             self._iterator_loader = loader
 
     def reset(self) -> None:
-        """Drop the iterator so the next step takes a fresh one from the loader.
+        """Drop the iterator, and stop its workers, so the next step takes a fresh one from
+        the loader.
 
         A StatefulDataLoader re-applies its recorded skip, so this picks up inside the
         current epoch rather than restarting it.
         """
         loader = self.dataloader
-        if self._iterator is not None and hasattr(loader, "state_dict"):
+        iterator = self._iterator
+        if iterator is not None and hasattr(loader, "state_dict"):
             # Record the exact position (prefetched-but-unconsumed batches excluded) and
             # have the loader start its next iterator there.
             loader.load_state_dict(loader.state_dict())
         self._iterator = None
         self._iterator_loader = None
+        if iterator is not None:
+            stop_workers(iterator)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         started = time.perf_counter()

@@ -6,6 +6,7 @@ after epoch boundaries, between gradient-accumulation windows and right after an
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 from dataclasses import dataclass
@@ -312,3 +313,50 @@ def test_moe_resume_matches_uninterrupted_run_with_router_biases(corpus, tmp_pat
     for step in range(stop_at + 1, MAX_STEPS + 1):
         for key in ("moe/aux_loss", "moe/z_loss", "moe/load", "moe/dropped_share"):
             assert rows[step][key] == want_rows[step][key], (step, key)
+
+
+def new_children(before: list[multiprocessing.process.BaseProcess]):
+    """Child processes started since ``before`` was taken (other tests may leave some)."""
+    return [p for p in multiprocessing.active_children() if p not in before]
+
+
+class LoaderWorkersSeen(TrainingHook):
+    """Notes the loader worker processes alive at the end of the first step."""
+
+    def __init__(self) -> None:
+        self.before = multiprocessing.active_children()
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        if not self.workers:
+            self.workers = new_children(self.before)
+
+
+def test_the_loop_stops_its_loader_workers_when_it_returns(corpus, tmp_path):
+    session = make_session(overrides_for(corpus, tmp_path / "run", ["--data.num_workers=2"]))
+    seen = LoaderWorkersSeen()
+    session.hooks.add(seen)
+    with session.tracker:
+        run_training_loop(session)
+    assert len(seen.workers) == 2
+    # Stopped on return, while the session is still referenced: not left to the collector.
+    assert [w.is_alive() for w in seen.workers] == [False, False]
+
+
+def test_a_reset_stream_stops_its_workers_and_continues_at_the_next_batch(corpus, tmp_path):
+    overrides = overrides_for(corpus, tmp_path / "run", ["--data.num_workers=2"])
+    straight = make_session(overrides)
+    want = [straight.batches.next_batch()["input_ids"] for _ in range(3)]
+    straight.batches.reset()
+    session = make_session(overrides)
+    before = multiprocessing.active_children()
+    got = [session.batches.next_batch()["input_ids"] for _ in range(2)]
+    workers = new_children(before)
+    assert len(workers) == 2
+    session.batches.reset()
+    assert [w.is_alive() for w in workers] == [False, False]
+    got.append(session.batches.next_batch()["input_ids"])
+    session.batches.reset()
+    assert_tensors_bitwise_equal(
+        {str(i): t for i, t in enumerate(got)}, {str(i): t for i, t in enumerate(want)}, "batch"
+    )
