@@ -18,8 +18,6 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
 if TYPE_CHECKING:
     from kempnerforge.config.data import DataConfig
 
-"""The config a run records in its run directory (training/workspace.py)."""
-
 DEFAULT_MAX_NEW_TOKENS = 128
 
 VLM_REFUSAL = "generate takes text models; a VLM's caption sample is printed at the end of training"

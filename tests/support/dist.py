@@ -84,8 +84,8 @@ def _worker(
     )
     try:
         result = fn(rank, world_size, *args)
-        # Every rank done before any tears its groups down: a rank that destroys them
-        # while a peer's last collectives are still arriving can abort in gloo's threads.
+        # Every rank done before any leaves: a rank that closes its connections while a
+        # peer's last collectives are still in flight fails that peer.
         dist.barrier()
     finally:
         dist.destroy_process_group()
