@@ -9,6 +9,9 @@ import numpy as np
 MASK64 = (1 << 64) - 1
 ROUNDS = 6
 """Feistel rounds; with a full 64-bit mixer as round function, 6 give a well-shuffled order."""
+SMALL_ROUNDS = 12
+"""Rounds for domains of at most 16 values (halves of 1 or 2 bits), which 6 rounds would
+shuffle unevenly: some orders of 5 elements would come up twice as often as others."""
 
 _STEP = 0x9E3779B97F4A7C15  # the 64-bit golden-ratio increment: consecutive inputs spread out
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -59,12 +62,13 @@ class KeyedPermutation:
     from ``key``.
     """
 
-    def __init__(self, n: int, key: int, rounds: int = ROUNDS) -> None:
+    def __init__(self, n: int, key: int) -> None:
         if n < 0:
             raise ValueError(f"a permutation needs n >= 0 elements, got {n}")
         self.n = n
         self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2) if n > 1 else 1
         self._mask = (1 << self.half_bits) - 1
+        rounds = ROUNDS if self.half_bits > 2 else SMALL_ROUNDS
         self._keys = tuple(mix64(key + (r + 1) * _STEP) for r in range(rounds))
 
     def __len__(self) -> int:
