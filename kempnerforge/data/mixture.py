@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import bisect
 import copy
-import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset
 
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.sampler import EpochIterator
+from kempnerforge.data.mixture_order import MixtureOrder
+from kempnerforge.data.sampler import ORDER_VERSION, BaseEpochSampler, check_order_version
 from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
@@ -73,29 +73,29 @@ def mixture_probabilities(weights: Sequence[float], temperature: float) -> list[
     return [s / total for s in scaled]
 
 
-def _seed(*parts: object) -> int:
-    """A generator seed for a tuple of ints; distinct tuples never share one."""
-    text = "kempnerforge-mixture:" + ":".join(map(str, parts))
-    digest = hashlib.sha256(text.encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+_Plan = tuple[int, list[tuple[int, tuple[float, ...]]]]
+"""An epoch and its (global position, weights) segments: what a MixtureOrder is built from."""
 
 
-class MixtureSampler(Sampler[int]):
+class MixtureSampler(BaseEpochSampler):
     """Global indices into a MixtureDataset for one data-parallel rank, epoch after epoch.
 
-    An epoch is ``sum(sizes)`` positions, rounded down to a multiple of ``dp_size``. Each
-    position draws a source with the mixture probabilities, then that source's next window
-    from a seeded permutation of it (cycling, with a new permutation each pass; the
-    per-source cursors start afresh every epoch). Everything is seeded from ``(seed,
-    epoch)``, so every rank computes the same global sequence; rank r takes positions
-    ``r::dp_size``.
+    An epoch is ``sum(sizes)`` positions, of which the first ``samples_per_rank *
+    dp_size`` are read; rank r takes positions ``r, r + dp_size, ...``. Each source gets
+    its exact share of the positions (the epoch length times its mixture probability,
+    rounded by largest remainder), and of every chunk of them, at places a keyed
+    permutation of the chunk picks; it reads its windows pass after pass of a fresh keyed
+    permutation of the source, each window once per pass, afresh every epoch (see
+    MixtureOrder). Any position's index is computed in O(1) from ``(seed, epoch)``, the
+    weights and their changes, so every rank and every ``dp_size`` gets the same global
+    sequence and nothing of the epoch's size is ever built.
 
-    ``update_weights`` takes effect at this sampler's next draw: the rest of the epoch's
-    sources are drawn again from a seed derived from ``(seed, epoch, global position)``
-    with the new probabilities. The epoch is thus a function of its starting weights and
-    its list of changes, which the state holds along with the epoch and position (the
-    per-source cursors follow from those). The next epoch starts with the latest weights.
-    Resume through a StatefulDataLoader works like ShardedSampler's.
+    ``update_weights`` takes effect at this sampler's next draw: the rest of the epoch is a
+    new segment with the new probabilities, keyed by ``(seed, epoch, global position)``,
+    and each source's passes continue without reading a window twice. The epoch is thus a
+    function of its starting weights and its list of changes, which the state holds along
+    with the epoch and position. The next epoch starts with the latest weights. Resume
+    through a StatefulDataLoader works like ShardedSampler's.
     """
 
     def __init__(
@@ -111,35 +111,17 @@ class MixtureSampler(Sampler[int]):
             raise ValueError(f"need one weight per source, got {len(sizes)} and {len(weights)}")
         if any(size < 1 for size in sizes):
             raise ValueError(f"every source needs at least one window, got sizes {sizes}")
-        if dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+        super().__init__(sum(sizes), dp_rank, dp_size)
         mixture_probabilities(weights, temperature)  # validates
         self.sizes = list(sizes)
         self.temperature = float(temperature)
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
         self.seed = seed
         self.configured_weights = [float(w) for w in weights]
-        self.epoch = 0
-        self._yielded = 0
         self._epoch_weights = list(self.configured_weights)  # weights at this epoch's start
         self._changes: list[tuple[int, list[float]]] = []  # (global position, weights)
         self._pending: list[float] | None = None
-        self._resume_at: int | None = None
         self._loaded_from: dict[str, Any] | None = None
-
-    @property
-    def num_samples(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def samples_per_rank(self) -> int:
-        return self.num_samples // self.dp_size
-
-    def __len__(self) -> int:
-        return self.samples_per_rank
+        self._order: tuple[_Plan, MixtureOrder] | None = None  # the last order built
 
     @property
     def weights(self) -> list[float]:
@@ -164,63 +146,37 @@ class MixtureSampler(Sampler[int]):
         mixture_probabilities(weights, self.temperature)  # validates
         self._pending = [float(w) for w in weights]
 
-    def global_sequence(
-        self, epoch: int, epoch_weights: list[float], changes: list[tuple[int, list[float]]]
-    ) -> torch.Tensor:
-        """All ranks' global indices of ``epoch``, given its start weights and changes."""
-        length = self.samples_per_rank * self.dp_size
-        sources = torch.empty(length, dtype=torch.int64)
-        segments = [(0, epoch_weights, _seed(self.seed, epoch))]
-        segments += [(pos, w, _seed(self.seed, epoch, pos)) for pos, w in changes]
-        for k, (start, weights, seed) in enumerate(segments):
-            end = segments[k + 1][0] if k + 1 < len(segments) else length
-            if end <= start:
-                continue
-            probs = torch.tensor(
-                mixture_probabilities(weights, self.temperature), dtype=torch.float64
-            )
-            generator = torch.Generator().manual_seed(seed)
-            sources[start:end] = torch.multinomial(probs, end - start, True, generator=generator)
-        indices = torch.empty(length, dtype=torch.int64)
-        offset = 0
-        for i, size in enumerate(self.sizes):
-            where = (sources == i).nonzero().flatten()
-            count = len(where)
-            if count:
-                passes = -(-count // size)
-                order = [
-                    torch.randperm(
-                        size,
-                        generator=torch.Generator().manual_seed(
-                            _seed(self.seed, epoch, "source", i, p)
-                        ),
-                    )
-                    for p in range(passes)
-                ]
-                indices[where] = torch.cat(order)[:count] + offset
-            offset += size
-        return indices
+    def order(self, epoch: int | None = None) -> MixtureOrder:
+        """The order of ``epoch`` (the current one by default) as it stands.
 
-    def epoch_indices(self, epoch: int | None = None) -> torch.Tensor:
-        """This rank's index list for ``epoch`` (the current one by default) as it stands."""
+        The current epoch has its start weights and changes; a later one would start with
+        the weights in use now.
+        """
         if epoch is None or epoch == self.epoch:
-            sequence = self.global_sequence(self.epoch, self._epoch_weights, self._changes)
+            epoch, segments = self.epoch, [(0, self._epoch_weights), *self._changes]
         else:
-            sequence = self.global_sequence(epoch, self.weights, [])
-        return sequence[self.dp_rank :: self.dp_size]
+            segments = [(0, self.weights)]
+        plan: _Plan = (epoch, [(pos, tuple(w)) for pos, w in segments])
+        cached = self._order
+        if cached is None or cached[0] != plan:
+            probabilities = [
+                (pos, mixture_probabilities(w, self.temperature)) for pos, w in segments
+            ]
+            order = MixtureOrder(self.sizes, self.seed, epoch, probabilities)
+            cached = self._order = (plan, order)
+        return cached[1]
 
-    def __iter__(self) -> Iterator[int]:
-        return EpochIterator(self)
-
-    def _begin(self) -> tuple[int, int]:
-        """Epoch and start position for an iterator drawing its first index."""
-        start = self._resume_at if self._resume_at is not None else 0
-        self._resume_at = None
-        self._yielded = start
-        return self.epoch, start
+    def global_index(self, epoch: int, position: int) -> int:
+        """The MixtureDataset index at global ``position`` of ``epoch`` (all ranks')."""
+        self.check_position(epoch, position)
+        return self.order(epoch).global_index(position)
 
     def _take_pending(self, epoch: int, position: int) -> bool:
-        """Record a pending weight change at ``position`` of this rank; True if one was."""
+        """Record a pending weight change at this rank's ``position``; True if one was.
+
+        Stored at the global position ``position * dp_size``: every rank has read the
+        positions before it and none after, so all ranks switch at the same place.
+        """
         if self._pending is None or epoch != self.epoch:
             return False
         at = position * self.dp_size
@@ -255,6 +211,7 @@ class MixtureSampler(Sampler[int]):
             "temperature": self.temperature,
             "dp_size": self.dp_size,
             "seed": self.seed,
+            "order_version": ORDER_VERSION,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -262,8 +219,10 @@ class MixtureSampler(Sampler[int]):
 
         A pending ``update_weights`` survives this and applies at the first draw after it.
         A state saved over other sources, weights, temperature or seed restarts its epoch
-        with this run's configured weights, with a warning.
+        with this run's configured weights, with a warning. One saved under another data
+        order (``order_version``) is refused with a DataError.
         """
+        check_order_version(state, "MixtureSampler")
         state = copy.deepcopy(state)
         epoch, yielded = int(state["epoch"]), int(state["yielded"])
         report = state != self._loaded_from

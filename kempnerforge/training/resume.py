@@ -18,6 +18,7 @@ from kempnerforge.checkpoint.layout import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
+from kempnerforge.data.errors import DataError
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.training.freeze import check_saved_freeze
 from kempnerforge.training.lr import refresh_learning_rates
@@ -156,7 +157,10 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
     for group, values in zip(session.optimizer.param_groups, configured, strict=True):
         group.update(values)
     set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
-    step, tokens_seen = restore_train_state(session, state)
+    try:
+        step, tokens_seen = restore_train_state(session, state)
+    except DataError as error:
+        raise DataError(f"{plan.path}: {error}") from None  # name the checkpoint
     refresh_learning_rates(session)
     cfg = session.config
     session.profiler = build_profiler(

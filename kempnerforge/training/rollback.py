@@ -31,7 +31,7 @@ def data_position(session: TrainingSession) -> str:
         return ""
     epoch, end = int(sampler_state["epoch"]), int(sampler_state["yielded"])
     start = max(end - tc.batch_size * tc.grad_accum_steps, 0)
-    indices = data.sampler.epoch_indices(epoch)[start:end].tolist()
+    indices = data.sampler.rank_indices(epoch, start, end)
     by_source: dict[str, list[int]] = {}
     dataset = data.dataset
     for index in indices:

@@ -6,10 +6,11 @@ window's source can be read off its tokens. Three independent views of which sou
 row came from are compared: the ``tokens/<name>`` of the metrics rows, the StepResult the
 step body returned, and the tokens the model was actually fed (a forward pre-hook).
 
-Tolerances. The sampler draws the source of every position independently (multinomial
-with replacement), so over n windows the count of a source with probability p is
-Binomial(n, p): standard deviation sqrt(n p (1 - p)). A share is accepted within
-``SIGMAS = 4`` of those, two-sided about 6e-5 by chance per comparison. Everything is
+Tolerances. The sampler gives a source with probability p its exact share of every epoch
+and of every chunk of 1,024 positions, at places a keyed permutation picks, so over n
+windows its count is n p give or take what a window range cuts out of an epoch or chunk: a
+hypergeometric spread, narrower than Binomial(n, p)'s sqrt(n p (1 - p)). A share is
+accepted within ``SIGMAS = 4`` of that binomial deviation, a generous bound. Everything is
 seeded from train.seed, so each test draws the same windows on every run: it either
 always passes or always fails, never flakes.
 """

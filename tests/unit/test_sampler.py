@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kempnerforge.data.loader import build_train_loader, load_loader_state
-from kempnerforge.data.sampler import ShardedSampler, epoch_seed
+from kempnerforge.data.permutation import KeyedPermutation, derive_key
+from kempnerforge.data.sampler import ShardedSampler
 from tests.support.data_files import IndexDataset
 
 
@@ -22,11 +22,12 @@ def test_rank_shards_are_disjoint_equal_and_complete(dp_size, num_samples):
     assert all(len(s) == per_rank for s in shards)
     union = [i for s in shards for i in s]
     assert len(set(union)) == len(union) == per_rank * dp_size
-    # Together they are the seeded permutation with its tail dropped.
-    perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(epoch_seed(7, 0)))
-    assert sorted(union) == sorted(perm[: per_rank * dp_size].tolist())
+    # Together they are the keyed permutation of (seed, epoch) with its tail dropped.
+    perm = KeyedPermutation(num_samples, derive_key("sampler", 7, 0))
+    head = [perm(p) for p in range(per_rank * dp_size)]
+    assert sorted(union) == sorted(head)
     for r, shard in enumerate(shards):
-        assert shard == perm[: per_rank * dp_size][r::dp_size].tolist()
+        assert shard == head[r::dp_size]
 
 
 def test_order_is_seeded_per_epoch_and_reproducible():
@@ -35,7 +36,7 @@ def test_order_is_seeded_per_epoch_and_reproducible():
     assert (epoch0, epoch1) == (_drain(b), _drain(b))
     assert epoch0 != epoch1 and sorted(epoch0) == sorted(epoch1) == list(range(50))
     assert _drain(ShardedSampler(50, 0, 1, seed=2)) != epoch0
-    assert epoch_seed(0, 1) != epoch_seed(1, 0)
+    assert derive_key("sampler", 0, 1) != derive_key("sampler", 1, 0)
 
 
 def test_without_shuffle_the_order_is_sequential():
@@ -62,7 +63,7 @@ def test_state_dict_resumes_a_bare_sampler_mid_epoch():
     assert (state["epoch"], state["yielded"]) == (1, 4)
     resumed = ShardedSampler(20, 1, 2, seed=3)
     resumed.load_state_dict(state)
-    assert head + _drain(resumed) == ShardedSampler(20, 1, 2, seed=3).epoch_indices(1).tolist()
+    assert head + _drain(resumed) == ShardedSampler(20, 1, 2, seed=3).rank_indices(1, 0, 10)
     assert resumed.epoch == 2
 
 
@@ -75,7 +76,7 @@ def test_resume_at_another_dp_size_continues_the_global_order():
         s.load_state_dict(old[0].state_dict())
     rest = [i for s in new for i in _drain(s)]
     # 6 of 24 consumed; 3 ranks now read 2 each of the rest: nothing read twice.
-    perm = old[0].epoch_indices(0).tolist() + old[1].epoch_indices(0).tolist()
+    perm = old[0].rank_indices(0, 0, 12) + old[1].rank_indices(0, 0, 12)
     assert set(consumed) | set(rest) == set(perm)
     assert not set(consumed) & set(rest)
 
