@@ -285,6 +285,15 @@ def test_a_dtype_that_lies_is_caught_by_the_id_scan_or_the_window_check(counting
         ("dtype", ["uint16"], "dtype ['uint16'] is not one of uint16, uint32"),
         ("format_version", "1", "format_version '1', this version reads 1"),
         ("bos_per_document", "yes", "bos_per_document 'yes' is not true or false"),
+        ("max_token_id", "257", "max_token_id '257' is not an integer in [-1, 2**32)"),
+        ("max_token_id", -2, "max_token_id -2 is not an integer in [-1, 2**32)"),
+        ("max_token_id", 2**32, "max_token_id 4294967296 is not an integer in [-1, 2**32)"),
+        (
+            "max_token_id",
+            -1,
+            "max_token_id -1 does not fit num_tokens 22 (it is -1 exactly when there are no "
+            "tokens)",
+        ),
         (
             "dtype",
             ["uint16"] * 20,
