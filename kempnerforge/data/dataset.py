@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from kempnerforge.data.errors import DataError
-from kempnerforge.data.shards import corpus_meta, is_sharded, read_shards
-from kempnerforge.data.token_file import DTYPES, TOKENS_FILE, check_tokens_file, read_meta
+from kempnerforge.data.shards import read_parts
+from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
 from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
 from kempnerforge.data.token_stream import TokenStream
 
@@ -75,7 +75,7 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
         self.path = path
         self.seq_len = seq_len
         self.document_masking = document_masking
-        self.meta, parts = _open_parts(path)
+        self.meta, parts = read_parts(path)
         self._check_fits(expected_tokenizer, model_vocab_size)
         for part_dir, part_meta in parts:
             check_token_ids(part_dir, part_meta, model_vocab_size)
@@ -144,14 +144,3 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
             tokens_path, offset, int(window[first]), self.meta, self._model_vocab_size
         )
 
-
-def _open_parts(path: str) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
-    """The metadata of the prepared directory ``path`` as a whole, and (directory, meta.json)
-    of each of its parts in stream order: the directory itself, or each of its shards.
-    Sizes are checked; no tokens are read."""
-    if is_sharded(path):
-        shards = read_shards(path)
-        return corpus_meta(shards), shards
-    meta = read_meta(path)
-    check_tokens_file(path, meta)
-    return meta, [(path, meta)]

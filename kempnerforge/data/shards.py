@@ -173,6 +173,18 @@ def corpus_meta(shards: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     return corpus
 
 
+def read_parts(data_dir: str) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    """What the prepared directory ``data_dir`` is as a whole (its meta.json, or corpus_meta
+    of its shards), and (directory, meta.json) of each part in stream order: the directory
+    itself, or each of its shards. Sizes are checked; no tokens are read."""
+    if is_sharded(data_dir):
+        shards = read_shards(data_dir)
+        return corpus_meta(shards), shards
+    meta = read_meta(data_dir)
+    check_tokens_file(data_dir, meta)
+    return meta, [(data_dir, meta)]
+
+
 def prepared_dirs(data_dir: str) -> list[str]:
     """The prepared directories of ``data_dir``: itself, or each of its shards once all are
     complete and agree."""
