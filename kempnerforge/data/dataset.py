@@ -1,15 +1,20 @@
-"""MemoryMappedDataset: fixed-length training windows over a prepared tokens.bin."""
+"""MemoryMappedDataset: fixed-length training windows over a prepared directory's token stream
+(its tokens.bin, or its shards' in order)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from kempnerforge.data.errors import DataError
-from kempnerforge.data.token_file import DTYPES, check_token_ids, check_tokens_file, read_meta
+from kempnerforge.data.shards import read_parts
+from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
+from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
+from kempnerforge.data.token_stream import TokenStream
 
 IGNORE_INDEX = -100
 
@@ -43,12 +48,18 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
     its document, and it predicts the document's first token. Without masking, ``doc_ids`` is
     all zeros: the window is one sequence.
 
-    Opening checks meta.json's fields, the size of tokens.bin, the tokenizer and vocabulary
-    against ``expected_tokenizer`` and ``model_vocab_size``, and every id of tokens.bin
-    against the vocabulary (one chunked scan), so bad data fails here with a DataError naming
-    the file rather than as an IndexError mid-run.
+    ``path`` is a prepared directory or a sharded one (see shards.py): the shards' tokens are one
+    stream, in shard order, and a window may span a shard boundary.
 
-    The memory map is opened lazily and never pickled, so worker processes reopen it.
+    Opening checks meta.json's fields (each shard's), the size of tokens.bin, the tokenizer
+    and vocabulary against ``expected_tokenizer`` and ``model_vocab_size``, and the largest
+    id meta.json records against both vocabularies, so bad data fails here with a DataError
+    naming the file rather than as an IndexError mid-run. No tokens are read: O(shards)
+    small reads. Each window read is checked too (the max of its ``seq_len + 1`` ids), so a
+    file changed after it was prepared stops the run with a DataError naming the file and
+    the offset, not a failed embedding lookup.
+
+    Memory maps are opened lazily and never pickled, so worker processes reopen them.
     """
 
     def __init__(
@@ -64,22 +75,26 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
         self.path = path
         self.seq_len = seq_len
         self.document_masking = document_masking
-        self.meta: dict[str, Any] = read_meta(path)
-        tokens_path = check_tokens_file(path, self.meta)
+        self.meta, parts = read_parts(path)
         self._check_fits(expected_tokenizer, model_vocab_size)
-        check_token_ids(tokens_path, self.meta, model_vocab_size)
-        self._tokens_path = str(tokens_path)
+        for part_dir, part_meta in parts:
+            check_token_ids(part_dir, part_meta, model_vocab_size)
+        self._model_vocab_size = model_vocab_size
+        self._id_limit = id_limit(self.meta, model_vocab_size)
         self.num_tokens = int(self.meta["num_tokens"])
         self.eos_id = int(self.meta["eos_id"])
         self.bos_per_document: bool = self.meta["bos_per_document"]
-        self._dtype = DTYPES[self.meta["dtype"]]
-        self._num_windows = (self.num_tokens - 1) // seq_len
+        self._num_windows = max(self.num_tokens - 1, 0) // seq_len
         if self._num_windows < 1:
             raise DataError(
                 f"{path}: {self.num_tokens} tokens, fewer than one window of seq_len + 1 = "
                 f"{seq_len + 1}; prepare more text or lower train.seq_len"
             )
-        self._tokens: np.memmap | None = None
+        self._stream = TokenStream(
+            [str(Path(part_dir) / TOKENS_FILE) for part_dir, _ in parts],
+            [int(part_meta["num_tokens"]) for _, part_meta in parts],
+            DTYPES[self.meta["dtype"]],
+        )
 
     def _check_fits(self, expected_tokenizer: str | None, model_vocab_size: int | None) -> None:
         prepared_with = self.meta["tokenizer"]
@@ -99,18 +114,13 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
     def __len__(self) -> int:
         return self._num_windows
 
-    def _memmap(self) -> np.memmap:
-        if self._tokens is None:
-            self._tokens = np.memmap(
-                self._tokens_path, dtype=self._dtype, mode="r", shape=(self.num_tokens,)
-            )
-        return self._tokens
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self._num_windows:
             raise IndexError(f"window {index} out of range [0, {self._num_windows})")
         start = index * self.seq_len
-        window = np.asarray(self._memmap()[start : start + self.seq_len + 1], dtype=np.int64)
+        window = self._stream.read(start, self.seq_len + 1)
+        if int(window.max()) >= self._id_limit:
+            self._refuse_window(start, window)
         input_ids = window[:-1]
         labels = window[1:].copy()
         doc_ids = np.zeros(self.seq_len, dtype=np.int64)
@@ -124,8 +134,13 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
             "doc_ids": torch.from_numpy(doc_ids),
         }
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A memory map does not survive pickling to a worker; the worker reopens the file.
-        state = self.__dict__.copy()
-        state["_tokens"] = None
-        return state
+    def _refuse_window(self, start: int, window: np.ndarray) -> None:
+        """Stop on the first id of ``window`` (from stream offset ``start``) beyond the
+        vocabulary, naming its file and offset: the file changed after it was prepared, or
+        its meta.json understates its largest id."""
+        first = int(np.argmax(window >= self._id_limit))
+        tokens_path, offset = self._stream.locate(start + first)
+        raise token_at_error(
+            tokens_path, offset, int(window[first]), self.meta, self._model_vocab_size
+        )
+

@@ -1,6 +1,8 @@
 """prepare-data: tokenize text inputs into a prepared directory (tokens.bin + meta.json).
 
-Also splits off a held-out set by document, so train and eval never share a document.
+Also splits off a held-out set by document, so train and eval never share a document, writes
+one shard of a sharded corpus, and records the largest id of directories prepared before
+meta.json held it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from kempnerforge.data.errors import DataError
+from kempnerforge.data.shards import (
+    Shard,
+    check_shard_output,
+    check_unsharded_output,
+    prepared_dirs,
+)
 from kempnerforge.data.sources import (
     check_text_suffixes,
     discover_input_files,
@@ -23,6 +31,7 @@ from kempnerforge.data.sources import (
     read_documents,
 )
 from kempnerforge.data.token_file import TokenFileWriter, check_output_dir, read_meta
+from kempnerforge.data.token_ids import check_token_ids, scan_and_record
 from kempnerforge.data.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 from kempnerforge.metrics.logging import get_logger
@@ -89,14 +98,16 @@ def write_corpus(
     show_progress: bool = False,
     num_workers: int = 1,
     bos_per_document: bool = False,
+    allow_empty: bool = False,
 ) -> dict[str, Any]:
     """Tokenize ``(source name, documents)`` pairs into prepared directories.
 
     Empty documents are skipped; with ``bos_per_document`` each document starts with BOS.
     Returns the train split's metadata; the eval split's is in
     ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
-    is complete and non-empty. With ``num_workers`` > 1 the documents are tokenized in that
-    many processes and the output is byte-identical to one worker's.
+    is complete and, without ``allow_empty`` (a shard may hold no documents), non-empty.
+    With ``num_workers`` > 1 the documents are tokenized in that many processes and the
+    output is byte-identical to one worker's.
     """
     check_outputs(output_dir, eval_fraction, eval_output_dir)
     progress = _Progress(num_sources, show_progress)
@@ -122,7 +133,8 @@ def write_corpus(
                     progress.file_done(writers)
         finally:
             progress.close()
-        _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
+        if not allow_empty:
+            _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
         if held_out is not None:
             held_out.finish(num_sources)
         meta = train.finish(num_sources)
@@ -173,25 +185,41 @@ def _batches(
         yield batch
 
 
-def check_outputs(output_dir: str, eval_fraction: float, eval_output_dir: str | None) -> None:
-    """The output directories can take a prepared corpus, checked before any input is read.
+def check_outputs(
+    output_dir: str,
+    eval_fraction: float,
+    eval_output_dir: str | None,
+    shard: Shard | None = None,
+) -> tuple[str, str | None]:
+    """The directories to write (with ``shard``, its own under each output), checked before
+    any input is read.
 
     Each must be new, empty, or a directory prepare-data wrote before (which is rewritten):
     a file there, or a directory holding anything else, is refused rather than mixed with a
-    corpus, and the eval output must be another directory than the training output.
+    corpus, and the eval output must be another directory than the training output. An
+    output holding shards takes only shards of the same count, and no unsharded corpus.
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval fraction {eval_fraction} for {output_dir}: expected 0 <= F < 1")
-    check_output_dir(output_dir, "--output")
-    if eval_fraction > 0.0:
-        if not eval_output_dir:
-            raise DataError(
-                f"eval fraction {eval_fraction} for {output_dir} needs an eval output directory "
-                "(--eval-output DIR)"
-            )
-        if Path(eval_output_dir).resolve() == Path(output_dir).resolve():
-            raise DataError(f"{output_dir}: the eval output must be a different directory")
-        check_output_dir(eval_output_dir, "--eval-output")
+    train_dir = _check_output(output_dir, "--output", shard)
+    if eval_fraction <= 0.0:
+        return train_dir, None
+    if not eval_output_dir:
+        raise DataError(
+            f"eval fraction {eval_fraction} for {output_dir} needs an eval output directory "
+            "(--eval-output DIR)"
+        )
+    if Path(eval_output_dir).resolve() == Path(output_dir).resolve():
+        raise DataError(f"{output_dir}: the eval output must be a different directory")
+    return train_dir, _check_output(eval_output_dir, "--eval-output", shard)
+
+
+def _check_output(output_dir: str, option: str, shard: Shard | None) -> str:
+    if shard is not None:
+        return check_shard_output(output_dir, shard, option)
+    check_unsharded_output(output_dir, option)
+    check_output_dir(output_dir, option)
+    return output_dir
 
 
 def _check_not_empty(
@@ -231,6 +259,7 @@ def prepare_data(
     bos_per_document: bool = False,
     text_suffixes: tuple[str, ...] = (),
     skip_non_utf8: bool = False,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
     (directories walked) into ``output_dir``; files ending in one of ``text_suffixes`` (e.g.
@@ -244,12 +273,28 @@ def prepare_data(
     instead. ``num_workers`` > 1 tokenizes in that many spawned processes with byte-identical
     output. Returns the train split's metadata.
 
+    With ``shard`` only its contiguous block of the input files (in the order above) is
+    prepared, into ``output_dir/shard-I-of-N`` (and ``eval_output_dir/shard-I-of-N``), so
+    shards 0..N-1 in order hold exactly the documents of one unsharded run, in its order. A
+    shard may be empty (no files, or no held-out documents among its own).
+
     The outputs are checked before any input is read (check_outputs); files a directory walk
     leaves out are counted in one warning per directory.
     """
-    check_outputs(output_dir, eval_fraction, eval_output_dir)
+    train_dir, eval_dir = check_outputs(output_dir, eval_fraction, eval_output_dir, shard)
     text_suffixes = check_text_suffixes(text_suffixes)
     files = discover_input_files(inputs, text_suffixes)
+    if shard is not None:
+        num_files = len(files)
+        files = shard.take(files)
+        if not files:
+            logger.warning(
+                "%s: shard %d of %d gets none of the %d input files; it is written empty",
+                train_dir,
+                shard.index,
+                shard.count,
+                num_files,
+            )
     if split is not None and not any(is_hf_dataset_dir(f) for f in files):
         logger.warning("--split %s is ignored: no input is a saved Hugging Face dataset", split)
     sources = (
@@ -264,20 +309,42 @@ def prepare_data(
     return write_corpus(
         sources,
         len(files),
-        output_dir,
+        train_dir,
         tokenizer,
         eval_fraction=eval_fraction,
-        eval_output_dir=eval_output_dir,
+        eval_output_dir=eval_dir,
         show_progress=show_progress,
         num_workers=num_workers,
         bos_per_document=bos_per_document,
+        allow_empty=shard is not None,
     )
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:
     """Run `kempnerforge prepare-data`; DataError and ConfigError propagate to the CLI."""
+    if args.record_max_id:
+        if args.input or args.output:
+            raise DataError(
+                "--record-max-id scans directories already prepared; it takes no --input or "
+                "--output (run it on its own)"
+            )
+        return run_record_max_id(args.record_max_id)
+    if not args.input or not args.output:
+        raise DataError(
+            "prepare-data needs --input FILE_OR_DIR ... and --output DIR (or --record-max-id "
+            "DIR to record the largest id of a directory already prepared)"
+        )
     if args.eval_output and args.eval_fraction <= 0.0:
         raise DataError(f"--eval-output {args.eval_output} needs --eval-fraction F > 0")
+    shard = None
+    if args.shard_index is not None or args.num_shards is not None:
+        if args.shard_index is None or args.num_shards is None:
+            raise DataError(
+                "--shard-index I and --num-shards N go together: this process writes shard I "
+                "of N (0 <= I < N)"
+            )
+        shard = Shard(args.shard_index, args.num_shards)
+    output = str(Path(args.output) / shard.name) if shard else args.output
     meta = prepare_data(
         args.input,
         args.output,
@@ -291,16 +358,31 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         bos_per_document=args.bos,
         text_suffixes=tuple(args.text_suffix),
         skip_non_utf8=args.skip_non_utf8,
+        shard=shard,
     )
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
-        f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {args.output}"
+        f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
     )
     if args.eval_fraction > 0.0:
-        held_out = read_meta(args.eval_output)
+        eval_output = str(Path(args.eval_output) / shard.name) if shard else args.eval_output
+        held_out = read_meta(eval_output)
         summary += (
             f"; held out {held_out['num_tokens']:,} tokens in "
-            f"{held_out['num_documents']:,} documents into {args.eval_output}"
+            f"{held_out['num_documents']:,} documents into {eval_output}"
         )
     print(summary)
+    return 0
+
+
+def run_record_max_id(data_dirs: list[str]) -> int:
+    """Scan each prepared directory (each shard of a sharded one) once and record its largest
+    id in its meta.json, one line each; an id beyond meta.json's vocabulary is then reported
+    as opening reports it (it is recorded all the same, so every opening refuses it at once).
+    """
+    for data_dir in data_dirs:
+        for part in prepared_dirs(data_dir):
+            meta, top = scan_and_record(part)
+            print(f"{part}: recorded max_token_id {top} ({meta['num_tokens']:,} tokens scanned)")
+            check_token_ids(part, meta, None)
     return 0

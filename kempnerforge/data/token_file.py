@@ -2,6 +2,8 @@
 
 A prepared directory is complete exactly when meta.json exists: the writer renames tokens.bin
 into place first and meta.json last, so a crash never leaves a half file under a final name.
+meta.json records the largest id written (``max_token_id``), so a reader checks the ids
+against a vocabulary without reading tokens.bin.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ META_KEYS = (
 )
 # Keys a reader fills in when an older prepared directory lacks them.
 META_DEFAULTS: dict[str, Any] = {"bos_per_document": False}
+# The largest id in tokens.bin, -1 when it holds none. Written by every writer since it was
+# added; a directory prepared before lacks it until it is scanned once (token_ids.py).
+MAX_ID_KEY = "max_token_id"
 _FLUSH_TOKENS = 1 << 22  # 4M tokens buffered between writes: 8-16 MB
-# Tokens read at once when scanning tokens.bin for out-of-vocabulary ids: 32-64 MB mapped.
-_SCAN_TOKENS = 1 << 24
 # Ids are stored as at most uint32, so no vocabulary is larger (2**32).
 MAX_VOCAB_SIZE = 1 << 32
 
@@ -90,6 +93,7 @@ class TokenFileWriter:
         self._buffered = 0
         self.num_tokens = 0
         self.num_documents = 0
+        self.max_token_id = -1  # none written yet
 
     def add_document(self, tokens: np.ndarray) -> None:
         """Append one document's ids and its EOS (after its BOS, with bos_per_document)."""
@@ -107,12 +111,14 @@ class TokenFileWriter:
         if not self._buffer:
             return
         ids = np.concatenate(self._buffer)
-        if ids.size and int(ids.max()) >= self.tokenizer.vocab_size:
+        top = int(ids.max()) if ids.size else -1
+        if top >= self.tokenizer.vocab_size:
             # A cast would wrap such an id silently into a different token.
             raise ValueError(
-                f"tokenizer {self.tokenizer.identity} produced id {int(ids.max())} "
+                f"tokenizer {self.tokenizer.identity} produced id {top} "
                 f">= its vocab_size {self.tokenizer.vocab_size}"
             )
+        self.max_token_id = max(self.max_token_id, top)
         data = ids.astype(self._dtype, copy=False).tobytes()
         self._file.write(data)
         self._sha.update(data)
@@ -132,6 +138,7 @@ class TokenFileWriter:
             "vocab_size": self.tokenizer.vocab_size,
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
+            MAX_ID_KEY: self.max_token_id,
             "tokenizer": self.tokenizer.identity,
             "eos_id": self.tokenizer.eos_id,
             "bos_id": self.tokenizer.bos_id,
@@ -255,6 +262,25 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
             return f"{key} {_show(meta[key])} is not a non-empty string"
     if not isinstance(meta["bos_per_document"], bool):
         return f"bos_per_document {_show(meta['bos_per_document'])} is not true or false"
+    return _max_id_problem(meta)
+
+
+def _max_id_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with an optional max_token_id: an id, -1 exactly when there are no tokens.
+
+    Whether it lies below vocab_size is the opening check's question, not the format's: its
+    message says what an id beyond the vocabulary means.
+    """
+    if MAX_ID_KEY not in meta:
+        return None
+    top = meta[MAX_ID_KEY]
+    if not (_is_int(top) and -1 <= top < MAX_VOCAB_SIZE):
+        return f"{MAX_ID_KEY} {_show(top)} is not an integer in [-1, 2**32)"
+    if (top == -1) != (meta["num_tokens"] == 0):
+        return (
+            f"{MAX_ID_KEY} {top} does not fit num_tokens {meta['num_tokens']} "
+            "(it is -1 exactly when there are no tokens)"
+        )
     return None
 
 
@@ -284,54 +310,6 @@ def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> Path:
             "run prepare-data again"
         )
     return path
-
-
-def first_id_at_least(path: Path, meta: dict[str, Any], limit: int) -> tuple[int, int] | None:
-    """Offset and value of the first id >= ``limit`` in tokens.bin at ``path``, or None.
-
-    Read in chunks through a memory map, so memory stays bounded for any file size; skipped
-    when the stored dtype cannot hold such an id.
-    """
-    dtype = DTYPES[meta["dtype"]]
-    num_tokens = int(meta["num_tokens"])
-    if limit > np.iinfo(dtype).max or num_tokens == 0:
-        return None
-    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
-    for start in range(0, num_tokens, _SCAN_TOKENS):
-        chunk = tokens[start : start + _SCAN_TOKENS]
-        if int(chunk.max()) >= limit:
-            offset = int(np.argmax(chunk >= limit))
-            return start + offset, int(chunk[offset])
-    return None
-
-
-def check_token_ids(path: Path, meta: dict[str, Any], model_vocab_size: int | None) -> None:
-    """Every id in tokens.bin at ``path`` is below meta.json's vocab_size (and the model's).
-
-    An id beyond the vocabulary that meta.json declares means the file is corrupt or not
-    what meta.json says (a wrong dtype, another tokenizer); an embedding lookup would fail
-    on it mid-run, so it is refused when the data is opened.
-    """
-    vocab_size = int(meta["vocab_size"])
-    limit = vocab_size if model_vocab_size is None else min(vocab_size, model_vocab_size)
-    found = first_id_at_least(path, meta, limit)
-    if found is None:
-        return
-    offset, token_id = found
-    where = f"{path}: the token at offset {offset} is id {token_id}"
-    if token_id >= vocab_size:
-        model = ""
-        if model_vocab_size is not None and token_id >= model_vocab_size:
-            model = f" and model.vocab_size {model_vocab_size}"
-        raise DataError(
-            f"{where}, not below meta.json's vocab_size {vocab_size}{model}: the file is corrupt "
-            f"or was not written as the {meta['dtype']} ids of tokenizer {meta['tokenizer']} "
-            "that meta.json names; run prepare-data again with this job's tokenizer"
-        )
-    raise DataError(
-        f"{where}, not below model.vocab_size {model_vocab_size}; raise model.vocab_size to at "
-        f"least {vocab_size} or prepare the data again with this job's tokenizer"
-    )
 
 
 def is_complete(data_dir: str) -> bool:

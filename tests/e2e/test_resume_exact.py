@@ -247,6 +247,24 @@ def test_resume_with_another_worker_count_matches_uninterrupted_run(
     assert_same_run(got, expected, after=stop_at)
 
 
+@pytest.fixture(scope="module")
+def sharded_corpus(tmp_path_factory) -> tuple[str, str]:
+    """The documents of `corpus`, prepared as three shards by three prepare-data calls."""
+    return write_small_corpus(tmp_path_factory.mktemp("sharded"), num_docs=22, num_shards=3)
+
+
+def test_a_sharded_corpus_trains_and_resumes_as_its_unsharded_twin(
+    corpus, sharded_corpus, tmp_path
+):
+    extra = ["--data.num_workers=2", "--eval.interval=3", "--eval.steps=2"]
+    expected = run_uninterrupted(overrides_for(corpus, tmp_path / "full", extra))
+    got = run_with_sigterms(overrides_for(sharded_corpus, tmp_path / "split", extra), [4])
+    assert_same_run(got, expected, after=0)  # every step, before the stop and after it
+    want = [(r["step"], r["eval_loss"]) for r in eval_rows(expected.config.run_dir)]
+    assert [(r["step"], r["eval_loss"]) for r in eval_rows(got.config.run_dir)] == want
+    assert got.data.dataset is not None and got.data.dataset.meta["num_shards"] == 3
+
+
 def test_first_row_after_a_resume_averages_every_step_since_the_previous_row(corpus, tmp_path):
     every_step = run_uninterrupted(overrides_for(corpus, tmp_path / "full", []))
     loss = {r["step"]: r["loss"] for r in train_rows(every_step.config.run_dir)}

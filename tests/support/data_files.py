@@ -64,7 +64,9 @@ def write_token_dir(
 
 
 def prepared_ids(out: Path) -> np.ndarray:
-    """Every id of a prepared directory, in order."""
+    """Every id of a prepared directory, in order (of a sharded one: its shards' in turn)."""
+    if not (out / "meta.json").exists() and any(out.glob("shard-*-of-*")):
+        return np.concatenate([prepared_ids(shard) for shard in sorted(out.glob("shard-*"))])
     meta = read_meta(str(out))
     return np.fromfile(out / "tokens.bin", dtype=DTYPES[meta["dtype"]])
 

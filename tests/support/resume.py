@@ -12,6 +12,7 @@ import torch
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.shards import Shard
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
@@ -21,19 +22,38 @@ from kempnerforge.training.loop import TrainingSession
 WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]
 
 
-def write_small_corpus(root: Path, num_docs: int, seed: int = 0) -> tuple[str, str]:
+def write_small_corpus(
+    root: Path, num_docs: int, seed: int = 0, num_shards: int | None = None
+) -> tuple[str, str]:
     """(train_dir, eval_dir) of byte-tokenized synthetic documents, prepared under root.
 
-    Small on purpose: a few hundred tokens make an epoch only a handful of batches.
+    Small on purpose: a few hundred tokens make an epoch only a handful of batches. With
+    ``num_shards`` the documents are spread over two files per shard and prepared by one
+    prepare-data call per shard: the same token streams, as sharded directories.
     """
     rng = random.Random(seed)
-    source = root / "docs.jsonl"
-    with open(source, "w") as f:
-        for _ in range(num_docs):
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "\n"
-            f.write(json.dumps({"text": text}) + "\n")
+    texts = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "\n"
+        for _ in range(num_docs)
+    ]
+    num_files = 1 if num_shards is None else 2 * num_shards
+    inputs = root / "inputs"
+    inputs.mkdir()
+    for k in range(num_files):
+        part = texts[k * num_docs // num_files : (k + 1) * num_docs // num_files]
+        with open(inputs / f"docs-{k:02d}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": text}) + "\n" for text in part)
     train, evald = str(root / "train"), str(root / "eval")
-    prepare_data([str(source)], train, ByteTokenizer(), eval_fraction=0.2, eval_output_dir=evald)
+    shards = [None] if num_shards is None else [Shard(i, num_shards) for i in range(num_shards)]
+    for shard in shards:
+        prepare_data(
+            [str(inputs)],
+            train,
+            ByteTokenizer(),
+            eval_fraction=0.2,
+            eval_output_dir=evald,
+            shard=shard,
+        )
     return train, evald
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -9,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kempnerforge.config.data import DataConfig
 from kempnerforge.data import builtin
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_files
 from kempnerforge.data.errors import DataError
+from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.data_files import make_hf_tokenizer
@@ -155,3 +158,32 @@ def test_unusable_cache_dir_is_a_data_error(fake_stdlib, tmp_path):
         DataError, match=r"cannot create the built-in corpus cache .*data\.cache_dir"
     ):
         builtin_corpus(str(tmp_path / "file"), ByteTokenizer(), 0.2)
+
+
+def test_the_built_in_corpus_records_its_largest_id(fake_stdlib, tmp_path):
+    train, held = builtin_corpus(str(tmp_path / "cache"), ByteTokenizer(), 0.2)
+    for data in (train, held):
+        ids = np.fromfile(f"{data}/tokens.bin", dtype="<u2")
+        assert read_meta(data)["max_token_id"] == int(ids.max()) == 257  # EOS
+
+
+def test_a_cache_prepared_by_an_older_version_is_read_and_its_largest_id_recorded(
+    fake_stdlib, tmp_path, monkeypatch
+):
+    cache = str(tmp_path / "cache")
+    train, held = builtin_corpus(cache, ByteTokenizer(), 0.2)
+    for data in (train, held):  # as the version before max_token_id wrote them
+        meta_path = Path(data) / "meta.json"
+        raw = json.loads(meta_path.read_text())
+        del raw["max_token_id"]
+        meta_path.write_text(json.dumps(raw, indent=2) + "\n")
+    monkeypatch.setattr(builtin, "_prepare", lambda *a: pytest.fail("prepared again"))
+    pipe = build_data_pipeline(
+        DataConfig(cache_dir=cache, builtin_eval_fraction=0.2),
+        seq_len=16,
+        batch_size=2,
+        seed=0,
+        model_vocab_size=259,
+    )
+    assert pipe.dataset is not None and pipe.dataset.path == train
+    assert read_meta(train)["max_token_id"] == read_meta(held)["max_token_id"] == 257

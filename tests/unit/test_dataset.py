@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kempnerforge.data import token_file
+from kempnerforge.data import token_ids
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.errors import DataError
 from kempnerforge.data.token_file import read_meta
@@ -147,9 +147,9 @@ def test_vocabulary_larger_than_the_model_is_a_data_error(counting_dir):
 def test_pickles_without_the_memory_map(counting_dir):
     ds = MemoryMappedDataset(counting_dir, seq_len=4)
     first = ds[3]
-    assert isinstance(ds._tokens, np.memmap)
+    assert [type(m) for m in ds._stream._maps.values()] == [np.memmap]
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone._tokens is None  # reopened lazily in the worker
+    assert not clone._stream._maps  # reopened lazily in the worker
     assert all(torch.equal(clone[3][k], first[k]) for k in first)
     assert clone.meta == ds.meta and len(clone) == len(ds)
 
@@ -186,6 +186,7 @@ def _rewrite_meta(data_dir: str, **changes) -> Path:
 
 def test_an_id_beyond_the_model_vocabulary_is_refused_when_opened(counting_dir):
     tokens = _set_token(counting_dir, 17, 600)
+    _rewrite_meta(counting_dir, max_token_id=600)  # as a writer of such ids records it
     with pytest.raises(DataError) as info:
         MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=512)
     assert str(info.value) == (
@@ -198,6 +199,7 @@ def test_an_id_beyond_the_model_vocabulary_is_refused_when_opened(counting_dir):
 
 def test_an_id_beyond_meta_vocab_size_is_corruption_even_without_a_model(counting_dir):
     tokens = _set_token(counting_dir, 3, 259)
+    _rewrite_meta(counting_dir, max_token_id=259)
     with pytest.raises(DataError) as info:
         MemoryMappedDataset(counting_dir, seq_len=4)
     assert str(info.value) == (
@@ -211,7 +213,7 @@ def test_an_id_only_the_model_lacks_says_to_raise_its_vocabulary(counting_dir):
     # Unreachable through MemoryMappedDataset, which refuses a larger data vocabulary first.
     tokens = Path(counting_dir) / "tokens.bin"
     with pytest.raises(DataError) as info:
-        token_file.check_token_ids(tokens, read_meta(counting_dir), model_vocab_size=10)
+        token_ids.check_token_ids(counting_dir, read_meta(counting_dir), model_vocab_size=10)
     assert str(info.value) == (
         f"{tokens}: the token at offset 10 is id 10, not below model.vocab_size 10; raise "
         "model.vocab_size to at least 259 or prepare the data again with this job's tokenizer"
@@ -219,14 +221,14 @@ def test_an_id_only_the_model_lacks_says_to_raise_its_vocabulary(counting_dir):
 
 
 def test_the_id_scan_reports_the_first_bad_id_across_chunks(counting_dir, monkeypatch):
-    monkeypatch.setattr(token_file, "_SCAN_TOKENS", 4)  # 22 tokens: six chunks
+    monkeypatch.setattr(token_ids, "_SCAN_TOKENS", 4)  # 22 tokens: six chunks
     _set_token(counting_dir, 13, 1000)
     _set_token(counting_dir, 9, 300)
     meta = read_meta(counting_dir)
     tokens = Path(counting_dir) / "tokens.bin"
-    assert token_file.first_id_at_least(tokens, meta, 259) == (9, 300)
-    assert token_file.first_id_at_least(tokens, meta, 301) == (13, 1000)
-    assert token_file.first_id_at_least(tokens, meta, 1001) is None
+    assert token_ids.first_id_at_least(tokens, meta, 259) == (9, 300)
+    assert token_ids.first_id_at_least(tokens, meta, 301) == (13, 1000)
+    assert token_ids.first_id_at_least(tokens, meta, 1001) is None
 
 
 def test_the_id_scan_is_skipped_when_the_dtype_cannot_exceed_the_vocabulary(tmp_path):
@@ -236,21 +238,31 @@ def test_the_id_scan_is_skipped_when_the_dtype_cannot_exceed_the_vocabulary(tmp_
     path = write_token_dir(tmp_path / "f", [[65_534, 3, 4, 5]], tokenizer=Full16())
     meta = read_meta(path)
     assert meta["dtype"] == "uint16"
-    assert token_file.first_id_at_least(Path(path) / "tokens.bin", meta, 65_536) is None
+    assert token_ids.first_id_at_least(Path(path) / "tokens.bin", meta, 65_536) is None
     assert len(MemoryMappedDataset(path, seq_len=2, model_vocab_size=65_536)) == 2
 
 
-def test_a_dtype_that_lies_is_caught_by_the_id_scan(counting_dir):
+def test_a_dtype_that_lies_is_caught_by_the_id_scan_or_the_window_check(counting_dir):
     # 22 uint16 ids read as 11 uint32 ids: the sizes agree, the ids do not.
-    _rewrite_meta(counting_dir, dtype="uint32", num_tokens=11)
-    with pytest.raises(DataError) as info:
-        MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=259)
-    assert str(info.value) == (
+    meta_path = _rewrite_meta(counting_dir, dtype="uint32", num_tokens=11)
+    expected = (
         f"{Path(counting_dir) / 'tokens.bin'}: the token at offset 0 is id 65536, not below "
         "meta.json's vocab_size 259 and model.vocab_size 259: the file is corrupt or was not "
         "written as the uint32 ids of tokenizer byte that meta.json names; run prepare-data "
         "again with this job's tokenizer"
     )
+    # The recorded largest id (of the uint16 ids) passes; the first window read does not.
+    ds = MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=259)
+    with pytest.raises(DataError) as info:
+        ds[0]
+    assert str(info.value) == expected
+    # A hand-made meta.json without the largest id: the scan on opening finds it.
+    meta = json.loads(meta_path.read_text())
+    del meta["max_token_id"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataError) as info:
+        MemoryMappedDataset(counting_dir, seq_len=4, model_vocab_size=259)
+    assert str(info.value) == expected
 
 
 @pytest.mark.parametrize(
@@ -273,6 +285,15 @@ def test_a_dtype_that_lies_is_caught_by_the_id_scan(counting_dir):
         ("dtype", ["uint16"], "dtype ['uint16'] is not one of uint16, uint32"),
         ("format_version", "1", "format_version '1', this version reads 1"),
         ("bos_per_document", "yes", "bos_per_document 'yes' is not true or false"),
+        ("max_token_id", "257", "max_token_id '257' is not an integer in [-1, 2**32)"),
+        ("max_token_id", -2, "max_token_id -2 is not an integer in [-1, 2**32)"),
+        ("max_token_id", 2**32, "max_token_id 4294967296 is not an integer in [-1, 2**32)"),
+        (
+            "max_token_id",
+            -1,
+            "max_token_id -1 does not fit num_tokens 22 (it is -1 exactly when there are no "
+            "tokens)",
+        ),
         (
             "dtype",
             ["uint16"] * 20,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,8 @@ def test_an_id_beyond_the_vocabulary_names_its_field_and_offset(data_dirs, field
     ids = np.fromfile(tokens, dtype="<u2")
     ids[5] = 600
     ids.tofile(tokens)
+    meta_path = tokens.parent / "meta.json"  # and the largest id recorded as such
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "max_token_id": 600}))
     with pytest.raises(DataPathError) as info:
         _build(DataConfig(path=train, eval_path=held), model_vocab_size=512)
     assert info.value.field == field
