@@ -219,14 +219,15 @@ def resolve_checkpoint(given: str) -> Path:
 def data_starts_with_bos(data: DataConfig) -> bool | None:
     """Whether the training documents started with BOS, as the end-of-run sample decides
     it: every training source prepared with --bos (its meta.json), or data.builtin_bos for
-    the built-in corpus. None when a source's meta.json cannot be read."""
+    the built-in corpus. None when a source's meta.json cannot be read. A sharded source
+    reads as its shards' common metadata."""
     from kempnerforge.data.errors import DataError
-    from kempnerforge.data.token_file import read_meta
+    from kempnerforge.data.shards import read_parts
 
     paths = [source.path for source in data.datasets] or ([data.path] if data.path else [])
     if not paths:
         return data.builtin_bos
     try:
-        return all(bool(read_meta(path)["bos_per_document"]) for path in paths)
+        return all(bool(read_parts(path)[0]["bos_per_document"]) for path in paths)
     except DataError:
         return None

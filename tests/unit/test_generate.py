@@ -303,6 +303,7 @@ def test_a_vision_language_job_is_refused(tmp_path):
 def test_bos_follows_the_training_data(tmp_path):
     from kempnerforge.config.loader import load_config
     from kempnerforge.data.prepare import prepare_data
+    from kempnerforge.data.shards import Shard
     from kempnerforge.data.tokenizer import ByteTokenizer
 
     source = tmp_path / "docs.jsonl"
@@ -310,12 +311,18 @@ def test_bos_follows_the_training_data(tmp_path):
     with_bos, without = str(tmp_path / "with"), str(tmp_path / "without")
     prepare_data([str(source)], with_bos, ByteTokenizer(), bos_per_document=True)
     prepare_data([str(source)], without, ByteTokenizer())
+    sharded = str(tmp_path / "sharded")
+    for index in range(2):
+        prepare_data(
+            [str(source)], sharded, ByteTokenizer(), bos_per_document=True, shard=Shard(index, 2)
+        )
 
     def data(*overrides: str):
         return load_config(None, list(overrides)).data
 
     assert data_starts_with_bos(data(f"--data.path={with_bos}")) is True
     assert data_starts_with_bos(data(f"--data.path={without}")) is False
+    assert data_starts_with_bos(data(f"--data.path={sharded}")) is True
     assert data_starts_with_bos(data()) is False
     assert data_starts_with_bos(data("--data.builtin_bos=true")) is True
     mixture = '--data.datasets=[{name="a", path="%s"}, {name="b", path="%s"}]'
