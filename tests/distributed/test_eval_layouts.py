@@ -1,6 +1,7 @@
 """Eval in every layout evaluates the same windows: a two-rank run, with or without gradient
-accumulation, logs the eval a single process logs at the same global batch, and
-`kempnerforge eval` of its checkpoint in one process gives that number again."""
+accumulation, logs the eval a single process logs at the same global batch, also when the
+ranks do not divide the eval batch, and `kempnerforge eval` of its checkpoint in one
+process gives that number again."""
 
 from __future__ import annotations
 
@@ -83,6 +84,26 @@ def test_two_ranks_evaluate_the_windows_one_process_does(
     assert logged["eval_loss"] == pytest.approx(one_process["eval_loss"], abs=LOSS_TOL)
     # `kempnerforge eval` in one process takes the run's global batch from the checkpoint
     # (1 x 2 x 2 ranks for the accumulating run, though its config gives 1 x 2 alone).
+    report = _standalone_eval(run)
+    assert report["eval_batch_size"] == 4
+    assert report["metrics"]["eval_tokens"] == logged["eval_tokens"]
+    assert report["metrics"]["eval_loss"] == pytest.approx(logged["eval_loss"], abs=LOSS_TOL)
+
+
+def test_ranks_that_do_not_divide_the_eval_batch_evaluate_it_once(base, tmp_path):
+    # 3 sequences per eval step on 2 ranks: shares of 2 and 1, the short one padded with a
+    # window that counts nothing, so one process finds the same tokens and loss.
+    run = tmp_path / "run"
+    layout = ["--distributed.dp_shard=2", "--train.batch_size=2", "--eval.batch_size=3"]
+    logged = _train(base, run, 2, *layout)
+    report = _standalone_eval(run)
+    assert report["eval_batch_size"] == 3
+    assert report["metrics"]["eval_tokens"] == logged["eval_tokens"]
+    assert report["metrics"]["eval_loss"] == pytest.approx(logged["eval_loss"], abs=LOSS_TOL)
+
+
+def _standalone_eval(run: pathlib.Path) -> dict:
+    """`kempnerforge eval` of the run's last checkpoint in one process: its eval.json."""
     checkpoint = run / "checkpoints" / f"step_{STEPS}"
     result = subprocess.run(
         [
@@ -96,7 +117,4 @@ def test_two_ranks_evaluate_the_windows_one_process_does(
         timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((checkpoint / "eval.json").read_text())
-    assert report["eval_batch_size"] == 4
-    assert report["metrics"]["eval_tokens"] == logged["eval_tokens"]
-    assert report["metrics"]["eval_loss"] == pytest.approx(logged["eval_loss"], abs=LOSS_TOL)
+    return json.loads((checkpoint / "eval.json").read_text())
