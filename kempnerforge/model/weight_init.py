@@ -74,7 +74,7 @@ def shard_indices(
     for mesh_dim, placement in enumerate(placements):
         count, rank = mesh_shape[mesh_dim], coordinate[mesh_dim]
         if isinstance(placement, _StridedShard):
-            pieces = _chunks(indices[placement.dim], placement.split_factor)
+            pieces = _chunks(indices[placement.dim], int(placement.split_factor))
             indices[placement.dim] = torch.cat([_chunk(p, count, rank) for p in pieces])
         elif isinstance(placement, Shard):
             indices[placement.dim] = _chunk(indices[placement.dim], count, rank)
