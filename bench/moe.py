@@ -26,7 +26,7 @@ from throughput import Variant, run_framework
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.model.moe import MoEFeedForward
-from kempnerforge.model.transformer import fill_parameter
+from kempnerforge.model.weight_init import fill_parameter
 
 COMPUTES = ("grouped_mm", "padded_bmm", "looped")
 

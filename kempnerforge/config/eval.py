@@ -31,10 +31,14 @@ class EvalConfig:
     interval: int = 0
     """Evaluate every N optimizer steps; 0 disables periodic eval; at most 2**62 - 1."""
     steps: int = 10
-    """Held-out batches per evaluation and per set (the same batches every time); 1 to
-    2**31 - 1."""
+    """Eval steps per evaluation and per set, each of batch_size sequences: a set is
+    evaluated on its first steps * batch_size windows, the same ones every time and in
+    every layout; 1 to 2**31 - 1."""
     batch_size: int = 0
-    """Sequences per eval batch; 0 means train.batch_size; at most 2**31 - 1."""
+    """Sequences per eval step over all data-parallel ranks together, each rank taking its
+    share in batches of at most train.batch_size; 0 means the training's global batch
+    (train.batch_size * train.grad_accum_steps * data-parallel degree, which a resume on
+    another number of ranks keeps); at most 2**31 - 1."""
     sets: list[EvalSetConfig] = field(default_factory=list)
     """Named held-out sets (`[[eval.sets]]` tables with name and path); empty means the one
     set "heldout" from data.eval_path or the built-in corpus's held-out split."""

@@ -14,7 +14,7 @@ from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
 from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
-from kempnerforge.data.dataset import MemoryMappedDataset, SampleDataset
+from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset, SampleDataset
 from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.image_text import build_image_text_datasets
 from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
@@ -137,14 +137,20 @@ class DataPipeline:
             self.sampler.update_weights(pending)
 
     def eval_batches(
-        self, num_batches: int, batch_size: int, name: str | None = None
+        self, num_steps: int, global_batch: int, name: str | None = None, *, max_rows: int = 0
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """The first ``num_batches`` batches of held-out set ``name`` (None: the first set)
-        for this rank, the same on every call.
+        """This rank's share of the first ``num_steps * global_batch`` windows of held-out set
+        ``name`` (None: the first set), the same on every call.
 
-        Windows are read in order, wrapping around when the eval set is short. Global batch j
-        covers windows ``[j * B * dp_size, (j + 1) * B * dp_size)``; rank r reads its r-th
-        slice of B, so ranks never evaluate the same window twice in one global batch.
+        Windows are read in order, wrapping around when the set is short. Eval step j covers
+        windows ``[j * G, (j + 1) * G)`` for ``G = global_batch``; rank r of the ``dp_size``
+        data-parallel ranks reads the r-th of ``dp_size`` contiguous slices of it, so the
+        ranks together read exactly the windows one process would, whatever their number.
+        A rank reads its slice in batches of at most ``max_rows`` rows (0: one batch).
+        Slices differ by at most a row when ``dp_size`` does not divide G; a shorter slice
+        gets a padding row, the step's first window with every label IGNORE_INDEX, so every
+        rank runs the same forwards (a sharded model's collectives need that) and the
+        padding counts no loss and no tokens.
         """
         if not self.eval_datasets:
             raise DataError(
@@ -156,16 +162,33 @@ class DataPipeline:
         if name not in self.eval_datasets:
             known = ", ".join(self.eval_datasets)
             raise KeyError(f"no eval set named {name!r} (sets: {known})")
-        return self._eval_batches(self.eval_datasets[name], num_batches, batch_size)
+        return self._eval_batches(self.eval_datasets[name], num_steps, global_batch, max_rows)
 
     def _eval_batches(
-        self, dataset: SampleDataset, num_batches: int, batch_size: int
+        self, dataset: SampleDataset, num_steps: int, global_batch: int, max_rows: int
     ) -> Iterator[dict[str, torch.Tensor]]:
-        size = len(dataset)
-        for j in range(num_batches):
-            first = (j * self.dp_size + self.dp_rank) * batch_size
-            samples = [dataset[(first + k) % size] for k in range(batch_size)]
-            yield default_collate(samples)
+        size, ranks = len(dataset), self.dp_size
+        first = self.dp_rank * global_batch // ranks
+        last = (self.dp_rank + 1) * global_batch // ranks
+        rows = -(-global_batch // ranks)  # the longest slice: every rank reads this many
+        per_batch = max_rows or rows
+        for step in range(num_steps):
+            base = step * global_batch
+            for start in range(0, rows, per_batch):
+                positions = range(first + start, first + min(start + per_batch, rows))
+                yield default_collate([_eval_row(dataset, base, k, last, size) for k in positions])
+
+
+def _eval_row(
+    dataset: SampleDataset, base: int, position: int, last: int, size: int
+) -> dict[str, torch.Tensor]:
+    """Window ``base + position`` of the wrapped set, or past the slice's end (``last``) a
+    padding row: window ``base`` with every label ignored."""
+    if position < last:
+        return dataset[(base + position) % size]
+    row = dict(dataset[base % size])
+    row["labels"] = torch.full_like(row["labels"], IGNORE_INDEX)
+    return row
 
 
 def build_data_pipeline(

@@ -362,10 +362,19 @@ def apply_fsdp(
     last block always keeps them, since backward needs them first, and FSDP itself keeps
     a root's. ``param_dtype`` (e.g. bf16) is the compute dtype of the gathered
     parameters, ``reduce_dtype`` that of the gradient reduction; the sharded parameters
-    and the optimizer stay in their own dtype. Under expert parallelism each MoE layer's
+    and the optimizer stay in their own dtype. Blocks do not cast their inputs to
+    ``param_dtype``: the stream already has it, and the RoPE tables stay fp32 (the roots
+    and the other units do cast theirs). Under expert parallelism each MoE layer's
     experts are a unit of their own over ``expert_mesh`` (see expert_parallel.py).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # A block's floating inputs are the residual stream, already in param_dtype (the
+    # embedding and every earlier unit compute in it; a stage root casts what it
+    # receives), and the RoPE tables, which must reach attention in fp32 as in one
+    # process: so blocks do not cast their inputs.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     blocks = transformer_blocks(model)
     for position, (_, block) in enumerate(blocks):
         keep = position == len(blocks) - 1
@@ -380,7 +389,7 @@ def apply_fsdp(
         fully_shard(
             block,
             mesh=dp_mesh,
-            mp_policy=policy,
+            mp_policy=block_policy,
             reshard_after_forward=reshard_after_forward and not keep,
         )
     for unit in extra_units(model):

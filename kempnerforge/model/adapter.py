@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kempnerforge.config.vlm import AdapterConfig, VisionSpec
-from kempnerforge.model.transformer import fill_parameter, parameter_seed, zero_parameter
+from kempnerforge.model.weight_init import fill_parameter, parameter_seed, zero_parameter
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
 

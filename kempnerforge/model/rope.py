@@ -25,8 +25,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x of shape (batch, seq, heads, head_dim) by the first seq rows of the tables.
 
     Half-split convention (as in Hugging Face Llama checkpoints): channel i is paired with
-    channel i + head_dim / 2, not with its neighbour. The rotation runs in fp32 even if the
-    tables or x are lower precision, and the result has x's dtype.
+    channel i + head_dim / 2, not with its neighbour. The rotation runs in fp32 even if x
+    is lower precision, and the result has x's dtype. The tables arrive in fp32 in every
+    layout (a sharded block does not cast them to its bf16 compute dtype, see
+    distributed/parallelize.py); a lower-precision table would round the angles.
     """
     half = x.shape[-1] // 2
     xf = x.float()

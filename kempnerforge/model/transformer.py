@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_causal_mask
@@ -17,6 +15,8 @@ from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.weight_init import copy_full_tensor as copy_full_tensor  # re-exported
+from kempnerforge.model.weight_init import fill_parameter, parameter_seed
 
 
 class TransformerBlock(nn.Module):
@@ -111,13 +111,14 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Draw every weight and recompute the RoPE tables; nothing to do while on meta.
 
-        Each parameter is drawn from its own generator, seeded by ``seed`` (by default one
-        draw from the global torch RNG) and the parameter's name: normal(0, init_std) for
-        the embedding and every Linear, init_std / sqrt(2 * n_layers) for the two
-        projections that write the residual stream (attention.wo, feed_forward.w2), ones
-        for norm gains. So the weights depend on the seed alone, whatever the layout: a
-        sharded (DTensor) parameter keeps its shard of the same full draw, a pipeline stage
-        the same layers as the whole model. One full parameter exists at a time.
+        Each parameter is drawn from generators seeded by ``seed`` (by default one draw
+        from the global torch RNG) and the parameter's name: normal(0, init_std) for the
+        embedding and every Linear, init_std / sqrt(2 * n_layers) for the two projections
+        that write the residual stream (attention.wo, feed_forward.w2), ones for norm
+        gains. So the weights depend on the seed alone, whatever the layout: a sharded
+        (DTensor) parameter draws only the tiles of its own shard and holds its slice of
+        the unsharded values (see model/weight_init.py), a pipeline stage the same layers
+        as the whole model. No rank ever holds a whole parameter it does not own.
         """
         self.tie_head()
         if any(p.is_meta for p in self.parameters()):
@@ -140,7 +141,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_parameters(self, seed: int, prefix: str = "") -> None:
-        """Draw every parameter from its own generator seeded by ``seed`` and its name.
+        """Draw every parameter from generators seeded by ``seed`` and its name.
 
         ``prefix`` is prepended to the names that seed the generators: a model that holds
         this one as a submodule passes the submodule's path (``"decoder."``), so each
@@ -270,12 +271,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    """A generator seed for parameter ``name`` of a model initialised with ``seed``."""
-    digest = hashlib.sha256(f"kempnerforge-init:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def init_std(cfg: ModelConfig, name: str) -> float | None:
     """The normal std a block-style parameter ``name`` is drawn with; None for a norm gain.
 
@@ -290,41 +285,6 @@ def init_std(cfg: ModelConfig, name: str) -> float | None:
         # experts' down projections): its variance at init must not grow with depth.
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
     return cfg.init_std
-
-
-def fill_parameter(param: torch.Tensor, std: float | None, seed: int) -> None:
-    """Fill ``param`` with normal(0, std) (ones when std is None) drawn by a generator seeded
-    with ``seed``; a DTensor gets its own shard of the same full tensor."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    if std is None:
-        local.fill_(1.0)
-        return
-    generator = torch.Generator(device=local.device).manual_seed(seed)
-    full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
-    full.normal_(0.0, std, generator=generator)
-    copy_full_tensor(param, full)
-
-
-def zero_parameter(param: torch.Tensor) -> None:
-    """Set ``param`` (or, for a DTensor, this rank's shard of it) to zeros."""
-    (param.to_local() if isinstance(param, DTensor) else param).zero_()
-
-
-def copy_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the whole-model value ``full`` into ``param``: a DTensor keeps its own shard.
-
-    ``full`` must have param's full shape; it is cast to the parameter's dtype and device.
-    Every rank passes the same ``full``, so the slicing needs no communication.
-    """
-    local = param.to_local() if isinstance(param, DTensor) else param
-    full = full.to(device=local.device, dtype=local.dtype)
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank holds the same tensor, so each keeps its slice
-        # without any communication.
-        full = distribute_tensor(
-            full, param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-    local.copy_(full)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

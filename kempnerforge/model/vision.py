@@ -16,7 +16,7 @@ from torch import nn
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.registry import Registry
 from kempnerforge.config.vlm import VisionEncoderConfig, VisionSpec
-from kempnerforge.model.transformer import (
+from kempnerforge.model.weight_init import (
     copy_full_tensor,
     fill_parameter,
     parameter_seed,

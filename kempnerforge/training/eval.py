@@ -1,4 +1,4 @@
-"""evaluate: mean held-out loss and perplexity over a fixed set of eval batches per set."""
+"""evaluate: mean held-out loss and perplexity over a fixed set of eval windows per set."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.metrics.logging import get_logger
 from kempnerforge.model.head_loss import HeadLossSpec
-from kempnerforge.training.forward import select_batch_loss
+from kempnerforge.training.forward import select_batch_loss, training_autocast
 from kempnerforge.training.session import TrainingSession
 
 logger = get_logger(__name__)
@@ -26,12 +26,21 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < _MAX_LOG_PPL else math.inf
 
 
-def evaluate(session: TrainingSession) -> dict[str, float]:
-    """Token-weighted mean cross-entropy over eval.steps held-out batches per set.
+def eval_global_batch(config: JobConfig, dp_size: int) -> int:
+    """Sequences per eval step over all data-parallel ranks: eval.batch_size, or when it is
+    0 the training's global batch, train.batch_size * train.grad_accum_steps * ``dp_size``,
+    which a resume on another number of ranks keeps."""
+    tc = config.train
+    return config.eval.batch_size or tc.batch_size * tc.grad_accum_steps * dp_size
 
-    See evaluate_model; this is it for the session's model, data, device and
-    data-parallel group. A pipelined model has no whole-model forward on one rank: eval is
-    skipped there, with a warning at the first eval step.
+
+def evaluate(session: TrainingSession) -> dict[str, float]:
+    """Token-weighted mean cross-entropy over the first eval.steps global eval batches of
+    each set.
+
+    See evaluate_model; this is it for the session's model, data, device, data-parallel
+    group and global batch. A pipelined model has no whole-model forward on one rank: eval
+    is skipped there, with a warning at the first eval step.
     """
     if session.pipeline is not None:
         if not _warned_pipeline:
@@ -41,9 +50,14 @@ def evaluate(session: TrainingSession) -> dict[str, float]:
                 "whole-model forward); evaluate a checkpoint with `kempnerforge eval`"
             )
         return {}
-    runtime = session.runtime
+    runtime, config = session.runtime, session.config
     return evaluate_model(
-        session.model, session.data, session.config, runtime.device, group=runtime.group("dp")
+        session.model,
+        session.data,
+        config,
+        runtime.device,
+        group=runtime.group("dp"),
+        global_batch=eval_global_batch(config, runtime.dp_size),
     )
 
 
@@ -57,17 +71,24 @@ def evaluate_model(
     config: JobConfig,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    *,
+    global_batch: int,
 ) -> dict[str, float]:
     """``eval_loss``, ``eval_ppl`` and ``eval_tokens`` over every eval set; {} without eval data.
 
-    The overall loss is token-weighted over all sets. With ``[[eval.sets]]`` configured there
-    are also ``eval_loss/<name>``, ``eval_ppl/<name>`` and ``eval_tokens/<name>`` per set.
-    The same batches every time (no shuffling), in eval mode, restoring train mode after.
-    Uses no random numbers, so evaluating never perturbs the training run. With
-    train.loss_chunk_tokens > 0 the model computes the loss from labels in chunks, as in
-    training, so eval never holds a batch's whole logits either. Each
-    data-parallel rank reads its share of the batches; sums are reduced over ``group``, so
-    every rank returns the same numbers as one process would.
+    Each set is evaluated on its first ``eval.steps * global_batch`` windows (wrapping
+    around a short set): the same windows every time and in every layout, since
+    ``global_batch`` (eval_global_batch) does not depend on the number of ranks. Each
+    data-parallel rank evaluates its share of every eval step, in batches of at most
+    train.batch_size sequences (the training's micro-batch, which fits), and the sums are
+    reduced over ``group``, so every rank returns what one process would. The forward runs
+    in eval mode (train mode restored after) under the training step's autocast
+    (training_autocast), and draws no random numbers, so evaluating never perturbs the
+    run. With train.loss_chunk_tokens > 0 the model computes the loss from labels in
+    chunks, as in training, so eval never holds a batch's whole logits either.
+
+    The overall loss is token-weighted over all sets. With ``[[eval.sets]]`` configured
+    there are also ``eval_loss/<name>``, ``eval_ppl/<name>`` and ``eval_tokens/<name>``.
     """
     names = [s.name for s in config.eval.sets]
     if names and list(data.eval_datasets) != names:
@@ -77,7 +98,6 @@ def evaluate_model(
         )
     if not data.eval_datasets:
         return {}
-    batch_size = config.eval.batch_size or config.train.batch_size
     batch_loss = select_batch_loss(config)
     spec = HeadLossSpec(config.train.loss_chunk_tokens, z_loss_weight=0.0)
     was_training = model.training
@@ -87,9 +107,14 @@ def evaluate_model(
     try:
         for name in data.eval_datasets:
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, tokens
-            for cpu_batch in data.eval_batches(config.eval.steps, batch_size, name):
+            batches = data.eval_batches(
+                config.eval.steps, global_batch, name, max_rows=config.train.batch_size
+            )
+            for cpu_batch in batches:
                 batch = {k: v.to(device) for k, v in cpu_batch.items()}
-                sums[0] += batch_loss(model, batch, cpu_batch, spec).double()
+                with training_autocast(config.train, device):
+                    loss = batch_loss(model, batch, cpu_batch, spec)
+                sums[0] += loss.double()
                 sums[1] += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
             if group is not None:
                 dist.all_reduce(sums, group=group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kempnerforge.config.errors import ConfigError
@@ -65,9 +66,18 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         with torch.device(runtime.device):
             model = build_vlm(config) if config.is_vlm else build_model(config.model)
         checkpointer = CheckpointManager(config.checkpoint, config.checkpoint_dir)
-        step = checkpointer.read_extra(args.checkpoint).get("step")
+        extra = checkpointer.read_extra(args.checkpoint)
+        step = extra.get("step")
+        global_batch = eval_batch_of_checkpoint(config, args.checkpoint, extra)
         checkpointer.load_weights(args.checkpoint, model=model)
-        metrics = evaluate_model(model, data, config, runtime.device, group=runtime.group("dp"))
+        metrics = evaluate_model(
+            model,
+            data,
+            config,
+            runtime.device,
+            group=runtime.group("dp"),
+            global_batch=global_batch,
+        )
         if not runtime.is_main:
             return 0  # every rank evaluated its share; rank 0 reports the reduced numbers
         output = args.output or os.path.join(args.checkpoint, EVAL_JSON)
@@ -75,6 +85,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
             "checkpoint": args.checkpoint,
             "step": step,
             "eval_steps": config.eval.steps,
+            "eval_batch_size": global_batch,
             "metrics": metrics,
         }
         print(format_table(metrics, list(data.eval_datasets), named=bool(config.eval.sets)))
@@ -86,6 +97,37 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     finally:
         teardown_runtime(runtime)
+
+
+def eval_batch_of_checkpoint(config: JobConfig, checkpoint: str, extra: dict[str, Any]) -> int:
+    """Sequences per eval step for evaluating ``checkpoint`` in one process: eval.batch_size,
+    or when it is 0 the global batch of the run that saved the checkpoint (its recorded
+    config at its world size), so this evaluates the windows the run's own eval did.
+
+    A checkpoint without a recorded config falls back to this config's global batch in one
+    process, with a warning.
+    """
+    from kempnerforge.checkpoint.layout import read_marker
+    from kempnerforge.metrics.logging import get_logger
+    from kempnerforge.training.eval import eval_global_batch
+    from kempnerforge.training.resume_guard import global_batch
+
+    if config.eval.batch_size:
+        return config.eval.batch_size
+    saved = extra.get("config")
+    world_size = int((read_marker(Path(checkpoint)) or {}).get("world_size", 1))
+    trained = global_batch(saved, world_size) if isinstance(saved, dict) else None
+    if trained is not None:
+        return trained
+    fallback = eval_global_batch(config, 1)
+    get_logger(__name__).warning(
+        "%s records no config of the run that saved it: evaluating %d sequences per eval "
+        "step (this config's global batch in one process); set --eval.batch_size to the "
+        "run's global batch to evaluate the windows its eval did",
+        checkpoint,
+        fallback,
+    )
+    return fallback
 
 
 def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:

@@ -1,5 +1,5 @@
 """The model family's forward outside the training step: the summed loss of one batch for
-eval, and the logits of a token window for the end-of-run sample.
+eval, the logits of a token window for the end-of-run sample, and the training's autocast.
 
 Chosen once per job by select_batch_loss / select_window_logits, beside the loop's
 select_step_fn, so eval and sampling of a vision-language model run its own forward
@@ -8,11 +8,13 @@ select_step_fn, so eval and sampling of a vision-language model run its own forw
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
 from kempnerforge.config.job import JobConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.loss import cross_entropy_sum
@@ -75,3 +77,15 @@ WindowLogits = Callable[[torch.Tensor], torch.Tensor]
 def vlm_window_logits(model: torch.nn.Module, pixel_values: torch.Tensor) -> WindowLogits:
     """Logits of a caption window conditioned on one image (1, 3, H, W)."""
     return lambda ids: model(pixel_values, ids)
+
+
+def training_autocast(
+    train: TrainConfig, device: torch.device
+) -> contextlib.AbstractContextManager:
+    """The autocast a training step's forward runs under (training/accumulate.py): bf16
+    when train.mixed_precision resolves to bf16 on ``device``, none otherwise. A forward
+    outside the step (eval) runs under it too, so it computes in the training's precision
+    in every layout, not only where FSDP gathers bf16 parameters."""
+    if train.precision_on(device.type) == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -12,6 +12,7 @@ import torch
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.errors import ConfigError
 from kempnerforge.data import builtin
+from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
@@ -86,13 +87,47 @@ def test_eval_batches_are_identical_across_calls_and_wrap_around(data_dirs):
         assert torch.equal(flat[j], pipe.eval_dataset[j % num_windows]["input_ids"])
 
 
-def test_eval_batches_give_each_rank_its_own_slice(data_dirs):
+def _rows(batches: list[dict[str, torch.Tensor]]) -> list[tuple[tuple[int, ...], ...]]:
+    """Each row of the batches as (input_ids, labels) tuples, in order."""
+    return [
+        (tuple(ids.tolist()), tuple(labels.tolist()))
+        for batch in batches
+        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)
+    ]
+
+
+@pytest.mark.parametrize(("dp_size", "global_batch"), [(2, 4), (3, 4), (4, 3), (5, 3)])
+def test_eval_windows_are_the_same_set_whatever_the_number_of_ranks(
+    data_dirs, dp_size, global_batch
+):
     train, held = data_dirs
     cfg = DataConfig(path=train, eval_path=held)
-    ranks = [_build(cfg, dp_rank=r, dp_size=2) for r in range(2)]
-    one = list(_build(cfg).eval_batches(4, BATCH))
-    got = [list(p.eval_batches(2, BATCH)) for p in ranks]
-    assert _same([got[0][0], got[1][0], got[0][1], got[1][1]], one)
+    steps = 3
+    one = _rows(list(_build(cfg).eval_batches(steps, global_batch)))
+    assert len(one) == steps * global_batch
+    ranks = [
+        list(_build(cfg, dp_rank=r, dp_size=dp_size).eval_batches(steps, global_batch))
+        for r in range(dp_size)
+    ]
+    # Every rank runs the same forwards (a sharded model gathers in each), of equal rows.
+    assert len({len(batches) for batches in ranks}) == 1
+    assert len({b["input_ids"].shape for batches in ranks for b in batches}) == 1
+    rows = [row for batches in ranks for row in _rows(batches)]
+    padding = [row for row in rows if set(row[1]) == {IGNORE_INDEX}]
+    real = [row for row in rows if set(row[1]) != {IGNORE_INDEX}]
+    # Together the ranks read exactly one process's windows, each once; a rank with a
+    # shorter share pads with a row that counts no token.
+    assert sorted(real) == sorted(one)
+    assert len(padding) == steps * (dp_size * -(-global_batch // dp_size) - global_batch)
+
+
+def test_each_rank_reads_a_contiguous_share_of_every_eval_step_in_capped_batches(data_dirs):
+    train, held = data_dirs
+    cfg = DataConfig(path=train, eval_path=held)
+    one = _rows(list(_build(cfg).eval_batches(2, 6)))
+    rank1 = list(_build(cfg, dp_rank=1, dp_size=2).eval_batches(2, 6, max_rows=2))
+    assert [len(b["input_ids"]) for b in rank1] == [2, 1, 2, 1]  # 3 rows a step, 2 at most
+    assert _rows(rank1) == one[3:6] + one[9:12]
 
 
 def test_eval_batches_without_eval_data_is_a_data_error(data_dirs):

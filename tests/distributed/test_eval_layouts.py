@@ -1,0 +1,120 @@
+"""Eval in every layout evaluates the same windows: a two-rank run, with or without gradient
+accumulation, logs the eval a single process logs at the same global batch, also when the
+ranks do not divide the eval batch, and `kempnerforge eval` of its checkpoint in one
+process gives that number again."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kempnerforge.config.loader import load_config, save_config
+from tests.support.dist import run_distributed
+from tests.support.train_run import train_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+REPO = pathlib.Path(__file__).parents[2]
+LOSS_TOL = 2e-5
+"""The layout-equality tolerance of tests/distributed/test_train_distributed.py."""
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def base(token_dirs) -> list[str]:
+    train, evald = token_dirs
+    return [
+        "--model.dim=32",
+        "--model.n_layers=2",
+        "--model.n_heads=4",
+        "--model.n_kv_heads=2",
+        "--model.multiple_of=16",
+        "--model.max_seq_len=64",
+        "--train.seq_len=32",
+        f"--train.max_steps={STEPS}",
+        "--train.sample_prompt=",
+        "--train.deterministic=true",
+        "--scheduler.warmup_steps=1",
+        "--metrics.progress=off",
+        "--metrics.log_interval=1",
+        f"--checkpoint.interval={STEPS}",
+        f"--eval.interval={STEPS}",
+        "--eval.steps=3",
+        "--data.document_masking=false",
+        f"--data.path={train}",
+        f"--data.eval_path={evald}",
+    ]
+
+
+def _logged_eval(run_dir: pathlib.Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    (row,) = [r for r in rows if "eval_loss" in r]
+    assert row["step"] == STEPS
+    return row
+
+
+def _train(base: list[str], run_dir: pathlib.Path, world_size: int, *extra: str) -> dict:
+    """Train in ``world_size`` processes, keep the run's config.toml as the CLI would, and
+    return the eval row it logged."""
+    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
+    run_distributed(train_on_ranks, world_size, overrides, {})
+    save_config(load_config(None, overrides), str(run_dir / "config.toml"))
+    return _logged_eval(run_dir)
+
+
+@pytest.fixture(scope="module")
+def one_process(base, tmp_path_factory) -> dict:
+    """One process, 4 sequences per step: the eval every layout must log."""
+    return _train(base, tmp_path_factory.mktemp("one"), 1, "--train.batch_size=4")
+
+
+@pytest.mark.parametrize(("per_rank", "accum"), [(2, 1), (1, 2)], ids=["fsdp", "accumulate"])
+def test_two_ranks_evaluate_the_windows_one_process_does(
+    base, one_process, tmp_path, per_rank, accum
+):
+    split = [f"--train.batch_size={per_rank}", f"--train.grad_accum_steps={accum}"]
+    run = tmp_path / "run"
+    logged = _train(base, run, 2, "--distributed.dp_shard=2", *split)
+    assert logged["eval_tokens"] == one_process["eval_tokens"]
+    assert logged["eval_loss"] == pytest.approx(one_process["eval_loss"], abs=LOSS_TOL)
+    # `kempnerforge eval` in one process takes the run's global batch from the checkpoint
+    # (1 x 2 x 2 ranks for the accumulating run, though its config gives 1 x 2 alone).
+    report = _standalone_eval(run)
+    assert report["eval_batch_size"] == 4
+    assert report["metrics"]["eval_tokens"] == logged["eval_tokens"]
+    assert report["metrics"]["eval_loss"] == pytest.approx(logged["eval_loss"], abs=LOSS_TOL)
+
+
+def test_ranks_that_do_not_divide_the_eval_batch_evaluate_it_once(base, tmp_path):
+    # 3 sequences per eval step on 2 ranks: shares of 2 and 1, the short one padded with a
+    # window that counts nothing, so one process finds the same tokens and loss.
+    run = tmp_path / "run"
+    layout = ["--distributed.dp_shard=2", "--train.batch_size=2", "--eval.batch_size=3"]
+    logged = _train(base, run, 2, *layout)
+    report = _standalone_eval(run)
+    assert report["eval_batch_size"] == 3
+    assert report["metrics"]["eval_tokens"] == logged["eval_tokens"]
+    assert report["metrics"]["eval_loss"] == pytest.approx(logged["eval_loss"], abs=LOSS_TOL)
+
+
+def _standalone_eval(run: pathlib.Path) -> dict:
+    """`kempnerforge eval` of the run's last checkpoint in one process: its eval.json."""
+    checkpoint = run / "checkpoints" / f"step_{STEPS}"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kempnerforge", "eval", str(run / "config.toml"),
+            f"--checkpoint={checkpoint}", "--distributed.dp_shard=-1",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((checkpoint / "eval.json").read_text())
