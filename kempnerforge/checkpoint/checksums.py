@@ -115,11 +115,15 @@ class ChecksummingWriter(FileSystemWriter):
         return self._hashing.sums
 
 
+def checksums_text(sums: dict[str, Checksum]) -> bytes:
+    """What a ``checksums_rank<R>.json`` holds for files of checksums `sums`."""
+    files = {name: {"crc32": crc, "bytes": size} for name, (crc, size) in sorted(sums.items())}
+    return (json.dumps({"kind": CHECKSUM_KIND, "files": files}, indent=1) + "\n").encode()
+
+
 def write_checksums(directory: Path, rank: int, sums: dict[str, Checksum]) -> None:
     """Write rank `rank`'s ``checksums_rank<R>.json`` (fsynced) into `directory`."""
-    files = {name: {"crc32": crc, "bytes": size} for name, (crc, size) in sorted(sums.items())}
-    text = json.dumps({"kind": CHECKSUM_KIND, "files": files}, indent=1) + "\n"
-    write_durable(directory / checksums_name(rank), text.encode())
+    write_durable(directory / checksums_name(rank), checksums_text(sums))
 
 
 def read_checksums(directory: Path, rank: int) -> tuple[dict[str, Checksum] | None, str | None]:

@@ -76,7 +76,7 @@ def checkpoint_problems(path: Path) -> list[str]:
     return _first_problem(path, None, None)
 
 
-def dcp_file_writer(name: str, index: int) -> int:
+def _dcp_file_writer(name: str, index: int) -> int:
     """The rank that wrote DCP file `name`, the `index`-th in name order (the index for a
     name DCP's writer does not give)."""
     match = _DCP_FILE.fullmatch(name)
@@ -122,7 +122,7 @@ def _check(path: Path, ranks: Sequence[int] | None, world_size: int | None) -> N
         sums.match(DCP_METADATA, checksum_of_bytes(metadata_bytes), writer=0)
     spans = _spans_by_file(metadata)
     for index, name in enumerate(sorted(spans)):
-        writer = dcp_file_writer(name, index)
+        writer = _dcp_file_writer(name, index)
         if writer % world_size in ranks:
             _check_dcp_file(path / name, spans[name], writer, sums)
 

@@ -162,9 +162,10 @@ class CheckpointSaver:
         # Serialized now: the bytes are the state at this call, whenever they are written.
         train_state_data = torch_bytes(state)
         # on_every_rank's agreement runs on the manager's group (the default one) from this
-        # thread, right after _write started the background write. That write's own
-        # collectives (DCP's planning and its final barrier) run on the side group from the
-        # writer thread, and nothing on this thread uses the side group while a write is in
+        # thread, right after _write started the background write, and so may poll()'s
+        # fallback while the write is in flight. That write's own collectives (DCP's plan
+        # exchange and its gather of the results) run on the side group from the writer
+        # thread, and nothing on this thread uses the side group while a write is in
         # flight (the failure report and the teardown barrier come after wait()), so no
         # group ever carries collectives from two threads at once.
         with self._write_failures(step):
