@@ -106,8 +106,9 @@ def _check(path: Path, ranks: Sequence[int] | None, world_size: int | None) -> N
         raise _Problem(str(marker_problem))
     metadata_bytes, metadata = _read_metadata(path)
     saved = marker["world_size"]
-    if ranks is None or world_size is None:
-        ranks, world_size = range(saved), saved
+    if ranks is None:
+        ranks = range(saved)
+    world = saved if world_size is None else world_size
     sums = _Recorded(path) if marker.get("checksums") == CHECKSUM_KIND else None
     if sums is None and 0 in ranks and str(path) not in _unverified:
         _unverified.add(str(path))
@@ -123,7 +124,7 @@ def _check(path: Path, ranks: Sequence[int] | None, world_size: int | None) -> N
     spans = _spans_by_file(metadata)
     for index, name in enumerate(sorted(spans)):
         writer = _dcp_file_writer(name, index)
-        if writer % world_size in ranks:
+        if writer % world in ranks:
             _check_dcp_file(path / name, spans[name], writer, sums)
 
 
