@@ -314,8 +314,9 @@ class CheckpointManager:
         (step, tokens_seen, dataloader, rng, extra and the caller's own fields) is read with
         a weights-only load and not applied: restore the RNG last, after anything that
         draws random numbers. A rank the saving run did not have (the world grew) gets
-        rank 0's train state, with a warning. A save in flight is committed first.
-        Collective.
+        rank 0's train state, with a warning. A save in flight is committed first, and the
+        checkpoint is checked (verify) unless a verdict of this run already found it
+        complete. Collective.
         """
         self._saver.finish_pending()
         root = Path(path)
@@ -342,8 +343,8 @@ class CheckpointManager:
         For checkpoint.load_weights_only: a model-only DCP load (resharded to this world
         size) that ignores the checkpoint's optimizer entries, scheduler, train state and
         RNG, so the caller starts a new run (fresh optimizer, step 0) from these weights.
-        Raises CheckpointError naming `path` when it is incomplete or does not fit
-        `model`. A save in flight is committed first.
+        Raises CheckpointError naming `path` when it is incomplete (checked as load()
+        checks it) or does not fit `model`. A save in flight is committed first.
         """
         self._saver.finish_pending()
         root = Path(path)
