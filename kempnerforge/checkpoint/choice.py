@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.errors import CheckpointError, incomplete
 from kempnerforge.checkpoint.layout import (
     LATEST,
     foreign_kind,
@@ -93,7 +93,7 @@ def choose(candidates: Candidates, verdict: Verdict, *, quiet: bool = False) -> 
         path = candidates.explicit
         problems = verdict(path)
         if problems:
-            raise CheckpointError(path, "not a complete checkpoint: " + "; ".join(problems))
+            raise incomplete(path, problems)
         return str(path)
     skipped: list[str] = []
     for candidate in candidates.tries:

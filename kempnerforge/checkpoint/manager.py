@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from kempnerforge.checkpoint.choice import Candidates, choose, list_candidates
 from kempnerforge.checkpoint.coordination import Coordinator
-from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.errors import CheckpointError, incomplete
 from kempnerforge.checkpoint.integrity import checkpoint_problems, share_problems
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
@@ -262,7 +262,7 @@ class CheckpointManager:
             return
         problems = self.verify(root)
         if problems:
-            raise CheckpointError(root, "not a complete checkpoint: " + "; ".join(problems))
+            raise incomplete(root, problems)
 
     def read_extra(self, path: str) -> dict[str, Any]:
         """The ``extra`` dict saved in checkpoint `path`, loading nothing else. Collective.

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from kempnerforge.checkpoint.choice import choose, list_candidates
 from kempnerforge.checkpoint.coordination import quiet_single_process
 from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
-from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.errors import CheckpointError, incomplete
 from kempnerforge.checkpoint.failures import FAILURES, describe_failure, first_cause
 from kempnerforge.checkpoint.integrity import checkpoint_problems, train_state_source
 from kempnerforge.checkpoint.layout import DCP_METADATA, load_marker, train_state_name
@@ -79,7 +79,7 @@ def require_marker(root: Path) -> dict[str, Any]:
     is gone since it was checked is refused (CheckpointError naming `root`)."""
     marker, problem = load_marker(root)
     if marker is None:
-        raise CheckpointError(root, f"not a complete checkpoint: {problem}")
+        raise incomplete(root, [str(problem)])
     return marker
 
 
@@ -88,9 +88,7 @@ def saved_keys(root: Path) -> set[str]:
     try:
         return set(read_dcp_metadata(root).state_dict_metadata)
     except Exception as e:
-        raise CheckpointError(
-            root, f"not a complete checkpoint: {DCP_METADATA} (DCP) is unreadable: {e}"
-        ) from None
+        raise incomplete(root, [f"{DCP_METADATA} (DCP) is unreadable: {e}"]) from None
 
 
 def load_model_and_optimizer(
