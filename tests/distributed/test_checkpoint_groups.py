@@ -45,15 +45,16 @@ COLLECTIVES = (
 own collectives are functional ones, which a layout with tp = 2 leaves out of the count)."""
 
 
-STEP_PAUSE_S = 0.3
+STEP_PAUSE_S = 0.4
 """Added to every step, so a background write held for FAULT_DELAY_S spans a few steps."""
-FAULT_DELAY_S = 1.0
+FAULT_DELAY_S = 2.0
 
 
 class _Steps(TrainingHook):
-    """Cuts the main thread's collectives into one window per step (from one step's end
-    to the next's), noting in each whether a save was in flight at its end; records the
-    windows in which saves were committed."""
+    """Cuts the main thread's collectives into one window per step: ``windows[i]`` holds
+    what ran from step i's end to step i + 1's end (step i's poll and save, then step
+    i + 1), and whether a save was in flight at its end. ``committed`` holds the index of
+    the window each commit ran in."""
 
     def __init__(self, calls: list[tuple[str, str]], session: Any) -> None:
         self.calls, self.session = calls, session
@@ -142,12 +143,12 @@ def test_one_side_group_and_one_world_collective_per_step_during_an_async_save(
         "--model.max_seq_len=64",
         "--train.seq_len=32",
         "--train.batch_size=4",
-        "--train.max_steps=16",
+        "--train.max_steps=20",
         "--train.sample_prompt=",
         "--scheduler.warmup_steps=1",
         "--metrics.progress=off",
         "--eval.interval=0",
-        "--checkpoint.interval=8",
+        "--checkpoint.interval=10",
         "--checkpoint.async_mode=async",
         "--distributed.tp=2",
         "--distributed.dp_shard=1",
@@ -162,14 +163,14 @@ def test_one_side_group_and_one_world_collective_per_step_during_an_async_save(
         assert created == {"mesh": record["mesh_groups_new"], "side": True, "other": 0}
         assert record["created_after_init"] == 0  # the checkpoint manager made none
         windows, saves = record["windows"], record["saves"]
-        assert saves == [8, 16]  # the windows the saves of steps 8 and 16 started in
-        # Steps 9 to 11 run while step 8's write is held: each issues the step's vote only.
-        for window in windows[9:12]:
+        assert saves == [10, 20]  # the saves of steps 10 and 20
+        # Steps 12 to 14 run while step 10's write is held: each issues the step's vote only.
+        for window in windows[11:14]:
             assert window["in_flight"] and window["calls"] == [("all_reduce", "other")], window
         # The poll that finds every write done commits on the vote alone: the commit's own
         # agreement and rank 0's broadcast, then the next step's vote.
         [by_poll, at_end] = record["commits"]
-        assert 12 <= by_poll < 16 and at_end == len(windows)
+        assert 14 <= by_poll < 20 and at_end == len(windows)
         assert windows[by_poll]["calls"] == [
             ("all_reduce", "other"),
             ("broadcast_object_list", "other"),
