@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from kempnerforge.metrics.logging import get_logger
 
@@ -75,15 +76,16 @@ class BackgroundWriter:
     def start(
         self,
         state_dict: dict[str, Any],
-        path: Path,
+        writer: StorageWriter,
         *,
         step: int,
         process_group: dist.ProcessGroup | None,
         no_dist: bool,
         then: Callable[[], None],
     ) -> Future[None]:
-        """Stage `state_dict`, write it to DCP checkpoint `path`, then run `then` (both in
-        the background); `step` selects the fault delay."""
+        """Stage `state_dict`, write it through `writer` (a DCP storage writer that knows
+        its directory), then run `then` (both in the background); `step` selects the fault
+        delay."""
         if no_dist:
             # DCP warns from its own thread that it assumes one process: that is our intent.
             warnings.filterwarnings(
@@ -95,7 +97,7 @@ class BackgroundWriter:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kempnerforge-checkpoint")
         upload = dcp_async_save(
             state_dict,
-            checkpoint_id=str(path),
+            storage_writer=writer,
             process_group=process_group,
             no_dist=no_dist,
             async_stager=self._stager,

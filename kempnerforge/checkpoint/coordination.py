@@ -1,4 +1,10 @@
-"""How the checkpoint manager's ranks agree: a gloo group of its own, rank-0 steps, failures."""
+"""How the checkpoint manager's ranks agree: rank-0 steps, every-rank steps, verdicts.
+
+The Coordinator's collectives run on the manager's process group (the default group when
+None) and only on the main thread, in the same order on every rank as the training step's
+own collectives. A background DCP write uses another group (the runtime's side group), so
+the two never share a group from two threads.
+"""
 
 from __future__ import annotations
 
@@ -32,12 +38,11 @@ def new_gloo_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup
 
 
 class Coordinator:
-    """The manager's own collectives (agreeing on failure, rank-0-only steps, polling).
+    """The manager's collectives: agreeing on failures and verdicts, rank-0-only steps.
 
-    They run on a gloo group created here once and used for nothing else: a background
-    DCP write runs collectives from another thread, and two threads issuing collectives
-    on one group can interleave differently on different ranks and hang. With
-    world_size 1 every method runs locally and no group exists.
+    ``rank`` is the rank in ``process_group``. With world_size 1 every method runs locally.
+    Each agreement costs one all-reduce of one integer; what went wrong travels (one
+    broadcast from the failing rank) only when something did.
     """
 
     def __init__(
@@ -51,7 +56,23 @@ class Coordinator:
         self.directory = directory
         self.rank = rank
         self.world_size = world_size
-        self.group = new_gloo_group(process_group) if world_size > 1 else None
+        self.group = process_group
+
+    def first_failure(self, problems: list[str]) -> tuple[int, list[str]] | None:
+        """The lowest rank whose `problems` are not empty, and those problems; None when
+        every rank's are empty. Every rank gets the same answer. Collective."""
+        if self.world_size == 1:
+            return (self.rank, problems) if problems else None
+        flag = torch.tensor(
+            [self.rank if problems else self.world_size], dtype=torch.int64, device=self._device()
+        )
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        failed = int(flag.item())
+        if failed == self.world_size:
+            return None
+        shared: list[Any] = [problems if failed == self.rank else None]
+        dist.broadcast_object_list(shared, group=self.group, group_src=failed)
+        return failed, shared[0]
 
     def on_rank0(self, fn: Callable[[], _T]) -> _T:
         """Run `fn` on rank 0 only; every rank returns its result or raises its error."""
@@ -75,7 +96,8 @@ class Coordinator:
     def on_every_rank(self, fn: Callable[[], _T]) -> _T:
         """Run `fn` on every rank and return its result; if any rank fails, every rank raises.
 
-        The failing rank raises its own error; the others a CheckpointError naming it.
+        The failing rank raises its own error; the others a CheckpointError naming the
+        lowest failing rank.
         """
         error: BaseException | None = None
         result: Any = None
@@ -83,24 +105,27 @@ class Coordinator:
             result = fn()
         except FAILURES as e:
             error = e
-        if self.world_size > 1:
-            errors: list[Any] = [None] * self.world_size
-            dist.all_gather_object(errors, None if error is None else str(error), self.group)
-            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-            if failed and error is None:
-                rank, message = failed[0]
-                raise CheckpointError(self.directory, f"rank {rank} failed: {message}")
+        failure = self.first_failure([] if error is None else [str(error)])
         if error is not None:
             raise error
+        if failure is not None:
+            rank, messages = failure
+            raise CheckpointError(self.directory, f"rank {rank} failed: {messages[0]}")
         return result
 
     def all_true(self, flag: bool) -> bool:
         """True when `flag` is true on every rank (one tiny all-reduce; local at world 1)."""
         if self.world_size == 1:
             return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32)
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self._device())
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
         return bool(value.item())
+
+    def _device(self) -> torch.device:
+        """Where a collective's tensor lives: this rank's GPU for an nccl group, else CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 @contextlib.contextmanager

@@ -19,3 +19,8 @@ class CheckpointError(Exception):
     def __reduce__(self) -> tuple[type[CheckpointError], tuple[str, str]]:
         # DCP sends a rank's exception to the others pickled; rebuild from both fields.
         return (type(self), (self.path, self.problem))
+
+
+def incomplete(path: str | os.PathLike[str], problems: list[str]) -> CheckpointError:
+    """The error for a checkpoint that is not complete: its path and what is wrong."""
+    return CheckpointError(path, "not a complete checkpoint: " + "; ".join(problems))

@@ -1,24 +1,53 @@
-"""Is a checkpoint whole? Cheap checks of its marker, train states and DCP files, no tensor read.
+"""Is a checkpoint whole? One pass split over the ranks that read it; no tensor is decoded.
 
-Also the only way this package reads DCP's ``.metadata``: through an allow-list, since
-``dcp.load`` itself unpickles that file with plain ``pickle.load`` (loads use reader.py).
+Every rank reads the two shared files (the marker and DCP's .metadata, which it needs to
+load anyway) and checks only the files it reads itself: the train state it loads and its
+share of the DCP files (those written by the ranks ``w`` with ``w % world_size == rank``:
+its own when the world size is unchanged). Rank 0 also checks .metadata's checksum. So a
+rank opens O(1) files plus its share, whatever the world size, and the ranks' verdicts are
+agreed in one small collective by the caller. ``checkpoint_problems`` runs every share in
+one process (tools, tests).
+
+A file's checks: it exists and is as long as .metadata says; each DCP item starts and ends
+like the ``torch.save`` zip it must be (a shard overwritten with zeros); and, for a
+checkpoint whose marker says it holds checksums, the whole file's CRC-32 matches the one
+its writer recorded (a flipped bit inside a tensor). Older checkpoints have no checksums:
+they are checked without them, and the first check of one says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import pickle
+import os
+import re
 import struct
 import zipfile
-from pathlib import Path, PurePath
-from typing import Any, BinaryIO
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from kempnerforge.checkpoint.layout import DCP_METADATA, load_marker, train_state_name
+from kempnerforge.checkpoint.checksums import (
+    Checksum,
+    checksum_of_bytes,
+    checksum_of_file,
+    checksums_name,
+    describe,
+    read_checksums,
+)
+from kempnerforge.checkpoint.dcp_metadata import parse_dcp_metadata
+from kempnerforge.checkpoint.layout import (
+    CHECKSUM_KIND,
+    DCP_METADATA,
+    load_marker,
+    train_state_name,
+)
+from kempnerforge.metrics.logging import get_logger
 
+logger = get_logger(__name__)
+
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+"""A file DCP's writer names after the rank that wrote it: ``__<rank>_<n>.distcp``."""
 _LOCAL_HEADER = b"PK\x03\x04"
 _CENTRAL_HEADER = b"PK\x01\x02"
 _END_RECORD = b"PK\x05\x06"
@@ -26,81 +55,165 @@ _END_RECORD_SIZE = 22
 _MAX_ZIP_COMMENT = 0xFFFF
 _ZIP64_SENTINEL = 0xFFFFFFFF
 """An end record's central-directory offset when the real one is in the zip64 record."""
+_unverified: set[str] = set()
+
+
+class _Problem(Exception):
+    """The first thing found wrong; the check stops there."""
+
+
+def share_problems(path: Path, rank: int, world_size: int) -> list[str]:
+    """What keeps `path` from being complete, as rank `rank` of `world_size` reads it.
+
+    Empty when this rank's share is whole; else one line naming the file. Every rank of a
+    job calls it at once and the verdicts are agreed (Coordinator.first_failure).
+    """
+    return _first_problem(path, [rank], world_size)
 
 
 def checkpoint_problems(path: Path) -> list[str]:
-    """What keeps `path` from being a complete checkpoint; empty when it is one."""
-    return inspect_checkpoint(path)[0]
+    """What keeps `path` from being a complete checkpoint, every rank's share checked here."""
+    return _first_problem(path, None, None)
 
 
-def inspect_checkpoint(path: Path) -> tuple[list[str], Metadata | None]:
-    """The problems of checkpoint `path` (empty when complete) and its DCP metadata.
+def _dcp_file_writer(name: str, index: int) -> int:
+    """The rank that wrote DCP file `name`, the `index`-th in name order (the index for a
+    name DCP's writer does not give)."""
+    match = _DCP_FILE.fullmatch(name)
+    return int(match.group(1)) if match else index
 
-    Checks the marker is one a save writes (types and bounds), each saved rank's train
-    state is a whole zip (torch.save) file, DCP's .metadata loads through an allow-list,
-    every file it references is long enough, and each item in those files starts and
-    ends like the torch.save record it must be. Reads a few bytes per item, no tensor data.
-    """
-    if not path.is_dir():
-        return ["the directory does not exist"], None
-    problems: list[str] = []
-    marker, marker_problem = load_marker(path)
-    if marker is None:
-        problems.append(str(marker_problem))
-    else:
-        problems.extend(_train_state_problems(path, marker["world_size"]))
-    if not (path / DCP_METADATA).is_file():
-        return [*problems, f"{DCP_METADATA} (DCP) is missing"], None
+
+def train_state_source(rank: int, saved_world_size: int) -> int:
+    """Whose train state rank `rank` loads: its own, or rank 0's when the saving run had
+    fewer ranks."""
+    return rank if rank < saved_world_size else 0
+
+
+def _first_problem(path: Path, ranks: Sequence[int] | None, world_size: int | None) -> list[str]:
     try:
-        metadata = read_dcp_metadata(path)
-    except Exception as e:
-        return [*problems, f"{DCP_METADATA} (DCP) is unreadable: {e}"], None
-    problems.extend(_dcp_file_problems(path, metadata))
-    return problems, metadata
-
-
-def _train_state_problems(path: Path, world_size: int) -> list[str]:
-    """The first train state of ranks below `world_size` that is missing or not a whole zip."""
-    for rank in range(world_size):
-        if not zipfile.is_zipfile(path / train_state_name(rank)):
-            return [
-                f"{train_state_name(rank)} is missing or truncated "
-                f"(complete.json says {world_size} ranks saved)"
-            ]
+        _check(path, ranks, world_size)
+    except _Problem as problem:
+        return [str(problem)]
     return []
 
 
-def _dcp_file_problems(path: Path, metadata: Metadata) -> list[str]:
-    """Each DCP file its metadata names that is missing, short, or holds a broken item."""
-    items: dict[str, list[tuple[int, int]]] = {}
+def _check(path: Path, ranks: Sequence[int] | None, world_size: int | None) -> None:
+    """Raise _Problem at the first thing wrong in the shares of `ranks` (all when None)."""
+    if not path.is_dir():
+        raise _Problem("the directory does not exist")
+    marker, marker_problem = load_marker(path)
+    if marker is None:
+        raise _Problem(str(marker_problem))
+    metadata_bytes, metadata = _read_metadata(path)
+    saved = marker["world_size"]
+    if ranks is None:
+        ranks = range(saved)
+    world = saved if world_size is None else world_size
+    sums = _Recorded(path) if marker.get("checksums") == CHECKSUM_KIND else None
+    if sums is None and 0 in ranks and str(path) not in _unverified:
+        _unverified.add(str(path))
+        logger.info(
+            "%s holds no checksums (saved by an older version): its files are checked for "
+            "length and structure only",
+            path,
+        )
+    for source in sorted({train_state_source(r, saved) for r in ranks}):
+        _check_train_state(path, source, saved, sums)
+    if 0 in ranks and sums is not None:
+        sums.match(DCP_METADATA, checksum_of_bytes(metadata_bytes), writer=0)
+    spans = _spans_by_file(metadata)
+    for index, name in enumerate(sorted(spans)):
+        writer = _dcp_file_writer(name, index)
+        if writer % world in ranks:
+            _check_dcp_file(path / name, spans[name], writer, sums)
+
+
+def _read_metadata(path: Path) -> tuple[bytes, Metadata]:
+    try:
+        data = (path / DCP_METADATA).read_bytes()
+    except FileNotFoundError:
+        raise _Problem(f"{DCP_METADATA} (DCP) is missing") from None
+    except OSError as e:
+        raise _Problem(f"{DCP_METADATA} (DCP) is unreadable: {e}") from None
+    try:
+        return data, parse_dcp_metadata(data)
+    except Exception as e:
+        raise _Problem(f"{DCP_METADATA} (DCP) is unreadable: {e}") from None
+
+
+class _Recorded:
+    """The checksums the writers of a checkpoint recorded, read per writer when first asked."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._by_writer: dict[int, dict[str, Checksum]] = {}
+
+    def match(self, name: str, actual: Checksum, *, writer: int) -> None:
+        """Raise _Problem unless file `name`, written by rank `writer`, has checksum `actual`."""
+        if writer not in self._by_writer:
+            sums, problem = read_checksums(self.path, writer)
+            if sums is None:
+                raise _Problem(str(problem))
+            self._by_writer[writer] = sums
+        expected = self._by_writer[writer].get(name)
+        if expected is None:
+            raise _Problem(f"{name} has no checksum in {checksums_name(writer)}")
+        if expected != actual:
+            raise _Problem(
+                f"{name} does not match its checksum in {checksums_name(writer)} "
+                f"({describe(actual)} read, {describe(expected)} written): its bytes "
+                "changed after the save (a disk or transfer error?)"
+            )
+
+
+def _check_train_state(path: Path, rank: int, saved: int, sums: _Recorded | None) -> None:
+    name = train_state_name(rank)
+    problem = _Problem(f"{name} is missing or truncated (complete.json says {saved} ranks saved)")
+    try:
+        with open(path / name, "rb") as f:
+            if not zipfile.is_zipfile(f):
+                raise problem
+            if sums is not None:
+                f.seek(0)
+                sums.match(name, checksum_of_file(f), writer=rank)
+    except OSError:
+        raise problem from None
+
+
+def _spans_by_file(metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
+    """(offset, length) of each checkable item, by the DCP file that holds it."""
+    spans: dict[str, list[tuple[int, int]]] = {}
     for info in (metadata.storage_data or {}).values():
         # A storage transform (compression, ...) changes the stored bytes: no zip to see.
         # A save of ours never uses one, so this only passes foreign items unchecked.
+        items = spans.setdefault(info.relative_path, [])
         if not getattr(info, "transform_descriptors", None):
-            items.setdefault(info.relative_path, []).append((info.offset, info.length))
-        else:
-            items.setdefault(info.relative_path, [])
-    sizes = {
-        name: max((offset + length for offset, length in spans), default=0)
-        for name, spans in items.items()
-    }
-    problems = []
-    for name, spans in sorted(items.items()):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{name} (DCP) is missing")
-            continue
-        size = file.stat().st_size
-        if size < sizes[name]:
-            problems.append(f"{name} (DCP) is truncated ({size} of {sizes[name]} bytes)")
-            continue
+            items.append((info.offset, info.length))
+    return spans
+
+
+def _check_dcp_file(
+    file: Path, spans: list[tuple[int, int]], writer: int, sums: _Recorded | None
+) -> None:
+    """One DCP file: present, long enough, each item a zip record, the checksum right."""
+    name = file.name
+    needed = max((offset + length for offset, length in spans), default=0)
+    try:
         with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < needed:
+                raise _Problem(f"{name} (DCP) is truncated ({size} of {needed} bytes)")
             for offset, length in sorted(spans):
                 broken = _zip_record_problem(f, offset, length)
                 if broken:
-                    problems.append(f"{name} (DCP) is corrupt: the item at byte {offset} {broken}")
-                    break
-    return problems
+                    raise _Problem(f"{name} (DCP) is corrupt: the item at byte {offset} {broken}")
+            if sums is not None:
+                f.seek(0)
+                sums.match(name, checksum_of_file(f), writer=writer)
+    except FileNotFoundError:
+        raise _Problem(f"{name} (DCP) is missing") from None
+    except OSError as e:
+        raise _Problem(f"{name} (DCP) is unreadable ({type(e).__name__}: {e})") from None
 
 
 def _zip_record_problem(f: BinaryIO, offset: int, length: int) -> str | None:
@@ -149,49 +262,3 @@ def _find_end_record(f: BinaryIO, offset: int, length: int) -> tuple[int, bytes]
                 return offset + length - tail_len + at, record
         at = tail.rfind(_END_RECORD, 0, at)
     return None
-
-
-def read_dcp_metadata(path: Path) -> Metadata:
-    """DCP's .metadata of checkpoint `path`, unpickled through an allow-list.
-
-    torch's FileSystemReader reads this file with plain ``pickle.load``, so a planted
-    .metadata would run code; the completeness check and every DCP load (through
-    reader.AllowListedReader) read it here instead.
-    """
-    with open(path / DCP_METADATA, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP's metadata records, torch dtypes/layouts and paths; nothing callable."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            # Only records: building a dataclass or an enum member runs no user code.
-            if isinstance(obj, type) and (
-                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
-            ):
-                return obj
-        elif module == "pathlib":
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and issubclass(obj, PurePath):
-                return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
-            return getattr(torch, name)
-        elif (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")

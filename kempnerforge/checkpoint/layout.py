@@ -18,6 +18,9 @@ logger = get_logger(__name__)
 
 FORMAT_VERSION = 1
 MARKER = "complete.json"
+CHECKSUM_KIND = "crc32"
+"""The marker's ``checksums`` value: every rank wrote checksums_rank<R>.json (checksums.py).
+A marker without the field is an older version's checkpoint, which has none."""
 LATEST = "latest"
 DCP_METADATA = ".metadata"
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -207,6 +210,9 @@ def marker_problem(marker: Any) -> str | None:
         if not _is_int(value) or value < low or (high is not None and value > high):
             allowed = f"from {low} to {high}" if high is not None else f">= {low}"
             return f"{field} is {_shown(value)}, not an integer {allowed}"
+    checksums = marker.get("checksums", CHECKSUM_KIND)
+    if checksums != CHECKSUM_KIND:
+        return f"checksums is {_shown(checksums)}; this version reads {CHECKSUM_KIND!r} only"
     return None
 
 

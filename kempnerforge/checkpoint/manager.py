@@ -6,12 +6,15 @@ On disk, under the checkpoint directory::
     step_30/                  one committed checkpoint
         .metadata, *.distcp   DCP files of {"model": ..., "optimizer": ...}, FQN keyed
         train_state_rank<R>.pt  torch.save of rank R's plain-typed train state
+        checksums_rank<R>.json  CRC-32 and length of each file rank R wrote
         complete.json         completion marker, written last
     step_40.tmp/              a save in progress (or left by a crash; removed by the next save)
 
-Saving (atomic commits, async mode, fault injection) is saver.py; finding and reading a
-checkpoint back is resume.py. A save in flight is committed before anything is found or
-loaded, so a load never misses the newest checkpoint.
+Saving (atomic commits, async mode, fault injection) is saver.py; which checkpoint to
+resume is choice.py; whether one is complete is integrity.py (each rank checks the files it
+reads, the verdict agreed in one small collective); reading one back is resume.py. A save
+in flight is committed before anything is found or loaded, so a load never misses the
+newest checkpoint.
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kempnerforge.checkpoint.choice import Candidates, choose, list_candidates
 from kempnerforge.checkpoint.coordination import Coordinator
-from kempnerforge.checkpoint.errors import CheckpointError
-from kempnerforge.checkpoint.integrity import checkpoint_problems
+from kempnerforge.checkpoint.errors import CheckpointError, incomplete
+from kempnerforge.checkpoint.integrity import checkpoint_problems, share_problems
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
     load_model_weights,
-    newest_complete,
     read_train_state,
-    require_complete,
-    resolve_resume_path,
+    require_marker,
+    saved_keys,
 )
 from kempnerforge.checkpoint.saver import CheckpointSaver, CommitCallback
 from kempnerforge.config.checkpoint import CheckpointConfig
@@ -48,9 +51,12 @@ class CheckpointManager:
 
     Every rank constructs one and calls save/poll/wait/load/find_resume_path together:
     those are collective when world_size > 1 (``rank`` is the rank in ``process_group``,
-    the default group when None). Construction is collective too then: it creates the
-    manager's own gloo group(s). The directory must be one shared filesystem path for all
-    ranks. ``config_sha256`` is recorded in each marker unless a save passes its own.
+    the default group when None), and their agreements run on ``process_group``.
+    ``side_group`` is a gloo group over the same ranks for the background writes of async
+    mode (the runtime's side group); the manager creates no group of its own, except that
+    one, once, at the first async save when it was given none. The directory must be one
+    shared filesystem path for all ranks. ``config_sha256`` is recorded in each marker
+    unless a save passes its own.
     """
 
     def __init__(
@@ -61,6 +67,7 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         process_group: dist.ProcessGroup | None = None,
+        side_group: dist.ProcessGroup | None = None,
         config_sha256: str = "",
     ) -> None:
         initialized = dist.is_available() and dist.is_initialized()
@@ -78,6 +85,10 @@ class CheckpointManager:
         self._coord = Coordinator(
             self.directory, rank=rank, world_size=world_size, process_group=process_group
         )
+        self._verified: set[Path] = set()
+        """Checkpoints a verdict of this run found complete: a load of one checks no more."""
+        self._known_complete: set[Path] = set()
+        """Those, and the checkpoints this run wrote: retention reads nothing of them."""
         self._saver = CheckpointSaver(
             cfg,
             self.directory,
@@ -85,8 +96,10 @@ class CheckpointManager:
             rank=rank,
             world_size=world_size,
             process_group=process_group,
+            side_group=side_group,
             no_dist=self._no_dist,
             config_sha256=config_sha256,
+            known_complete=self._known_complete,
         )
 
     @property
@@ -150,13 +163,27 @@ class CheckpointManager:
             config_sha256=config_sha256,
         )
 
+    @property
+    def writing(self) -> bool:
+        """True while this rank's background write (async mode) is still running."""
+        return self._saver.writing
+
+    def record_write_vote(self, any_writing: bool) -> None:
+        """Keep the outcome of a vote every rank took together: was any rank still writing?
+
+        The training step folds ``writing`` into its own world-wide reduction (as it does
+        the stop vote) and hands the result here, so the next poll() needs no collective.
+        """
+        self._saver.record_write_vote(any_writing)
+
     def poll(self) -> str | None:
         """Commit the save in flight if its write has finished, without waiting for it.
 
         Returns the committed path, or None (nothing in flight, or still writing); raises
         CheckpointError when the background write failed. Cheap enough to call every
-        step: nothing when no save is in flight, else one future check and, across
-        ranks, a one-integer all-reduce on the manager's group. Collective.
+        step: nothing when no save is in flight; else it acts on the vote recorded since
+        the last poll (record_write_vote), or, when none was, asks every rank with a
+        one-integer all-reduce on the manager's group. Collective.
         """
         return self._saver.poll()
 
@@ -175,23 +202,67 @@ class CheckpointManager:
         checkpoint directory also works). 'auto' takes the one ``latest`` names if it is
         complete, otherwise the newest complete ``step_<N>`` (warning which were skipped),
         and None when the directory holds no checkpoint at all; when it holds only broken
-        ones this raises, rather than silently starting over. A save in flight is
-        committed first.
+        ones this raises, rather than silently starting over. Each checkpoint tried costs
+        one verdict (see verify). A save in flight is committed first.
         """
         self._saver.finish_pending()
-        return self._coord.on_rank0(
-            lambda: resolve_resume_path(self.directory, self.cfg.resume_from)
-        )
+        return self._choose(self.cfg.resume_from)
 
     def newest_complete_path(self) -> str | None:
         """The checkpoint a NaN rollback returns to, or None when there is none. Collective.
 
         The one ``latest`` names when it is complete, else the newest complete
-        ``step_<N>``; checkpoint.resume_from plays no part. A save in flight is committed
-        first.
+        ``step_<N>``; checkpoint.resume_from plays no part. Each is judged afresh (a
+        checkpoint this run wrote may have been damaged since). A save in flight is
+        committed first.
         """
         self._saver.finish_pending()
-        return self._coord.on_rank0(lambda: newest_complete(self.directory))
+        try:
+            return self._choose("auto")
+        except CheckpointError:
+            return None  # only broken checkpoints: nothing to return to
+
+    def verify(self, path: str | os.PathLike[str]) -> list[str]:
+        """What keeps `path` from being a complete checkpoint, as every rank agrees; empty
+        when it is complete. Collective.
+
+        One pass split over the ranks: each checks the shared files it needs (marker,
+        .metadata) and the files it will read itself (its train state, its share of the
+        DCP files: lengths, zip records and checksums, reading each whole file once), and
+        the verdicts are agreed in one all-reduce of an integer (the lowest failing rank
+        then sends its problem). So this reads the rank's share of the checkpoint once
+        more before a load; the OS page cache usually serves the load that follows.
+        """
+        root = Path(path)
+        try:
+            local = share_problems(root, self.rank, self.world_size)
+        except Exception as e:  # a rank that raised alone would leave the others waiting
+            local = [f"cannot be checked ({type(e).__name__}: {e})"]
+        failure = self._coord.first_failure(local)
+        if failure is not None:
+            self._verified.discard(root)
+            self._known_complete.discard(root)
+            return failure[1]
+        self._verified.add(root)
+        self._known_complete.add(root)
+        return []
+
+    def _choose(self, choice: str) -> str | None:
+        candidates: Candidates | None = self._coord.on_rank0(
+            lambda: list_candidates(self.directory, choice)
+        )
+        if candidates is None:
+            return None
+        return choose(candidates, self.verify, quiet=self.rank != 0)
+
+    def _require_complete(self, root: Path) -> None:
+        """Raise CheckpointError naming `root` and its problem unless it is complete (a
+        checkpoint a verdict of this run already found complete is not checked again)."""
+        if root in self._verified:
+            return
+        problems = self.verify(root)
+        if problems:
+            raise incomplete(root, problems)
 
     def read_extra(self, path: str) -> dict[str, Any]:
         """The ``extra`` dict saved in checkpoint `path`, loading nothing else. Collective.
@@ -199,8 +270,10 @@ class CheckpointManager:
         For checks before a resume (the math fingerprint); raises CheckpointError naming
         `path` when it is not a complete checkpoint.
         """
-        state, _ = self._coord.on_every_rank(
-            lambda: read_train_state(Path(path), self.rank, self.world_size, quiet=True)
+        root = Path(path)
+        self._require_complete(root)
+        state = self._coord.on_every_rank(
+            lambda: read_train_state(root, self.rank, self.world_size, quiet=True)
         )
         extra = state.get("extra")
         return extra if isinstance(extra, dict) else {}
@@ -213,16 +286,17 @@ class CheckpointManager:
         itself, e.g. with a fresh optimizer. Raises CheckpointError naming `path` when it
         is not a complete checkpoint.
         """
-        state, _ = self._coord.on_every_rank(
-            lambda: read_train_state(Path(path), self.rank, self.world_size)
-        )
-        return state
+        root = Path(path)
+        self._require_complete(root)
+        return self._coord.on_every_rank(lambda: read_train_state(root, self.rank, self.world_size))
 
     def is_complete(self, path: str | os.PathLike[str]) -> bool:
-        """True when `path` holds a committed, intact checkpoint.
+        """True when `path` holds a committed, intact checkpoint, every rank's share
+        checked in this one process (for tools and tests; a job uses verify).
 
         The marker parses, every saved rank's train state is a whole file, DCP's
-        ``.metadata`` loads through an allow-list and no file it references is short.
+        ``.metadata`` loads through an allow-list, no file it references is short or
+        broken, and every file matches its recorded checksum.
         """
         return not checkpoint_problems(Path(path))
 
@@ -240,13 +314,15 @@ class CheckpointManager:
         (step, tokens_seen, dataloader, rng, extra and the caller's own fields) is read with
         a weights-only load and not applied: restore the RNG last, after anything that
         draws random numbers. A rank the saving run did not have (the world grew) gets
-        rank 0's train state, with a warning. A save in flight is committed first.
-        Collective.
+        rank 0's train state, with a warning. A save in flight is committed first, and the
+        checkpoint is checked (verify) unless a verdict of this run already found it
+        complete. Collective.
         """
         self._saver.finish_pending()
         root = Path(path)
+        self._require_complete(root)
         state, saved = self._coord.on_every_rank(
-            lambda: read_train_state(root, self.rank, self.world_size)
+            lambda: (read_train_state(root, self.rank, self.world_size), saved_keys(root))
         )
         load_model_and_optimizer(
             root, model, optimizer, saved, process_group=self.process_group, no_dist=self._no_dist
@@ -267,16 +343,21 @@ class CheckpointManager:
         For checkpoint.load_weights_only: a model-only DCP load (resharded to this world
         size) that ignores the checkpoint's optimizer entries, scheduler, train state and
         RNG, so the caller starts a new run (fresh optimizer, step 0) from these weights.
-        Raises CheckpointError naming `path` when it is incomplete or does not fit
-        `model`. A save in flight is committed first.
+        Raises CheckpointError naming `path` when it is incomplete (checked as load()
+        checks it) or does not fit `model`. A save in flight is committed first.
         """
         self._saver.finish_pending()
         root = Path(path)
-        metadata = self._coord.on_every_rank(lambda: require_complete(root))
+        self._require_complete(root)
+
+        def keys() -> set[str]:
+            require_marker(root)  # gone since the check: refused, as load() refuses it
+            return saved_keys(root)
+
         load_model_weights(
             root,
             model,
-            set(metadata.state_dict_metadata),
+            self._coord.on_every_rank(keys),
             process_group=self.process_group,
             no_dist=self._no_dist,
         )

@@ -13,13 +13,13 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
 from kempnerforge.checkpoint.errors import CheckpointError
-from kempnerforge.checkpoint.integrity import read_dcp_metadata
 from kempnerforge.checkpoint.layout import DCP_METADATA
 
 
 class AllowListedReader(FileSystemReader):
-    """FileSystemReader whose ``.metadata`` goes through ``integrity.read_dcp_metadata``.
+    """FileSystemReader whose ``.metadata`` goes through ``dcp_metadata.read_dcp_metadata``.
 
     A ``.metadata`` the allow-list refuses (or that cannot be read) raises CheckpointError
     naming the checkpoint. DCP catches what read_metadata raises and reports only its text,

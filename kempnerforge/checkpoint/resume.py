@@ -1,4 +1,4 @@
-"""Finding the checkpoint a run resumes from, and reading one back into model and optimizer."""
+"""Reading a checkpoint back: its train state, then model and optimizer through DCP."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -16,19 +15,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from kempnerforge.checkpoint.choice import choose, list_candidates
 from kempnerforge.checkpoint.coordination import quiet_single_process
-from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
+from kempnerforge.checkpoint.errors import CheckpointError, incomplete
 from kempnerforge.checkpoint.failures import FAILURES, describe_failure, first_cause
-from kempnerforge.checkpoint.integrity import checkpoint_problems, inspect_checkpoint
-from kempnerforge.checkpoint.layout import (
-    LATEST,
-    foreign_kind,
-    is_real_dir,
-    read_latest,
-    read_marker,
-    step_dirs,
-    train_state_name,
-)
+from kempnerforge.checkpoint.integrity import checkpoint_problems, train_state_source
+from kempnerforge.checkpoint.layout import DCP_METADATA, load_marker, train_state_name
 from kempnerforge.checkpoint.planner import WeightsOnlyLoadPlanner, refusal
 from kempnerforge.checkpoint.reader import AllowListedReader
 from kempnerforge.metrics.logging import get_logger
@@ -36,88 +29,29 @@ from kempnerforge.metrics.logging import get_logger
 logger = get_logger(__name__)
 
 
-def resolve_resume_path(directory: Path, choice: str) -> str | None:
-    """The checkpoint checkpoint.resume_from = `choice` selects in `directory`, or None.
-
-    See CheckpointManager.find_resume_path for the rules.
-    """
-    if choice == "none":
-        return None
-    if choice != "auto":
-        path = Path(choice)
-        if not path.exists() and (directory / choice).exists():
-            path = directory / choice
-        require_complete(path)
-        return str(path)
-    skipped: list[str] = []
-    latest = read_latest(directory)
-    if latest is not None:
-        path = directory / latest
-        if path.is_symlink() or (path.exists() and not is_real_dir(path)):
-            # Only a directory a save wrote counts; a link may lead anywhere.
-            problems = [f"it is {foreign_kind(path)}, not a checkpoint directory"]
-        else:
-            problems = checkpoint_problems(path)
-        if not problems:
-            return str(path)
-        skipped.append(f"{path} named by '{LATEST}' ({problems[0]})")
-    candidates = step_dirs(directory)
-    for _, path in candidates:
-        if path.name == latest:
-            continue
-        problems = checkpoint_problems(path)
-        if not problems:
-            reason = f"skipped {'; '.join(skipped)}" if skipped else _no_pointer(directory)
-            logger.warning("resuming from %s, the newest complete checkpoint (%s)", path, reason)
-            return str(path)
-        skipped.append(f"{path} ({problems[0]})")
-    if candidates:
-        # Broken checkpoints are not "nothing": starting over would silently drop them.
-        raise CheckpointError(
-            directory,
-            f"no complete checkpoint to resume from (skipped {'; '.join(skipped)}); "
-            "set checkpoint.resume_from = 'none' to start over",
-        )
-    if skipped:
-        logger.warning("no checkpoint to resume from: skipped %s", skipped[0])
-    return None
-
-
-def _no_pointer(directory: Path) -> str:
-    """Why `latest` named nothing: absent, or present but not a pointer (warned apart)."""
-    pointer = directory / LATEST
-    if pointer.is_symlink() or pointer.exists():
-        return f"'{LATEST}' is unusable"
-    return f"no '{LATEST}' file"
-
-
 def newest_complete(directory: Path) -> str | None:
-    """The checkpoint ``latest`` names if complete, else the newest complete one, else None."""
+    """In one process: the checkpoint ``latest`` names if complete, else the newest
+    complete one, else None; every rank's share of each candidate is checked here."""
+    candidates = list_candidates(directory, "auto")
+    assert candidates is not None
     try:
-        return resolve_resume_path(directory, "auto")
+        return choose(candidates, checkpoint_problems)
     except CheckpointError:
         return None  # only broken checkpoints: nothing to return to
 
 
-def require_complete(path: Path) -> Metadata:
-    """DCP metadata of checkpoint `path`; CheckpointError naming what is missing if broken."""
-    problems, metadata = inspect_checkpoint(path)
-    if problems or metadata is None:
-        raise CheckpointError(path, "not a complete checkpoint: " + "; ".join(problems))
-    return metadata
-
-
 def read_train_state(
     root: Path, rank: int, world_size: int, *, quiet: bool = False
-) -> tuple[dict[str, Any], set[str]]:
-    """Rank `rank`'s train state in `root` and the keys its DCP files hold, after checking it.
+) -> dict[str, Any]:
+    """Rank `rank`'s train state in `root`, a checkpoint found complete before.
 
-    A rank the saving run did not have takes rank 0's train state, with a warning (unless
-    `quiet`: a look at the state before the load that will warn).
+    The marker is read again (it says which step and how many ranks saved), so a marker
+    gone since the check still refuses the load. A rank the saving run did not have takes
+    rank 0's train state, with a warning (unless `quiet`: a look at the state before the
+    load that will warn).
     """
-    metadata = require_complete(root)
-    marker = read_marker(root) or {}
-    saved_world_size = marker.get("world_size", 1)
+    marker = require_marker(root)
+    saved_world_size = marker["world_size"]
     if saved_world_size != world_size and rank == 0 and not quiet:
         logger.warning(
             "%s was saved by %d ranks and this run has %d: model and optimizer are "
@@ -128,16 +62,33 @@ def read_train_state(
             world_size,
             saved_world_size,
         )
-    file = root / train_state_name(rank if rank < saved_world_size else 0)
+    file = root / train_state_name(train_state_source(rank, saved_world_size))
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(
             file, f"cannot be read as a weights-only torch file ({refusal(e)})"
         ) from None
-    if not isinstance(state, dict) or state.get("step") != marker.get("step"):
-        raise CheckpointError(file, f"is not the train state of step {marker.get('step')}")
-    return state, set(metadata.state_dict_metadata)
+    if not isinstance(state, dict) or state.get("step") != marker["step"]:
+        raise CheckpointError(file, f"is not the train state of step {marker['step']}")
+    return state
+
+
+def require_marker(root: Path) -> dict[str, Any]:
+    """The marker of checkpoint `root`, read again at each load: a checkpoint whose marker
+    is gone since it was checked is refused (CheckpointError naming `root`)."""
+    marker, problem = load_marker(root)
+    if marker is None:
+        raise incomplete(root, [str(problem)])
+    return marker
+
+
+def saved_keys(root: Path) -> set[str]:
+    """The keys of the DCP entries checkpoint `root` holds ("model.<fqn>", ...)."""
+    try:
+        return set(read_dcp_metadata(root).state_dict_metadata)
+    except Exception as e:
+        raise incomplete(root, [f"{DCP_METADATA} (DCP) is unreadable: {e}"]) from None
 
 
 def load_model_and_optimizer(

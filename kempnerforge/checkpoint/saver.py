@@ -10,7 +10,13 @@ retention) waits until the files are durable and happens in the next save(), in
 finish_pending() (the manager's wait(), load(), load_weights() and find_resume_path() call
 it first) or in a poll() that finds the write done. At most one save is in flight. A
 failed background write is raised by that call as a CheckpointError, with the previous
-checkpoint and ``latest`` untouched.
+checkpoint and ``latest`` untouched. poll() commits only when every rank's write is done:
+the training step's own reduction carries that vote (record_write_vote), so a step costs
+no collective here; without a vote, poll() asks with a one-integer all-reduce.
+
+Each rank writes its DCP files through a ChecksummingWriter (hashing them as they are
+written, on the writing thread), then its train state and ``checksums_rank<R>.json``; the
+marker says the checkpoint holds checksums (checksums.py, integrity.py).
 
 Fault injection, for tests only and off by default: ``KEMPNERFORGE_FAULT_SAVE_DELAY_S``
 (float seconds) sleeps between a save's DCP files and its marker (in the background
@@ -35,16 +41,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kempnerforge.checkpoint.background import BackgroundWriter, PendingSave, fault_save_delay
+from kempnerforge.checkpoint.checksums import (
+    Checksum,
+    ChecksummingWriter,
+    checksum_of_bytes,
+    write_checksums,
+)
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
 from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.failures import FAILURES, describe_failure
-from kempnerforge.checkpoint.integrity import checkpoint_problems
 from kempnerforge.checkpoint.layout import (
+    CHECKSUM_KIND,
     FORMAT_VERSION,
     LATEST,
     build_train_state,
     fsync_dir,
     read_latest,
+    read_marker,
     torch_bytes,
     train_state_name,
     write_durable,
@@ -66,6 +79,15 @@ CommitCallback = Callable[[int, str, float], None]
 """Called with a committed checkpoint's step, its path and the seconds since its save began."""
 
 
+def write_rank_files(
+    tmp: Path, rank: int, train_state_data: bytes, dcp_sums: dict[str, Checksum]
+) -> None:
+    """After this rank's DCP files: its train state, then the checksums of all it wrote."""
+    name = train_state_name(rank)
+    write_durable(tmp / name, train_state_data)
+    write_checksums(tmp, rank, {**dcp_sums, name: checksum_of_bytes(train_state_data)})
+
+
 class CheckpointSaver:
     """Writes and commits this run's checkpoints; at most one async save in flight.
 
@@ -82,8 +104,10 @@ class CheckpointSaver:
         rank: int,
         world_size: int,
         process_group: dist.ProcessGroup | None,
+        side_group: dist.ProcessGroup | None,
         no_dist: bool,
         config_sha256: str,
+        known_complete: set[Path],
     ) -> None:
         self.cfg = cfg
         self.directory = directory
@@ -91,18 +115,23 @@ class CheckpointSaver:
         self.world_size = world_size
         self.process_group = process_group
         self.config_sha256 = config_sha256
+        self.known_complete = known_complete
         self._coord = coord
         self._no_dist = no_dist
-        # Background DCP writes get a group of their own too: the training step's
-        # collectives run on the default group from the main thread meanwhile.
-        self._write_group = (
-            new_gloo_group(process_group)
-            if world_size > 1 and cfg.async_mode == "async"
-            else process_group
-        )
+        self._side_group = side_group
         self._writer = BackgroundWriter()
         self.pending: PendingSave | None = None
         self.on_commit: CommitCallback | None = None
+        self._write_vote: tuple[PendingSave, bool] | None = None
+
+    @property
+    def writing(self) -> bool:
+        """True while this rank's background write is still running."""
+        return self.pending is not None and not self.pending.future.done()
+
+    def record_write_vote(self, any_writing: bool) -> None:
+        """Keep whether any rank's background write was running, as every rank agreed."""
+        self._write_vote = None if self.pending is None else (self.pending, any_writing)
 
     def save(
         self,
@@ -131,14 +160,21 @@ class CheckpointSaver:
             optimizer.state.clear()
         state["optimizer_initialized"] = not fresh
         # Serialized now: the bytes are the state at this call, whenever they are written.
-        train_state_file, train_state_data = tmp / train_state_name(self.rank), torch_bytes(state)
+        train_state_data = torch_bytes(state)
+        # on_every_rank's agreement runs on the manager's group (the default one) from this
+        # thread, right after _write started the background write, and so may poll()'s
+        # fallback while the write is in flight. That write's own collectives (DCP's plan
+        # exchange and its gather of the results) run on the side group from the writer
+        # thread, and nothing on this thread uses the side group while a write is in
+        # flight (the failure report and the teardown barrier come after wait()), so no
+        # group ever carries collectives from two threads at once.
         with self._write_failures(step):
             future = self._coord.on_every_rank(
                 lambda: self._write(
                     {"model": model_sd, "optimizer": optim_sd},
                     tmp,
                     step,
-                    lambda: write_durable(train_state_file, train_state_data),
+                    train_state_data,
                 )
             )
         marker = self._marker(step, int(state.get("tokens_seen", 0)), config_sha256)
@@ -162,9 +198,14 @@ class CheckpointSaver:
 
     def poll(self) -> str | None:
         """Commit the save in flight if its write has finished (see CheckpointManager.poll)."""
+        vote, self._write_vote = self._write_vote, None
         if self.pending is None:
             return None
-        if not self._coord.all_true(self.pending.future.done()):
+        if vote is not None and vote[0] is self.pending:
+            done = not vote[1]  # the step's reduction already asked every rank
+        else:
+            done = self._coord.all_true(self.pending.future.done())
+        if not done:
             return None
         return self.finish_pending()
 
@@ -188,6 +229,7 @@ class CheckpointSaver:
         return str(path)
 
     def _committed(self, step: int, path: str, elapsed: float) -> None:
+        self.known_complete.add(Path(path))  # written whole by this run: retention trusts it
         if self.on_commit is not None:
             self.on_commit(step, path, elapsed)
 
@@ -199,31 +241,44 @@ class CheckpointSaver:
             "world_size": self.world_size,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "config_sha256": config_sha256 or self.config_sha256,
+            "checksums": CHECKSUM_KIND,
         }
 
     def _write(
-        self, state_dict: dict[str, Any], tmp: Path, step: int, then: Callable[[], None]
+        self, state_dict: dict[str, Any], tmp: Path, step: int, train_state_data: bytes
     ) -> Future[None] | None:
-        """Write the DCP files, then run `then` (the train state): now, returning None, or
-        in the background, returning the future of both."""
+        """Write the DCP files, then this rank's train state and checksums: now, returning
+        None, or in the background, returning the future of all three."""
+        writer = ChecksummingWriter(tmp)
+
+        def then() -> None:
+            write_rank_files(tmp, self.rank, train_state_data, writer.sums)
+
         if self.cfg.async_mode == "async":
             return self._writer.start(
                 state_dict,
-                tmp,
+                writer,
                 step=step,
-                process_group=self._write_group,
+                process_group=self._write_group(),
                 no_dist=self._no_dist,
                 then=then,
             )
         with quiet_single_process(self._no_dist):
             dcp_save(
                 state_dict,
-                checkpoint_id=str(tmp),
+                storage_writer=writer,
                 process_group=self.process_group,
                 no_dist=self._no_dist,
             )
         then()
         return None
+
+    def _write_group(self) -> dist.ProcessGroup | None:
+        """The group background writes use: the side group, created here on first use
+        (collective, as save() is) when the manager was given none."""
+        if self.world_size > 1 and self._side_group is None:
+            self._side_group = new_gloo_group(self.process_group)
+        return self._side_group if self.world_size > 1 else self.process_group
 
     def _save_failed(self, step: int, error: BaseException, *, background: bool) -> CheckpointError:
         latest = read_latest(self.directory)
@@ -263,5 +318,10 @@ class CheckpointSaver:
             self.directory,
             keep_last_n=self.cfg.keep_last_n,
             keep_every=self.cfg.keep_every,
-            is_complete=lambda path: not checkpoint_problems(path),
+            is_complete=self._counts_as_complete,
         )
+
+    def _counts_as_complete(self, path: Path) -> bool:
+        """For retention: a checkpoint this run wrote or verified, or else one with a
+        marker; one small read, never a rank's files (a resume judges them)."""
+        return path in self.known_complete or read_marker(path) is not None

@@ -4,7 +4,7 @@ A peer that dies breaks its connections at once; one that hangs (stopped, deadlo
 stuck in I/O) is noticed when distributed.timeout_s runs out. Either way the backend's
 own message names neither the operation nor the peer, so the surviving ranks work both
 out: the operation from the traceback, the unresponsive ranks from a monitored barrier on
-a gloo group kept for this purpose.
+the runtime's side group (a gloo group over the world beside the default one).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def failed_collective(error: BaseException) -> str:
 
 
 def unresponsive_ranks(runtime: RuntimeContext, timeout_s: float) -> str:
-    """Which peers fail to answer a monitored barrier on the monitor group, in words."""
-    group = runtime.monitor_group
+    """Which peers fail to answer a monitored barrier on the side group, in words."""
+    group = runtime.side_group
     if group is None:
         return "the peers could not be asked"
     try:

@@ -43,9 +43,13 @@ class RuntimeContext:
     ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group into
     the ranks that hold different experts and ``efsdp`` counts the ranks holding the same
     ones (FSDP shards the expert weights over them). None otherwise."""
-    monitor_group: Any = None
-    """A gloo group over the world, used only to find unresponsive ranks after a failed
-    collective (kempnerforge.distributed.failure); None in a single process."""
+    side_group: Any = None
+    """A gloo group over the world beside the default one, created once, for work off the
+    training step: finding unresponsive ranks after a failed collective
+    (kempnerforge.distributed.failure), the teardown barrier, and the background writes of
+    async checkpoints. Never used by two threads at once: the loop waits for a background
+    write before it tears down, and reports a failure only after that wait. None in a
+    single process."""
 
     @property
     def is_main(self) -> bool:
@@ -172,7 +176,7 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         tp_size=mesh["tp"].size(),
         pp_rank=mesh["pp"].get_local_rank(),
         pp_size=mesh["pp"].size(),
-        monitor_group=dist.new_group(backend="gloo"),
+        side_group=dist.new_group(backend="gloo"),
     )
 
 
@@ -184,6 +188,6 @@ def teardown_runtime(runtime: RuntimeContext, *, together: bool = False) -> None
     thread that sees a connection vanish mid-operation can abort its process.
     """
     if dist.is_available() and dist.is_initialized():
-        if together and runtime.monitor_group is not None:
-            dist.barrier(group=runtime.monitor_group)
+        if together and runtime.side_group is not None:
+            dist.barrier(group=runtime.side_group)
         dist.destroy_process_group()

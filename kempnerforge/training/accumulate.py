@@ -71,26 +71,30 @@ def finish_step(
     ``loss_sum`` is this rank's summed loss (zero on a pipeline stage without the head).
     It is summed over the data-parallel group, then over the pipeline group, so every rank
     reports the global token-weighted mean that one process would; the gradient norm is
-    global over every mesh and stage (total_grad_norm); the stop vote is over the world.
-    All three come to the host together, in the step's one read. The vote is left with the
-    shutdown handler, so the loop need not hold another collective before the next step.
+    global over every mesh and stage (total_grad_norm). Two votes are taken over the world
+    in one all-reduce: stop (any rank asked to) and whether any rank's background
+    checkpoint write is still running. All of it comes to the host together, in the
+    step's one read. The votes are left with the shutdown handler and the checkpoint
+    manager, so neither the loop's stop check nor its checkpoint poll needs a collective
+    of its own before the next step.
     """
-    runtime, handler = session.runtime, session.shutdown_handler
+    runtime, handler, checkpointer = session.runtime, session.shutdown_handler, session.checkpointer
     loss_sum = loss_sum.detach().double()
     for name in ("dp", "pp"):
         group = runtime.group(name)
         if group is not None:
             dist.all_reduce(loss_sum, group=group)
     grad_norm = total_grad_norm(session.model, session.config.train.grad_clip_norm)
-    stop = torch.tensor(1.0 if handler.requested else 0.0, device=runtime.device)
+    votes = torch.tensor(
+        [float(handler.requested), float(checkpointer.writing)], device=runtime.device
+    )
     world = runtime.group("world")
     if world is not None:
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=world)
-    values = torch.stack(
-        [loss_sum, tokens.count.double(), grad_norm.double(), stop.double()]
-    ).tolist()
-    loss_total, count, norm, stop_vote = values
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world)
+    reduced = torch.stack([loss_sum, tokens.count.double(), grad_norm.double()])
+    loss_total, count, norm, stop_vote, writing_vote = torch.cat([reduced, votes.double()]).tolist()
     handler.record_vote(bool(stop_vote))
+    checkpointer.record_write_vote(bool(writing_vote))
     return loss_total / max(count, 1.0), norm, int(count)
 
 

@@ -63,12 +63,14 @@ def config_sha256(config: JobConfig) -> str:
 
 
 def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> CheckpointManager:
-    """The run's CheckpointManager (collective when distributed: it creates its groups)."""
+    """The run's CheckpointManager: its agreements on the default group, its background
+    writes on the runtime's side group; it creates no process group."""
     return CheckpointManager(
         config.checkpoint,
         config.checkpoint_dir,
         rank=runtime.rank,
         world_size=runtime.world_size,
+        side_group=runtime.side_group,
         config_sha256=config_sha256(config),
     )
 

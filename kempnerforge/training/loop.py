@@ -390,7 +390,9 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         _run_eval(session, step)
     if session.profiler is not None:
         session.profiler.step()
-    session.checkpointer.poll()  # commit a finished background save, never blocks
+    # Commit a finished background save, never blocks; the step's reduction (finish_step)
+    # already asked every rank whether its write is done, so this holds no collective.
+    session.checkpointer.poll()
     if session.checkpointer.should_save(step, config.train.max_steps):
         _save_checkpoint(session, progress)
 

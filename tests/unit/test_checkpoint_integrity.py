@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kempnerforge.checkpoint.integrity import checkpoint_problems, read_dcp_metadata
+from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
+from kempnerforge.checkpoint.integrity import checkpoint_problems
 from kempnerforge.checkpoint.manager import CheckpointError
 from tests.unit.test_checkpoint import _build, _load, _manager, _save
 

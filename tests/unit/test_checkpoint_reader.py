@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from kempnerforge.checkpoint.integrity import read_dcp_metadata
+from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
 from kempnerforge.checkpoint.manager import CheckpointError
 from kempnerforge.checkpoint.reader import AllowListedReader
 from kempnerforge.checkpoint.resume import read_dcp

@@ -9,9 +9,11 @@ so they cannot pass for want of a working payload.
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 import pickle
 import warnings
+import zlib
 from pathlib import Path
 
 import pytest
@@ -38,13 +40,25 @@ class _Payload:
         return (pathlib.Path.touch, (self.sentinel,))
 
 
+def _forge_checksums(path: Path) -> None:
+    """Record the checksums of the files now in `path`, as a planter would: checksums
+    catch damage, not tampering, so the defences these tests check sit behind them."""
+    recorded = json.loads((path / "checksums_rank0.json").read_text())
+    for name in recorded["files"]:
+        data = (path / name).read_bytes()
+        recorded["files"][name] = {"crc32": zlib.crc32(data), "bytes": len(data)}
+    (path / "checksums_rank0.json").write_text(json.dumps(recorded))
+
+
 def _resave_dcp(state_dict: dict, path: Path) -> None:
-    """Replace the DCP files of checkpoint `path` with `state_dict`, as plain DCP saves it."""
+    """Replace the DCP files of checkpoint `path` with `state_dict`, as plain DCP saves it
+    (with forged checksums)."""
     for file in [*path.glob("*.distcp"), path / ".metadata"]:
         file.unlink()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*assuming the intent is to save.*")
         dcp.save(state_dict, checkpoint_id=str(path), no_dist=True)
+    _forge_checksums(path)
 
 
 def _planted(tmp_path: Path, where: str) -> tuple[CheckpointManager, Path, Path]:
@@ -133,6 +147,7 @@ def test_the_train_state_is_loaded_weights_only(tmp_path, reader):
     sentinel = tmp_path / "pwned"
     file = path / "train_state_rank0.pt"
     torch.save({"step": 3, "evil": _Payload(sentinel)}, file)
+    _forge_checksums(path)
     torch.load(file, weights_only=False)  # the payload is live ...
     assert sentinel.exists()
     sentinel.unlink()
