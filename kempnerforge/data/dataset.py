@@ -143,4 +143,3 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
         raise token_at_error(
             tokens_path, offset, int(window[first]), self.meta, self._model_vocab_size
         )
-

@@ -156,8 +156,13 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
             raise ConfigError(
                 "distributed.backend", "nccl", "'gloo' or 'auto' on CPU", "NCCL needs GPUs"
             )
+        # Binding the GPU makes NCCL form the default communicator now and lets the mesh
+        # split its dimensions' groups from it (one call per dimension); unbound, every rank
+        # creates every subgroup of every dimension one by one, O(world size) calls each.
         dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), device_id=None
+            backend,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            device_id=device if backend == "nccl" else None,
         )
     if world_size == 1:
         return RuntimeContext(rank=rank, local_rank=local_rank, device=device)

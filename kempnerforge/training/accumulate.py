@@ -16,6 +16,7 @@ import torch.distributed as dist
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.model.moe import record_router_stats
+from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.session import TrainingSession
 
@@ -23,10 +24,9 @@ MoELosses = Callable[[torch.Tensor, torch.nn.Module, ModelConfig], torch.Tensor]
 
 
 def autocast(session: TrainingSession) -> contextlib.AbstractContextManager:
-    """bf16 autocast on the session's device when train.mixed_precision says so."""
-    if session.config.train.precision_on(session.runtime.device.type) == "bf16":
-        return torch.autocast(session.runtime.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """bf16 autocast on the session's device when train.mixed_precision says so: the one
+    precision policy the step and eval share (training_autocast)."""
+    return training_autocast(session.config.train, session.runtime.device)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
