@@ -75,20 +75,15 @@ def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> Checkpoint
     )
 
 
-def build_model_on_mesh(
-    config: JobConfig, runtime: RuntimeContext, loss_fn: LossFn
-) -> tuple[torch.nn.Module, PipelineBundle | None]:
-    """This rank's model, parallelised and initialised, and its pipeline (None without PP).
+def build_sharded_on_meta(
+    config: JobConfig, runtime: RuntimeContext
+) -> tuple[torch.nn.Module, list[int], list[torch.nn.Module]]:
+    """This rank's model on the meta device, parallelised: its shards' shapes, no memory.
 
-    The model is built on the meta device and parallelised there (tensor parallel,
-    activation checkpointing, compile, FSDP: parallelize_model), and only then
-    materialised on this rank's device, so no rank ever holds more than its shard. A
-    pipeline rank keeps only the layers of its stages. Weights are drawn per parameter
-    from the seed (Transformer.init_weights), identical in every layout. A vision-language
-    model (a [vlm] job) is built the same way, its pretrained tower read from its
-    directory by init_weights, and starts in the freeze state of step 0 (vlm.freeze).
+    Returns the model, and with pipeline parallelism the ids and modules of this rank's
+    stages (empty lists otherwise). A pipeline rank keeps only the layers of its stages.
     """
-    tc, dc = config.train, config.distributed
+    dc = config.distributed
     stage_ids: list[int] = []
     stage_modules: list[torch.nn.Module] = []
     with torch.device("meta"):
@@ -102,13 +97,30 @@ def build_model_on_mesh(
         else:
             model = build_model(config.model)
     parallelize_model(model, runtime, config, roots=stage_modules or None)
+    return model, stage_ids, stage_modules
+
+
+def build_model_on_mesh(
+    config: JobConfig, runtime: RuntimeContext, loss_fn: LossFn
+) -> tuple[torch.nn.Module, PipelineBundle | None]:
+    """This rank's model, parallelised and initialised, and its pipeline (None without PP).
+
+    The model is built on the meta device and parallelised there (tensor parallel,
+    activation checkpointing, compile, FSDP: build_sharded_on_meta), and only then
+    materialised on this rank's device, so no rank ever holds more than its shard.
+    Weights are drawn per parameter from the seed (Transformer.init_weights), identical in
+    every layout. A vision-language model (a [vlm] job) is built the same way, its
+    pretrained tower read from its directory by init_weights, and starts in the freeze
+    state of step 0 (vlm.freeze).
+    """
+    model, stage_ids, stage_modules = build_sharded_on_meta(config, runtime)
     model.to_empty(device=runtime.device)
-    torch.manual_seed(tc.seed)  # the weights depend on the seed, not on what ran before
+    torch.manual_seed(config.train.seed)  # the weights depend on the seed, not on what ran before
     model.init_weights()
     frozen = freeze_for_step(model, config, 0)
     if frozen:
         logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
-    if dc.pp == 1:
+    if config.distributed.pp == 1:
         return model, None
     setattr(model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
     return model, build_pipeline(stage_modules, stage_ids, runtime, config, loss_fn)

@@ -52,6 +52,8 @@ class SimulationReport:
     """Of those, how many span the whole world (the default group included)."""
     new_group_calls: int
     """Calls of torch.distributed.new_group during start-up, member or not."""
+    group_roles: dict[str, str] = field(default_factory=dict)
+    """Group name -> what it is ('world', 'side', or a mesh dimension: 'tp', 'dp', ...)."""
     build_collectives: list[CollectiveCall] = field(default_factory=list)
     steps: list[list[CollectiveCall]] = field(default_factory=list)
     """Per optimizer step, every collective in issue order."""
@@ -135,6 +137,18 @@ def start_fake_world(rank: int, world_size: int) -> Counter[str]:
     return counts
 
 
+def _group_roles(runtime: Any) -> dict[str, str]:
+    """Name -> role of every group the rank can send on; a dimension of size 1 has none."""
+    roles = {str(dist.group.WORLD.group_name): "world"}  # type: ignore[union-attr]
+    for dim in ("pp", "dp_replicate", "dp_shard", "tp", "dp", "ep", "efsdp"):
+        group = runtime.group(dim)
+        if group is not None:
+            roles.setdefault(str(group.group_name), dim)
+    if runtime.side_group is not None:
+        roles[str(runtime.side_group.group_name)] = "side"
+    return roles
+
+
 def _tiny_corpus(root: Path, num_windows: int, seq_len: int) -> str:
     """A prepared corpus of at least ``num_windows`` windows of ``seq_len`` byte tokens."""
     from kempnerforge.data.prepare import prepare_data
@@ -196,6 +210,7 @@ def simulate_rank(
         groups_joined=len(groups),
         world_groups=sum(g.size() == world_size for g in groups),  # type: ignore[union-attr]
         new_group_calls=counts["new_group"],
+        group_roles=_group_roles(runtime),
     )
     recorder = CollectiveRecorder()
     starts: list[int] = []
@@ -224,11 +239,63 @@ def simulate_rank(
     return report
 
 
+@dataclass
+class ShardReport:
+    """What rank ``rank``'s shards of a model hold, from the real build on the meta device."""
+
+    world_size: int
+    rank: int
+    num_local_elements: int
+    """Elements of this rank's parameter shards (tied parameters once)."""
+    largest_tile_elements: int
+    """The largest draw tile among its parameters (weight_init): the most init allocates
+    beyond the shards."""
+
+
+def shard_rank(
+    overrides: list[str], rank: int, world_size: int, config_path: str | None = None
+) -> ShardReport:
+    """Shard a model as rank ``rank`` of ``world_size`` would (build_sharded_on_meta) and
+    measure its shards; nothing is allocated, so any model size works."""
+    from torch.distributed.tensor import DTensor
+
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.distributed.runtime import init_runtime
+    from kempnerforge.model.weight_init import matrix_shape, tile_rows
+    from kempnerforge.training.build import build_sharded_on_meta
+
+    start_fake_world(rank, world_size)
+    config = load_config(config_path, overrides)
+    config.validate(world_size)
+    runtime = init_runtime(config.distributed, "cpu")
+    model, _, _ = build_sharded_on_meta(config, runtime)
+    local = largest_tile = 0
+    for param in model.parameters():  # each tied parameter once
+        local += (param.to_local() if isinstance(param, DTensor) else param).numel()
+        largest_tile = max(largest_tile, tile_rows(param.shape) * matrix_shape(param.shape)[1])
+    return ShardReport(world_size, rank, local, largest_tile)
+
+
 def run_simulation(
     overrides: list[str], rank: int, world_size: int, steps: int, workdir: str
 ) -> SimulationReport:
     """``simulate_rank`` in a fresh Python process (the fake world cannot be left)."""
-    payload = json.dumps([overrides, rank, world_size, steps, workdir])
+    data = _in_fresh_process("simulate_rank", [overrides, rank, world_size, steps, workdir])
+    steps_calls = [[CollectiveCall(**c) for c in step] for step in data.pop("steps")]
+    build = [CollectiveCall(**c) for c in data.pop("build_collectives")]
+    return SimulationReport(**data, build_collectives=build, steps=steps_calls)
+
+
+def run_shard_rank(
+    overrides: list[str], rank: int, world_size: int, config_path: str | None = None
+) -> ShardReport:
+    """``shard_rank`` in a fresh Python process."""
+    arguments = [overrides, rank, world_size, config_path]
+    return ShardReport(**_in_fresh_process("shard_rank", arguments))
+
+
+def _in_fresh_process(function: str, args: list[Any]) -> dict[str, Any]:
+    payload = json.dumps([function, args])
     result = subprocess.run(
         [sys.executable, "-m", "tests.support.world_sim", payload],
         cwd=REPO,
@@ -239,15 +306,13 @@ def run_simulation(
     )
     if result.returncode != 0:
         raise RuntimeError(f"the simulated rank failed:\n{result.stderr[-4000:]}")
-    data = json.loads(result.stdout.strip().splitlines()[-1])
-    steps_calls = [[CollectiveCall(**c) for c in step] for step in data.pop("steps")]
-    build = [CollectiveCall(**c) for c in data.pop("build_collectives")]
-    return SimulationReport(**data, build_collectives=build, steps=steps_calls)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
-    args = json.loads(sys.argv[1])
-    simulated = simulate_rank(*args)
-    sys.stdout.write("\n" + json.dumps(asdict(simulated)) + "\n")
+    name, arguments = json.loads(sys.argv[1])
+    functions = {"simulate_rank": simulate_rank, "shard_rank": shard_rank}
+    outcome = functions[name](*arguments)
+    sys.stdout.write("\n" + json.dumps(asdict(outcome)) + "\n")
     sys.stdout.flush()
     os._exit(0)  # the fake world has nothing to tear down
