@@ -9,11 +9,9 @@ so they cannot pass for want of a working payload.
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import pickle
 import warnings
-import zlib
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from kempnerforge.checkpoint.manager import CheckpointError, CheckpointManager
+from tests.support.checksums import rerecord_checksums
 from tests.unit.test_checkpoint import _build, _load, _manager, _save, _train
 
 REFUSED = "is refused by a weights-only load (Unsupported global: GLOBAL getattr)"
@@ -40,16 +39,6 @@ class _Payload:
         return (pathlib.Path.touch, (self.sentinel,))
 
 
-def _forge_checksums(path: Path) -> None:
-    """Record the checksums of the files now in `path`, as a planter would: checksums
-    catch damage, not tampering, so the defences these tests check sit behind them."""
-    recorded = json.loads((path / "checksums_rank0.json").read_text())
-    for name in recorded["files"]:
-        data = (path / name).read_bytes()
-        recorded["files"][name] = {"crc32": zlib.crc32(data), "bytes": len(data)}
-    (path / "checksums_rank0.json").write_text(json.dumps(recorded))
-
-
 def _resave_dcp(state_dict: dict, path: Path) -> None:
     """Replace the DCP files of checkpoint `path` with `state_dict`, as plain DCP saves it
     (with forged checksums)."""
@@ -58,7 +47,7 @@ def _resave_dcp(state_dict: dict, path: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*assuming the intent is to save.*")
         dcp.save(state_dict, checkpoint_id=str(path), no_dist=True)
-    _forge_checksums(path)
+    rerecord_checksums(path)
 
 
 def _planted(tmp_path: Path, where: str) -> tuple[CheckpointManager, Path, Path]:
@@ -147,7 +136,7 @@ def test_the_train_state_is_loaded_weights_only(tmp_path, reader):
     sentinel = tmp_path / "pwned"
     file = path / "train_state_rank0.pt"
     torch.save({"step": 3, "evil": _Payload(sentinel)}, file)
-    _forge_checksums(path)
+    rerecord_checksums(path)
     torch.load(file, weights_only=False)  # the payload is live ...
     assert sentinel.exists()
     sentinel.unlink()

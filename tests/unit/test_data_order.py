@@ -13,6 +13,7 @@ from kempnerforge.data.errors import DataError
 from kempnerforge.data.loader import sampler_state_of
 from kempnerforge.data.mixture import MixtureSampler
 from kempnerforge.data.sampler import ORDER_VERSION, ShardedSampler
+from tests.support.checksums import rerecord_checksums
 
 RANKS = 1024
 
@@ -94,6 +95,7 @@ def test_the_cli_refuses_a_checkpoint_of_the_older_order_with_one_line(
     sampler_state = sampler_state_of(state["dataloader"])
     assert sampler_state is not None and sampler_state.pop("order_version") == ORDER_VERSION
     torch.save(state, state_file)
+    rerecord_checksums(checkpoint)
     capsys.readouterr()
 
     code = main(["train", str(config), *run, "--train.max_steps=4"])
