@@ -32,8 +32,8 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.model import build_model
-from kempnerforge.training.optimizer import build_optimizer
-from kempnerforge.training.scheduler import build_scheduler
+from kempnerforge.optim.optimizer import build_optimizer
+from kempnerforge.optim.scheduler import build_scheduler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

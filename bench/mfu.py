@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.logging import configure_logging
 from kempnerforge.distributed.runtime import (
     init_runtime,
     rank_from_env,
     teardown_runtime,
     world_size_from_env,
 )
-from kempnerforge.metrics.logging import configure_logging
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.model.transformer import flops_per_token
 from kempnerforge.training.build import build_session

@@ -33,7 +33,7 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import IMPLEMENTATIONS, OptimizerConfig
 from kempnerforge.model import build_model
-from kempnerforge.training.optimizer import build_optimizer
+from kempnerforge.optim.optimizer import build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

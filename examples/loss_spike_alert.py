@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 from kempnerforge.training.hooks import StepContext, TrainingHook
 
 logger = get_logger(__name__)

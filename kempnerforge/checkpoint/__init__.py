@@ -1,6 +1,6 @@
 """Checkpoints: atomic DCP saves (sync or async), the `latest` pointer, retention, resume, RNG.
 
-The names below load on first use, so ``import kempnerforge.checkpoint.errors`` (what the
+The names below load on first use, so ``import kempnerforge.core.errors`` (what the
 CLI needs at startup) does not import torch.
 """
 
@@ -10,12 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kempnerforge.checkpoint.errors import CheckpointError
     from kempnerforge.checkpoint.manager import CheckpointManager
     from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
+    from kempnerforge.core.errors import CheckpointError
 
 _HOMES = {
-    "CheckpointError": "kempnerforge.checkpoint.errors",
+    "CheckpointError": "kempnerforge.core.errors",
     "CheckpointManager": "kempnerforge.checkpoint.manager",
     "capture_rng_state": "kempnerforge.checkpoint.rng",
     "restore_rng_state": "kempnerforge.checkpoint.rng",

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

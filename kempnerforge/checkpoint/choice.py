@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kempnerforge.checkpoint.errors import CheckpointError, incomplete
 from kempnerforge.checkpoint.layout import (
     LATEST,
     foreign_kind,
@@ -21,7 +20,8 @@ from kempnerforge.checkpoint.layout import (
     read_latest,
     step_dirs,
 )
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import CheckpointError, incomplete
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

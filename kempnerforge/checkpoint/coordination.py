@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.failures import FAILURES
+from kempnerforge.core.errors import CheckpointError
 
 _T = TypeVar("_T")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.core.errors import CheckpointError
 
 FAILURES = (Exception, CheckpointException)
 """What a save step may raise; DCP's CheckpointException is a BaseException, not an Exception."""

@@ -42,7 +42,7 @@ from kempnerforge.checkpoint.layout import (
     load_marker,
     train_state_name,
 )
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

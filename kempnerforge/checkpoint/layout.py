@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kempnerforge.checkpoint.rng import capture_rng_state
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

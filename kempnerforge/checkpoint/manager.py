@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from kempnerforge.checkpoint.choice import Candidates, choose, list_candidates
 from kempnerforge.checkpoint.coordination import Coordinator
-from kempnerforge.checkpoint.errors import CheckpointError, incomplete
 from kempnerforge.checkpoint.integrity import checkpoint_problems, share_problems
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
@@ -39,7 +38,8 @@ from kempnerforge.checkpoint.resume import (
 )
 from kempnerforge.checkpoint.saver import CheckpointSaver, CommitCallback
 from kempnerforge.config.checkpoint import CheckpointConfig
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import CheckpointError, incomplete
+from kempnerforge.core.logging import get_logger
 
 __all__ = ["CheckpointError", "CheckpointManager"]
 

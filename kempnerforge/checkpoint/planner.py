@@ -16,7 +16,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from kempnerforge.checkpoint.errors import CheckpointError
+from kempnerforge.core.errors import CheckpointError
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

@@ -12,7 +12,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.layout import (
     LATEST,
     LEFTOVER_DIR,
@@ -25,7 +24,8 @@ from kempnerforge.checkpoint.layout import (
     warn_once,
     write_latest,
 )
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import CheckpointError
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
-from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.layout import DCP_METADATA
+from kempnerforge.core.errors import CheckpointError
 
 
 class AllowListedReader(FileSystemReader):

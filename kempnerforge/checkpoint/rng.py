@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

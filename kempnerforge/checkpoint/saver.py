@@ -48,7 +48,6 @@ from kempnerforge.checkpoint.checksums import (
     write_checksums,
 )
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
-from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.failures import FAILURES, describe_failure
 from kempnerforge.checkpoint.layout import (
     CHECKSUM_KIND,
@@ -71,7 +70,8 @@ from kempnerforge.checkpoint.publish import (
     settle,
 )
 from kempnerforge.config.checkpoint import CheckpointConfig
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import CheckpointError
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

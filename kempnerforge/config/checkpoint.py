@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kempnerforge.config.checks import MAX_STEPS, check_at_least, check_choice
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 ASYNC_MODES = ("disabled", "async")
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kempnerforge.config.errors import ConfigError, closest_name
+from kempnerforge.core.errors import ConfigError, closest_name
 
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 

@@ -11,7 +11,7 @@ from kempnerforge.config.checks import (
     check_named_paths,
     check_positive,
 )
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 MAX_NUM_WORKERS = 256
 """Most dataloader worker processes per rank: each is a forked copy of the training process,

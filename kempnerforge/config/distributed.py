@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kempnerforge.config.checks import MAX_SIZE, check_at_least, check_choice, check_positive
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
-from kempnerforge.config.errors import ConfigError, closest_name
 from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
@@ -25,6 +24,7 @@ from kempnerforge.config.vlm import (
     VLMConfig,
     resolve_vision,
 )
+from kempnerforge.core.errors import ConfigError, closest_name
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import tomli_w
 
-from kempnerforge.config.errors import ConfigError, unknown_key_error
 from kempnerforge.config.job import JobConfig
+from kempnerforge.core.errors import ConfigError, unknown_key_error
 
 _MAX_INCLUDE_DEPTH = 8
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kempnerforge.config.checks import MAX_STEPS, check_choice, check_positive
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 BACKENDS = ("tensorboard", "wandb")

@@ -12,7 +12,7 @@ from kempnerforge.config.checks import (
     check_choice,
     check_positive,
 )
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_AUX_LEVELS = ("token", "sequence")

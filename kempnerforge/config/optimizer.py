@@ -11,7 +11,7 @@ from kempnerforge.config.checks import (
     check_choice,
     check_positive,
 )
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 FUSED_OPTIMIZERS = ("adamw",)

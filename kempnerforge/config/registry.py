@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from kempnerforge.config.errors import ConfigError, closest_name
+from kempnerforge.core.errors import ConfigError, closest_name
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ from kempnerforge.config.checks import (
     check_in_range,
     check_positive,
 )
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 LOSS_NAMES = ("cross_entropy",)
 

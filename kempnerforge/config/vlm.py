@@ -22,7 +22,7 @@ from kempnerforge.config.checks import (
     check_choice,
     check_positive,
 )
-from kempnerforge.config.errors import ConfigError, closest_name
+from kempnerforge.core.errors import ConfigError, closest_name
 
 ENCODER_TYPES = ("random", "clip", "siglip")
 ADAPTER_TYPES = ("mlp", "pool")

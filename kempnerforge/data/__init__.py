@@ -1,7 +1,6 @@
 """Data: tokenizers, prepare-data, memory-mapped windows, the sharded sampler and the pipeline.
 
-The names below load on first use, so ``import kempnerforge.data.errors`` (what the CLI
-needs at startup) does not import torch or numpy.
+The names below load on first use, so importing the package does not import torch or numpy.
 """
 
 from __future__ import annotations
@@ -10,13 +9,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kempnerforge.core.errors import DataError
     from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_dir
     from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-    from kempnerforge.data.errors import DataError
     from kempnerforge.data.loader import TrainDataLoader
     from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline
-    from kempnerforge.data.prepare import prepare_data, run_prepare_data
-    from kempnerforge.data.prepare_args import add_prepare_data_arguments
+    from kempnerforge.data.prepare import prepare_data
     from kempnerforge.data.sampler import ShardedSampler
     from kempnerforge.data.token_file import read_meta
     from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -24,21 +22,19 @@ if TYPE_CHECKING:
 _HOMES = {
     "IGNORE_INDEX": "kempnerforge.data.dataset",
     "ByteTokenizer": "kempnerforge.data.tokenizer",
-    "DataError": "kempnerforge.data.errors",
+    "DataError": "kempnerforge.core.errors",
     "DataPipeline": "kempnerforge.data.pipeline",
     "HFTokenizer": "kempnerforge.data.tokenizer",
     "MemoryMappedDataset": "kempnerforge.data.dataset",
     "ShardedSampler": "kempnerforge.data.sampler",
     "Tokenizer": "kempnerforge.data.tokenizer",
     "TrainDataLoader": "kempnerforge.data.loader",
-    "add_prepare_data_arguments": "kempnerforge.data.prepare_args",
     "build_data_pipeline": "kempnerforge.data.pipeline",
     "builtin_corpus": "kempnerforge.data.builtin",
     "default_cache_dir": "kempnerforge.data.builtin",
     "load_tokenizer": "kempnerforge.data.tokenizer",
     "prepare_data": "kempnerforge.data.prepare",
     "read_meta": "kempnerforge.data.token_file",
-    "run_prepare_data": "kempnerforge.data.prepare",
     "stdlib_dir": "kempnerforge.data.builtin",
 }
 
@@ -52,14 +48,12 @@ __all__ = [
     "ShardedSampler",
     "Tokenizer",
     "TrainDataLoader",
-    "add_prepare_data_arguments",
     "build_data_pipeline",
     "builtin_corpus",
     "default_cache_dir",
     "load_tokenizer",
     "prepare_data",
     "read_meta",
-    "run_prepare_data",
     "stdlib_dir",
 ]
 

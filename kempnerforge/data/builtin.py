@@ -18,11 +18,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.prepare import write_corpus
 from kempnerforge.data.token_file import is_complete
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
 from kempnerforge.data.shards import read_parts
 from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
 from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error

@@ -32,10 +32,10 @@ from torch.utils.data import Dataset
 
 from kempnerforge.config.eval import DEFAULT_EVAL_SET
 from kempnerforge.config.vlm import VisionSpec, VLMConfig
+from kempnerforge.core.errors import DataError, DataPathError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.dataset import IGNORE_INDEX, SampleDataset
-from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

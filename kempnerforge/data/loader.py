@@ -12,9 +12,9 @@ from torch.utils.data import Dataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.mixture import MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.mixture_order import MixtureOrder
 from kempnerforge.data.sampler import ORDER_VERSION, BaseEpochSampler, check_order_version
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

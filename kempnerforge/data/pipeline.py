@@ -10,18 +10,17 @@ import torch
 from torch.utils.data import default_collate
 
 from kempnerforge.config.data import DataConfig
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
 from kempnerforge.config.vlm import VisionSpec, VLMConfig
+from kempnerforge.core.errors import ConfigError, DataError, DataPathError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset, SampleDataset
-from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.image_text import build_image_text_datasets
 from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -7,7 +7,6 @@ meta.json held it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sys
 import time
@@ -17,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.shards import (
     Shard,
     check_shard_output,
     check_unsharded_output,
-    prepared_dirs,
 )
 from kempnerforge.data.sources import (
     check_text_suffixes,
@@ -30,11 +29,9 @@ from kempnerforge.data.sources import (
     is_hf_dataset_dir,
     read_documents,
 )
-from kempnerforge.data.token_file import TokenFileWriter, check_output_dir, read_meta
-from kempnerforge.data.token_ids import check_token_ids, scan_and_record
+from kempnerforge.data.token_file import TokenFileWriter, check_output_dir
 from kempnerforge.data.tokenize_workers import ChunkEncoder
-from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.data.tokenizer import Tokenizer
 
 logger = get_logger(__name__)
 
@@ -318,71 +315,3 @@ def prepare_data(
         bos_per_document=bos_per_document,
         allow_empty=shard is not None,
     )
-
-
-def run_prepare_data(args: argparse.Namespace) -> int:
-    """Run `kempnerforge prepare-data`; DataError and ConfigError propagate to the CLI."""
-    if args.record_max_id:
-        if args.input or args.output:
-            raise DataError(
-                "--record-max-id scans directories already prepared; it takes no --input or "
-                "--output (run it on its own)"
-            )
-        return run_record_max_id(args.record_max_id)
-    if not args.input or not args.output:
-        raise DataError(
-            "prepare-data needs --input FILE_OR_DIR ... and --output DIR (or --record-max-id "
-            "DIR to record the largest id of a directory already prepared)"
-        )
-    if args.eval_output and args.eval_fraction <= 0.0:
-        raise DataError(f"--eval-output {args.eval_output} needs --eval-fraction F > 0")
-    shard = None
-    if args.shard_index is not None or args.num_shards is not None:
-        if args.shard_index is None or args.num_shards is None:
-            raise DataError(
-                "--shard-index I and --num-shards N go together: this process writes shard I "
-                "of N (0 <= I < N)"
-            )
-        shard = Shard(args.shard_index, args.num_shards)
-    output = str(Path(args.output) / shard.name) if shard else args.output
-    meta = prepare_data(
-        args.input,
-        args.output,
-        load_tokenizer(args.tokenizer),
-        text_field=args.text_field,
-        show_progress=not args.no_progress and sys.stderr.isatty(),
-        eval_fraction=args.eval_fraction,
-        eval_output_dir=args.eval_output,
-        split=args.split,
-        num_workers=args.workers,
-        bos_per_document=args.bos,
-        text_suffixes=tuple(args.text_suffix),
-        skip_non_utf8=args.skip_non_utf8,
-        shard=shard,
-    )
-    summary = (
-        f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
-        f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
-    )
-    if args.eval_fraction > 0.0:
-        eval_output = str(Path(args.eval_output) / shard.name) if shard else args.eval_output
-        held_out = read_meta(eval_output)
-        summary += (
-            f"; held out {held_out['num_tokens']:,} tokens in "
-            f"{held_out['num_documents']:,} documents into {eval_output}"
-        )
-    print(summary)
-    return 0
-
-
-def run_record_max_id(data_dirs: list[str]) -> int:
-    """Scan each prepared directory (each shard of a sharded one) once and record its largest
-    id in its meta.json, one line each; an id beyond meta.json's vocabulary is then reported
-    as opening reports it (it is recorded all the same, so every opening refuses it at once).
-    """
-    for data_dir in data_dirs:
-        for part in prepared_dirs(data_dir):
-            meta, top = scan_and_record(part)
-            print(f"{part}: recorded max_token_id {top} ({meta['num_tokens']:,} tokens scanned)")
-            check_token_ids(part, meta, None)
-    return 0

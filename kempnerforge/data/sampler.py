@@ -8,9 +8,9 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.permutation import KeyedPermutation, derive_key
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

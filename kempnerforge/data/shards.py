@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
 from kempnerforge.data.token_file import (
     MAX_ID_KEY,
     META_FILE,

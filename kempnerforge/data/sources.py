@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, cast
 
-from kempnerforge.data.errors import DataError
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import DataError
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
 from kempnerforge.data.tokenizer import Tokenizer
 
 TOKENS_FILE = "tokens.bin"

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.token_file import (
     DTYPES,
     MAX_ID_KEY,
@@ -26,7 +27,6 @@ from kempnerforge.data.token_file import (
     check_tokens_file,
     read_meta,
 )
-from kempnerforge.metrics.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, encode_to_arrays
 
 T = TypeVar("T")

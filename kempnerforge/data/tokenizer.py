@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from kempnerforge.config.errors import ConfigError
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -20,9 +20,9 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from kempnerforge.config.job import JobConfig
+from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.expert_parallel import apply_ep, expert_fsdp_mesh, set_router_groups
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.metrics.logging import get_logger
 from kempnerforge.model.moe import moe_layers
 
 logger = get_logger(__name__)

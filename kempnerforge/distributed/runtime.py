@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kempnerforge.config.distributed import DistributedConfig
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 
 @dataclass

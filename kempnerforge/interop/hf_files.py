@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
 
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError
 from kempnerforge.model.transformer import Transformer, copy_full_tensor
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf_files import (
     copy_tokenizer,
     read_hf_config,

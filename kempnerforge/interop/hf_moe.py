@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf_files import (
     HFFolderError,
     copy_tokenizer,

@@ -13,8 +13,8 @@ import math
 import os
 from typing import Any, Protocol
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.metrics import MetricsConfig
+from kempnerforge.core.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"
 """Event files go to <run_dir>/tensorboard."""

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import IO, Any
 
-from kempnerforge.metrics.logging import get_live_line, set_live_line
+from kempnerforge.core.logging import get_live_line, set_live_line
 
 BAR_REDRAW_S = 0.1  # the bar redraws at most this often (log lines always redraw it)
 _CLEAR_TO_EOL = "\x1b[K"

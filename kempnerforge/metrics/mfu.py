@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -13,9 +13,9 @@ from typing import IO, Any
 import torch
 
 from kempnerforge.config.metrics import MetricsConfig
+from kempnerforge.core.metrics_file import METRICS_FILE, jsonable, merge_row, open_append
 from kempnerforge.metrics.backends import MetricBackend, scalar_values
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
-from kempnerforge.metrics.jsonl import METRICS_FILE, jsonable, merge_row, open_append
 from kempnerforge.metrics.memory import memory_row, peak_memory_gib, reset_peak_memory
 from kempnerforge.metrics.mfu import mfu
 

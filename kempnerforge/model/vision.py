@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.registry import Registry
 from kempnerforge.config.vlm import VisionEncoderConfig, VisionSpec
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.weight_init import (
     copy_full_tensor,
     fill_parameter,

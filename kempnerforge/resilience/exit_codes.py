@@ -32,6 +32,8 @@ PREEMPTED (75, EX_TEMPFAIL from sysexits.h)
 
 from __future__ import annotations
 
+import errno
+
 FINISHED = 0
 """The run reached train.max_steps and saved its final checkpoint."""
 FAILED = 1
@@ -44,3 +46,74 @@ PREEMPTED = 75
 """Saved after a stop signal (EX_TEMPFAIL): requeue and it resumes where it stopped."""
 INTERRUPTED = 130
 """Interrupted (Ctrl-C) outside a training run, which would have saved and exited 75."""
+
+# OS errors that say something about the machine (a full disk, a missing permission),
+# reported in one line with the path; other OS errors are bugs and keep their traceback.
+MACHINE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EIO,
+    errno.ENOMEM,
+    errno.EMFILE,
+    errno.ENFILE,
+}
+
+
+def report(error: BaseException) -> tuple[int, str] | None:
+    """The exit code and the one line a command reports for ``error``; None for an error
+    that is a bug, which keeps its traceback.
+
+    User-caused problems (config, data, a held run directory) exit 2; a checkpoint that
+    cannot be saved, found or loaded, a lost peer, a machine error (a full disk, a denied
+    path) and running out of memory exit 1; non-finite losses exit 3; Ctrl-C 130.
+    """
+    from kempnerforge.core.errors import (
+        CheckpointError,
+        CollectiveFailure,
+        ConfigError,
+        DataError,
+        PeerSetupError,
+    )
+    from kempnerforge.resilience.nan import NaNAbortError
+    from kempnerforge.resilience.run_lock import RunLockError
+
+    if isinstance(error, ConfigError | DataError | RunLockError | PeerSetupError):
+        return CONFIG_ERROR, f"error: {error}"
+    if isinstance(error, CheckpointError):
+        return FAILED, f"checkpoint error: {error}"
+    if isinstance(error, CollectiveFailure):
+        return FAILED, f"error: {error}"
+    if isinstance(error, NaNAbortError):
+        return NAN_ABORT, f"stopped: {error}"
+    if isinstance(error, OSError) and error.errno in MACHINE_ERRNOS:
+        where = error.filename if error.filename is not None else "the run"
+        return FAILED, f"error: {where}: {error.strerror or error}"
+    if _is_out_of_memory(error):
+        text = str(error).strip()
+        first_line = text.splitlines()[0] if text else type(error).__name__
+        return FAILED, (
+            f"error: out of memory ({first_line}); lower train.batch_size or train.seq_len, "
+            "or use a smaller model"
+        )
+    if isinstance(error, KeyboardInterrupt):
+        return INTERRUPTED, "interrupted"
+    return None
+
+
+def code_of(error: BaseException) -> int:
+    """The exit code a command that raised ``error`` ends with (FAILED for a bug)."""
+    if isinstance(error, SystemExit) and isinstance(error.code, int):
+        return error.code
+    reported = report(error)
+    return FAILED if reported is None else reported[0]
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, MemoryError) or (
+        isinstance(error, RuntimeError)
+        and ("out of memory" in text.lower() or "can't allocate memory" in text)
+    )

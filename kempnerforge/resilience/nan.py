@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

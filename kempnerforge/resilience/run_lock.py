@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
-from kempnerforge.data.phases import PhaseState, TrainingPhase
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline, build_image_text_pipeline
 from kempnerforge.distributed.parallelize import parallelize_model
 from kempnerforge.distributed.pipeline import (
@@ -25,12 +25,13 @@ from kempnerforge.distributed.pipeline import (
 )
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
-from kempnerforge.metrics.logging import get_logger
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.model import build_model
 from kempnerforge.model.transformer import flops_per_token as model_flops_per_token
 from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
+from kempnerforge.optim.optimizer import build_optimizer
+from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.freeze import describe, freeze_for_step
@@ -38,10 +39,9 @@ from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
-from kempnerforge.training.optimizer import build_optimizer
+from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.preflight import check_model_fits
 from kempnerforge.training.profiling import build_profiler
-from kempnerforge.training.scheduler import build_scheduler
 
 logger = get_logger(__name__)
 

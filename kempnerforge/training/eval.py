@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.config.job import JobConfig
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.metrics.logging import get_logger
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.forward import select_batch_loss, training_autocast
 from kempnerforge.training.session import TrainingSession

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.vlm import FreezeSpec, FreezeStage, VLMConfig
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.parallelize import refresh_sharded_trainable
-from kempnerforge.metrics.logging import get_logger
 
 __all__ = [
     "FreezeSpec",

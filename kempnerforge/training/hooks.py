@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kempnerforge.config.errors import ConfigError, closest_name
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import ConfigError, closest_name
+from kempnerforge.core.logging import get_logger
 
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig

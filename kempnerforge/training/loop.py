@@ -19,11 +19,11 @@ import torch
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.data.phases import PhaseState
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
 from kempnerforge.model.moe import begin_router_step, finish_router_step, moe_layers
+from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.training.accumulate import accumulate, autocast, finish_step, step_tokens
 from kempnerforge.training.eval import evaluate
@@ -33,7 +33,7 @@ from kempnerforge.training.hooks import StepContext
 from kempnerforge.training.loss import TokenCrossEntropy
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import DatasetSums, dataset_metrics_row
-from kempnerforge.training.optimizer import optimizer_eval_mode
+from kempnerforge.training.phases import PhaseState
 from kempnerforge.training.phasing import advance_phases
 from kempnerforge.training.rollback import data_position, roll_back_or_stop
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession

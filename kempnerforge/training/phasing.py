@@ -3,7 +3,7 @@ and the LR scale) and a VLM's freeze stages."""
 
 from __future__ import annotations
 
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.logging import get_logger
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.session import TrainingSession

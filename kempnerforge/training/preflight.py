@@ -12,12 +12,12 @@ import os
 
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.optim.optimizer import OPTIMIZERS
+from kempnerforge.optim.scheduler import SCHEDULES
 from kempnerforge.training.hooks import hook_class
-from kempnerforge.training.optimizer import OPTIMIZERS
-from kempnerforge.training.scheduler import SCHEDULES
 
 
 def preflight(config: JobConfig) -> None:

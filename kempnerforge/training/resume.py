@@ -16,13 +16,12 @@ from typing import Any
 
 from kempnerforge.checkpoint.layout import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
-from kempnerforge.data.errors import DataError
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import ConfigError, DataError
+from kempnerforge.core.logging import get_logger
+from kempnerforge.optim.optimizer import set_optimizer_mode
 from kempnerforge.training.freeze import check_saved_freeze
 from kempnerforge.training.lr import refresh_learning_rates
-from kempnerforge.training.optimizer import set_optimizer_mode
 from kempnerforge.training.profiling import build_profiler
 from kempnerforge.training.resume_guard import check_config_changes
 from kempnerforge.training.session import TrainingSession

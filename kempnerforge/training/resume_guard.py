@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kempnerforge.config.distributed import DistributedConfig
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.loader import sampler_state_of
 from kempnerforge.data.mixture import MixtureDataset
-from kempnerforge.metrics.logging import get_logger
+from kempnerforge.optim.optimizer import set_optimizer_mode
 from kempnerforge.resilience.nan import NaNAbortError, describe_attempts
 from kempnerforge.training.lr import refresh_learning_rates
-from kempnerforge.training.optimizer import set_optimizer_mode
 from kempnerforge.training.session import TrainingSession
 from kempnerforge.training.state import restore_train_state
 

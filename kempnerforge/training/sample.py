@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.model import generate_greedy
+from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.training.forward import vlm_window_logits
-from kempnerforge.training.optimizer import optimizer_eval_mode
 from kempnerforge.training.session import TrainingSession
 
 

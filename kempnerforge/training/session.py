@@ -15,9 +15,8 @@ import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
-from kempnerforge.data.errors import DataError, unwrap_worker_error
+from kempnerforge.core.errors import DataError, unwrap_worker_error
 from kempnerforge.data.loader import stop_workers
-from kempnerforge.data.phases import PhaseState
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
@@ -25,6 +24,7 @@ from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.hooks import HookRunner
+from kempnerforge.training.phases import PhaseState
 
 
 class BatchStream:

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.config.run_config import RUN_CONFIG_FILE
+from kempnerforge.core.errors import ConfigError, PeerSetupError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.metrics.logging import get_logger
-from kempnerforge.resilience.peers import PeerSetupError
 from kempnerforge.resilience.run_lock import LOCK_NAME, RunLock
 
 logger = get_logger(__name__)

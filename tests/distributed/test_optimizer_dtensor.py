@@ -8,10 +8,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kempnerforge.training.lion import Lion
-from kempnerforge.training.muon import Muon
-from kempnerforge.training.optimizer import fused_adamw_supported
-from kempnerforge.training.schedule_free import ScheduleFreeAdamW
+from kempnerforge.optim.lion import Lion
+from kempnerforge.optim.muon import Muon
+from kempnerforge.optim.optimizer import fused_adamw_supported
+from kempnerforge.optim.schedule_free import ScheduleFreeAdamW
 from tests.support.dist import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -23,9 +23,9 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.optim.scheduler import lr_factor
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import TrainingSession, run_training_loop
-from kempnerforge.training.scheduler import lr_factor
 from tests.conftest import TINY_MODEL
 from tests.e2e.test_resume_exact import MAX_STEPS, resume_fresh, run_until_sigterm
 from tests.support.resume import (

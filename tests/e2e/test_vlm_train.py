@@ -192,7 +192,7 @@ def test_a_resume_with_a_schedule_that_rewrites_the_past_is_refused(tmp_path):
         tmp_path / "run",
         '--vlm.freeze_schedule=[{start_step=6, specs=[{module="decoder", frozen=false}]}]',
     )
-    from kempnerforge.config.errors import ConfigError
+    from kempnerforge.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"vlm\.freeze_schedule.*decoder trainable there, frozen"):
         resume_session(make_session(rewritten))

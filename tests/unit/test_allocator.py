@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from kempnerforge.allocator import (
+from kempnerforge.config.train import TrainConfig
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.launch.allocator import (
     ALLOCATOR_ENV,
     PRELOADED_ENV,
     AllocatorPlan,
@@ -20,8 +22,6 @@ from kempnerforge.allocator import (
     needs_restart,
     plan_allocator,
 )
-from kempnerforge.config.errors import ConfigError
-from kempnerforge.config.train import TrainConfig
 
 
 def real_shared_library() -> str:
@@ -93,5 +93,5 @@ def test_a_restart_happens_once(monkeypatch):
 def test_glibc_accepts_the_tuning():
     if not is_glibc():
         pytest.skip("glibc only")
-    code = "from kempnerforge.allocator import tune_glibc; assert tune_glibc()"
+    code = "from kempnerforge.launch.allocator import tune_glibc; assert tune_glibc()"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.commands.prepare_data import add_prepare_data_arguments, run_prepare_data
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data import builtin
 from kempnerforge.data.builtin import builtin_corpus
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.errors import DataError
 from kempnerforge.data.pipeline import build_data_pipeline
-from kempnerforge.data.prepare import prepare_data, run_prepare_data
-from kempnerforge.data.prepare_args import add_prepare_data_arguments
+from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from kempnerforge.training.loss import cross_entropy_sum
@@ -182,7 +181,7 @@ def test_cli_flag_and_summary(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_prepare_data_arguments(parser)
     args = parser.parse_args(["--input", str(src), "--output", str(tmp_path / "o"), "--bos"])
-    assert run_prepare_data(args) == 0
+    assert run_prepare_data(args, []) == 0
     assert "(uint16, BOS per document)" in capsys.readouterr().out
     assert _ids(tmp_path / "o")[:1] == [BOS]
 

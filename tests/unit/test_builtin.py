@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kempnerforge.config.data import DataConfig
+from kempnerforge.core.errors import DataError
 from kempnerforge.data import builtin
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_files
-from kempnerforge.data.errors import DataError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer

@@ -364,7 +364,7 @@ def test_wait_with_nothing_in_flight_commits_and_touches_nothing(tmp_path, mode)
 
 def test_importing_checkpoint_errors_does_not_import_torch():
     # The CLI imports CheckpointError at startup; torch would cost it seconds per --help.
-    code = "import kempnerforge.checkpoint.errors, sys; assert 'torch' not in sys.modules"
+    code = "import kempnerforge.core.errors, sys; assert 'torch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     code = (

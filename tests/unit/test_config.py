@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config, load_config, parse_override, save_config
 from kempnerforge.config.reference import config_reference_markdown, field_docs, section_classes
+from kempnerforge.core.errors import ConfigError
 
 
 def write(tmp_path, text: str, name: str = "job.toml") -> str:
@@ -332,7 +332,7 @@ def test_public_config_api_imports_without_torch():
     code = (
         "import sys\n"
         "from kempnerforge.config import ConfigError, JobConfig, load_config\n"
-        "from kempnerforge.config.errors import ConfigError as E\n"
+        "from kempnerforge.core.errors import ConfigError as E\n"
         "from kempnerforge.config.job import JobConfig as J\n"
         "assert (ConfigError, JobConfig) == (E, J)\n"
         "assert load_config(None) == JobConfig()\n"

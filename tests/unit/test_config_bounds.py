@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.reference import section_classes
+from kempnerforge.core.errors import ConfigError
 
 
 def _fields_of_type(kind: type) -> list[str]:

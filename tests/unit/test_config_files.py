@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 
 REPO = pathlib.Path(__file__).parents[2]
 NOT_UTF8 = b'[train]\nname = "r\xff\xfe"\n'

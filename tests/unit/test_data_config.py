@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kempnerforge.config.data import DataConfig
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kempnerforge.cli import main
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import DataError
 from kempnerforge.data.loader import sampler_state_of
 from kempnerforge.data.mixture import MixtureSampler
 from kempnerforge.data.sampler import ORDER_VERSION, ShardedSampler

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from kempnerforge.core.errors import DataError
 from kempnerforge.data import token_ids
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.errors import DataError
 from kempnerforge.data.token_file import read_meta
 from tests.support.data_files import write_token_dir
 

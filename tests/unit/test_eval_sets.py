@@ -8,15 +8,14 @@ import shutil
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.commands.eval import format_table
 from kempnerforge.config.eval import EvalConfig, EvalSetConfig
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.eval import evaluate
-from kempnerforge.training.eval_cli import format_table
 from kempnerforge.training.loop import run_training_loop
 
 

@@ -8,12 +8,12 @@ from torch import nn
 
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.vlm import FreezeSpec, FreezeStage
-from kempnerforge.data.phases import PhaseState
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.training.freeze import (
     apply_freeze,
     canonical_freeze_meta,
@@ -21,7 +21,7 @@ from kempnerforge.training.freeze import (
     effective_freeze,
     freeze_meta_at_step,
 )
-from kempnerforge.training.optimizer import build_optimizer
+from kempnerforge.training.phases import PhaseState
 
 GROUPS = ("encoder", "adapter", "decoder")
 

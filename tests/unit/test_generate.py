@@ -8,17 +8,17 @@ import shutil
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
-from kempnerforge.config.model import ModelConfig
-from kempnerforge.model import KVCache, Transformer, forward_cached, generate, generate_greedy
-from kempnerforge.model.generate import sample_token
-from kempnerforge.model.moe import MoEFeedForward, RouterStats
-from kempnerforge.training.generate_cli import (
+from kempnerforge.commands.generate import (
     VLM_REFUSAL,
     add_generate_arguments,
     data_starts_with_bos,
     run_generate,
 )
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.model import KVCache, Transformer, forward_cached, generate, generate_greedy
+from kempnerforge.model.generate import sample_token
+from kempnerforge.model.moe import MoEFeedForward, RouterStats
 
 VOCAB = 97
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.train import TrainConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.data.dataset import IGNORE_INDEX as DATA_IGNORE_INDEX
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import build_model

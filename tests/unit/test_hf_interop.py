@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf import export_hf, hf_architecture, import_hf, load_hf_into
 from kempnerforge.interop.hf_files import HFFolderError
 from kempnerforge.interop.hf_llama import export_llama, import_llama, load_llama_into
@@ -571,7 +571,7 @@ def export_args(checkpoint: str, out: Path, config: str = "") -> argparse.Namesp
 
 
 def test_export_and_import_arguments_parse():
-    from kempnerforge.interop.cli import add_export_arguments, add_import_arguments
+    from kempnerforge.commands.hf import add_export_arguments, add_import_arguments
 
     parser = argparse.ArgumentParser()
     add_export_arguments(parser)
@@ -585,9 +585,9 @@ def test_export_and_import_arguments_parse():
 
 def test_import_hf_writes_a_model_table_and_a_checkpoint_training_starts_from(tmp_path):
     from kempnerforge.checkpoint.manager import CheckpointManager
+    from kempnerforge.commands.hf import run_import
     from kempnerforge.config.checkpoint import CheckpointConfig
     from kempnerforge.config.loader import load_config
-    from kempnerforge.interop.cli import run_import
 
     cfg, _ = MOE["sigmoid-top2-shared-glm4moe"]
     model = random_model(cfg)
@@ -615,7 +615,7 @@ def test_import_hf_writes_a_model_table_and_a_checkpoint_training_starts_from(tm
 
 
 def test_import_hf_refuses_an_override_the_weights_fix(tmp_path):
-    from kempnerforge.interop.cli import run_import
+    from kempnerforge.commands.hf import run_import
 
     cfg = DENSE["untied"]
     export_hf(random_model(cfg), cfg, tmp_path / "hf")
@@ -634,8 +634,8 @@ def test_export_cli_writes_the_checkpoint_of_a_training_run(tmp_path, tiny_overr
     """Train a few steps, export the checkpoint with `kempnerforge export`'s function, and
     compare transformers' logits with our model loaded from the same checkpoint."""
     from kempnerforge.checkpoint.manager import CheckpointManager
+    from kempnerforge.commands.hf import run_export
     from kempnerforge.config.loader import save_config
-    from kempnerforge.interop.cli import run_export
     from kempnerforge.model.transformer import build_model
     from kempnerforge.training.loop import run_training_loop
     from tests.support.resume import make_session
@@ -687,9 +687,9 @@ def test_export_cli_writes_the_checkpoint_of_a_training_run(tmp_path, tiny_overr
 def test_training_starts_from_an_imported_model_as_import_hf_says(tmp_path, tiny_overrides):
     """The steps import-hf prints: include its model.toml, resume_from its step_0 with
     load_weights_only; the run's model then holds the Hugging Face weights, at step 0."""
+    from kempnerforge.commands.hf import run_import
     from kempnerforge.config.loader import load_config
     from kempnerforge.distributed.runtime import RuntimeContext
-    from kempnerforge.interop.cli import run_import
     from kempnerforge.training.build import build_session
     from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.resume import apply_resume, plan_resume

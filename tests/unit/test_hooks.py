@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.training.hooks import (
     MAX_HOOK_FAILURES,
     HookRunner,

@@ -13,8 +13,8 @@ from PIL import Image
 
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.vlm import VisionEncoderConfig, VLMConfig, resolve_vision
+from kempnerforge.core.errors import DataError, DataPathError
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.image_text import (
     ImageTextDataset,
     SyntheticImageTextDataset,

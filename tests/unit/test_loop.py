@@ -328,7 +328,7 @@ def test_resume_continues_bitwise_equal(tiny_overrides, optimizer):
 def test_checkpoint_extra_records_phase_state_and_the_resolved_config(tiny_job_config):
     from kempnerforge.config.job import JobConfig
     from kempnerforge.config.loader import build_dataclass
-    from kempnerforge.data.phases import PhaseState
+    from kempnerforge.training.phases import PhaseState
 
     extra = checkpoint_extra(tiny_job_config, 7, PhaseState())
     assert extra["step"] == 7

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
-from kempnerforge.config.errors import ConfigError
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.loader import build_train_loader, load_loader_state
 from kempnerforge.data.mixture import MixtureSampler, mixture_probabilities
 from kempnerforge.data.pipeline import build_data_pipeline

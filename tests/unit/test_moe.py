@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kempnerforge.cli import main
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.experts import grouped_swiglu, looped_swiglu
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import (
@@ -28,8 +28,8 @@ from kempnerforge.model.moe import (
     update_expert_bias,
 )
 from kempnerforge.model.transformer import Transformer, flops_per_token
+from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.training.loop import add_moe_losses
-from kempnerforge.training.optimizer import build_optimizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOCAB = 64

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.training.build import build_session

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.metrics import MetricsConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.metrics.backends import TensorBoardBackend, WandbBackend, scalar_values
 from kempnerforge.training.hooks import StepContext, TrainingHook, load_hooks
 from kempnerforge.training.loop import run_training_loop

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model import build_model
-from kempnerforge.training.lion import Lion
-from kempnerforge.training.multi_tensor import bucket, use_foreach
-from kempnerforge.training.muon import Muon, newton_schulz_orthogonalize
-from kempnerforge.training.optimizer import build_optimizer
-from kempnerforge.training.schedule_free import ScheduleFreeAdamW
+from kempnerforge.optim.lion import Lion
+from kempnerforge.optim.multi_tensor import bucket, use_foreach
+from kempnerforge.optim.muon import Muon, newton_schulz_orthogonalize
+from kempnerforge.optim.optimizer import build_optimizer
+from kempnerforge.optim.schedule_free import ScheduleFreeAdamW
 
 STEPS = 6
 RTOL, ATOL = 1e-6, 1e-7

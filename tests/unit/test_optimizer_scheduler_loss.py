@@ -7,20 +7,20 @@ import math
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.scheduler import SchedulerConfig
 from kempnerforge.config.train import TrainConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model import build_model
+from kempnerforge.optim.optimizer import build_optimizer, param_groups
+from kempnerforge.optim.scheduler import build_scheduler, lr_factor
 from kempnerforge.training.loss import (
     IGNORE_INDEX,
     TokenCrossEntropy,
     build_loss_fn,
     cross_entropy_sum,
 )
-from kempnerforge.training.optimizer import build_optimizer, param_groups
-from kempnerforge.training.scheduler import build_scheduler, lr_factor
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16, multiple_of=16)
 

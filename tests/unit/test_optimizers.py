@@ -9,21 +9,21 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.scheduler import SchedulerConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model import build_model
-from kempnerforge.training.loss import cross_entropy_sum
-from kempnerforge.training.muon import Muon, newton_schulz_orthogonalize
-from kempnerforge.training.optimizer import (
+from kempnerforge.optim.muon import Muon, newton_schulz_orthogonalize
+from kempnerforge.optim.optimizer import (
     build_optimizer,
     optimizer_eval_mode,
     set_optimizer_mode,
 )
-from kempnerforge.training.schedule_free import ScheduleFreeAdamW
-from kempnerforge.training.scheduler import build_scheduler
+from kempnerforge.optim.schedule_free import ScheduleFreeAdamW
+from kempnerforge.optim.scheduler import build_scheduler
+from kempnerforge.training.loss import cross_entropy_sum
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16, multiple_of=16)
 NAMES = ["adamw", "lion", "muon", "schedule_free_adamw"]

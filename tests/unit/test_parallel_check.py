@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from kempnerforge import parallel_check as pc
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.commands.check_parallel import main as check_parallel
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.launch import parallel_check as pc
 
 
 def test_parse_layout_defaults_unnamed_degrees_to_one():
@@ -192,7 +193,7 @@ def test_format_table_states_the_measure_and_marks_each_layout():
     ],
 )
 def test_main_refuses_bad_arguments_with_one_line_and_exit_2(argv, message, capsys):
-    assert pc.main(argv) == 2
+    assert check_parallel(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kempnerforge check-parallel: error: ") and message in err
     assert err.count("\n") == 1
@@ -202,7 +203,7 @@ def test_main_refuses_an_indivisible_batch_before_running_anything(tmp_path, cap
     config = tmp_path / "c.toml"
     config.write_text("[train]\nbatch_size = 6\n")
     argv = [str(config), "--layouts", "dp_shard=4", "--nproc", "4", "--runs-dir", str(tmp_path)]
-    assert pc.main(argv) == 2
+    assert check_parallel(argv) == 2
     err = capsys.readouterr().err
     assert "train.batch_size = 6: expected a multiple of the data-parallel degree 4" in err
     assert not (tmp_path / "reference").exists()
@@ -212,7 +213,7 @@ def test_main_refuses_a_bad_override_as_a_config_error(tmp_path, capsys):
     config = tmp_path / "c.toml"
     config.write_text("")
     argv = [str(config), "--layouts", "tp=2", "--nproc", "2", "--trian.batch_size=2"]
-    assert pc.main(argv) == 2
+    assert check_parallel(argv) == 2
     assert "trian" in capsys.readouterr().err
 
 

@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.phases import PhaseState, TrainingPhase
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.resume import resume_session
 
 PHASES = "--train.phases=[{start_step=3, lr_scale=0.5}, {start_step=5, lr_scale=0.25}]"

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from kempnerforge.config.data import DataConfig
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.data import builtin
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.data.errors import DataError, DataPathError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer

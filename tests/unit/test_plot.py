@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
-from kempnerforge.data.errors import DataError
-from kempnerforge.metrics.plot import (
-    PLOTTED,
-    add_plot_arguments,
-    plot_runs,
-    read_curves,
-    run_names,
-    run_plot,
-)
+from kempnerforge.commands.plot import add_plot_arguments, run_plot
+from kempnerforge.core.errors import ConfigError, DataError
+from kempnerforge.metrics.plot import PLOTTED, plot_runs, read_curves, run_names
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kempnerforge.commands.prepare_data import add_prepare_data_arguments, run_prepare_data
+from kempnerforge.core.errors import DataError
 from kempnerforge.data import token_file
-from kempnerforge.data.errors import DataError
-from kempnerforge.data.prepare import is_eval_document, prepare_data, run_prepare_data
-from kempnerforge.data.prepare_args import add_prepare_data_arguments
+from kempnerforge.data.prepare import is_eval_document, prepare_data
 from kempnerforge.data.token_file import dtype_name_for_vocab, read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.data_files import (
@@ -265,7 +265,7 @@ def test_cli_prints_a_one_line_summary(tmp_path, capsys):
         ["--input", str(src), "--output", str(out), "--eval-fraction", "0.3"]
         + ["--eval-output", str(held)]
     )
-    assert run_prepare_data(args) == 0
+    assert run_prepare_data(args, []) == 0
     meta, held_meta = read_meta(str(out)), read_meta(str(held))
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == [
@@ -280,7 +280,7 @@ def test_cli_uses_the_given_tokenizer_and_field(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", TEXTS, field="body")
     args = _cli(["--input", str(src), "--output", str(tmp_path / "out")])
     args.tokenizer, args.text_field = tok_path, "body"
-    run_prepare_data(args)
+    run_prepare_data(args, [])
     assert read_meta(str(tmp_path / "out"))["tokenizer"] == HFTokenizer(tok_path).identity
 
 
@@ -288,7 +288,7 @@ def test_cli_eval_output_without_fraction_is_an_error(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", TEXTS)
     args = _cli(["--input", str(src), "--output", "o", "--eval-output", str(tmp_path / "h")])
     with pytest.raises(DataError, match="needs --eval-fraction"):
-        run_prepare_data(args)
+        run_prepare_data(args, [])
 
 
 def test_progress_line_goes_to_stderr(tmp_path, capsys):
@@ -306,7 +306,7 @@ def test_an_output_that_is_a_file_is_refused_before_any_input_is_read(tmp_path):
     taken.write_text("not a directory\n")
     missing = tmp_path / "no-such-input.jsonl"  # reading inputs first would fail on this
     with pytest.raises(DataError) as info:
-        run_prepare_data(_cli(["--input", str(missing), "--output", str(taken)]))
+        run_prepare_data(_cli(["--input", str(missing), "--output", str(taken)]), [])
     assert str(info.value) == f"--output {taken} is a file, not a directory; {WHAT_TO_DO}"
     assert taken.read_text() == "not a directory\n"
 
@@ -320,7 +320,7 @@ def test_an_eval_output_that_is_a_file_is_refused(tmp_path):
         + ["--eval-output", str(taken)]
     )
     with pytest.raises(DataError) as info:
-        run_prepare_data(args)
+        run_prepare_data(args, [])
     assert str(info.value) == f"--eval-output {taken} is a file, not a directory; {WHAT_TO_DO}"
     assert not (tmp_path / "out").exists()
 

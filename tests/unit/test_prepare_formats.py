@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kempnerforge.cli import main
+from kempnerforge.core.errors import DataError
 from kempnerforge.data import sources
-from kempnerforge.data.errors import DataError
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer

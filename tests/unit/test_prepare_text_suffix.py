@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from kempnerforge.data.errors import DataError
-from kempnerforge.data.prepare import prepare_data, run_prepare_data
-from kempnerforge.data.prepare_args import add_prepare_data_arguments
+from kempnerforge.commands.prepare_data import add_prepare_data_arguments, run_prepare_data
+from kempnerforge.core.errors import DataError
+from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.sources import discover_input_files
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.data_files import prepared_documents
@@ -86,7 +86,7 @@ def test_cli_options(tmp_path, code_tree, capsys):
         ["--input", str(code_tree), "--output", str(tmp_path / "out")]
         + ["--text-suffix", ".py", "--text-suffix", ".md", "--skip-non-utf8"]
     )
-    assert run_prepare_data(args) == 0
+    assert run_prepare_data(args, []) == 0
     assert "in 5 documents" in capsys.readouterr().out
 
 

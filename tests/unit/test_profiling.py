@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.profiling import ProfilingConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.profiling import build_profiler
 from kempnerforge.training.resume import resume_session

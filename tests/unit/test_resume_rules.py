@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.optim.scheduler import lr_factor
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import FRESH_OPTIMIZER, FULL, plan_resume, resume_session
-from kempnerforge.training.scheduler import lr_factor
 from tests.support.resume import RecordLR
 
 

@@ -13,9 +13,9 @@ import torch
 from kempnerforge.cli import main
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
 from kempnerforge.config.eval import EvalSetConfig
+from kempnerforge.core.errors import DataError
 from kempnerforge.data import token_stream
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.errors import DataError
 from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.shards import Shard, shard_name

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kempnerforge.cli import main
+from kempnerforge.core.errors import DataError, unwrap_worker_error
 from kempnerforge.data import token_ids
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.errors import DataError, unwrap_worker_error
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer

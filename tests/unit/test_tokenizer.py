@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
-from kempnerforge.data.errors import DataError
+from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kempnerforge.config.metrics import MetricsConfig
-from kempnerforge.metrics.logging import configure_logging, get_live_line, get_logger
+from kempnerforge.core.logging import configure_logging, get_live_line, get_logger
 from kempnerforge.metrics.tracker import MEMORY_KEYS, METRICS_FILE, STEP_KEYS, MetricsTracker
 
 

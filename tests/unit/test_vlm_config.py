@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kempnerforge.cli import main
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 
 VLM = ["--vision_encoder.type=random", "--vlm.max_text_len=8"]
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.adapter import pool_grid
 from kempnerforge.model.head_loss import HeadLoss
 from kempnerforge.model.transformer import Transformer

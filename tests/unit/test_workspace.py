@@ -6,9 +6,9 @@ import tomllib
 
 import pytest
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.run_config import RUN_CONFIG_FILE as CONFIG_FILE
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.resilience.run_lock import RunLockError
 from kempnerforge.training.workspace import (
     CONFIG_HISTORY,

@@ -12,9 +12,9 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from kempnerforge.config.optimizer import OptimizerConfig, fused_unsupported
 from kempnerforge.config.registry import Registry
-from kempnerforge.training.lion import Lion
-from kempnerforge.training.muon import Muon
-from kempnerforge.training.schedule_free import ScheduleFreeAdamW
+from kempnerforge.optim.lion import Lion
+from kempnerforge.optim.muon import Muon
+from kempnerforge.optim.schedule_free import ScheduleFreeAdamW
 
 # Each group: "params" (tensors), "weight_decay", and "names" (the parameters' qualified
 # names, same order). Builders that hand groups to torch drop "names" with tensor_groups().

@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
+from kempnerforge.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig

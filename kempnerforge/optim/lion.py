@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kempnerforge.training.multi_tensor import bucket, use_foreach, with_grad
+from kempnerforge.optim.multi_tensor import bucket, use_foreach, with_grad
 
 
 class Lion(torch.optim.Optimizer):

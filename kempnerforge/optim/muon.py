@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
-from kempnerforge.training.multi_tensor import bucket, use_foreach, with_grad
+from kempnerforge.optim.multi_tensor import bucket, use_foreach, with_grad
 
 # Quintic Newton-Schulz coefficients: they push every singular value into a band around 1
 # in few steps, trading exact orthogonality (singular values end in about [0.68, 1.13]) for

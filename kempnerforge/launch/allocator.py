@@ -21,7 +21,7 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from kempnerforge.config.errors import ConfigError
+from kempnerforge.core.errors import ConfigError
 
 ALLOCATOR_ENV = "KEMPNERFORGE_ALLOCATOR"
 """Overrides train.allocator: auto, tcmalloc, jemalloc, glibc, system or a library path."""
@@ -208,3 +208,24 @@ def describe_allocator(plan: AllocatorPlan) -> str:
     if plan.name == "glibc":
         return f"memory allocator: glibc malloc tuned to reuse freed memory ({plan.reason})"
     return f"memory allocator: system malloc, as the process started ({plan.reason})"
+
+
+def put_allocator_in_place(
+    config_path: str, overrides: list[str], *, restart: bool
+) -> AllocatorPlan | None:
+    """Put the train.allocator of a command's config in place before torch is imported.
+
+    This may restart the command with the allocator preloaded (prepare_allocator), which
+    only a process started as the command may do (``restart``), not a caller of the CLI's
+    main() inside its own process. None when the config does not load: the command
+    reports that itself, in its own words.
+    """
+    from kempnerforge.config.loader import load_config
+
+    try:
+        configured = load_config(config_path, overrides).train.allocator
+    except (ConfigError, OSError):
+        return None
+    if restart:
+        return prepare_allocator(configured)
+    return plan_allocator(configured)

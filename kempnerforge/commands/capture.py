@@ -12,8 +12,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from kempnerforge.config.errors import ConfigError, closest_name
 from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
+from kempnerforge.core.errors import ConfigError, closest_name
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +58,8 @@ def run_capture(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from kempnerforge.checkpoint.manager import CheckpointManager
     from kempnerforge.config.loader import load_config
+    from kempnerforge.core.logging import configure_logging
     from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
-    from kempnerforge.metrics.logging import configure_logging
     from kempnerforge.model import build_model
 
     if args.batches < 1:
@@ -189,8 +189,8 @@ def capture(
 def _dataset(args: argparse.Namespace, config: Any, runtime: Any) -> Any:
     """--data opened as the job's training data would be, else the first eval set."""
     if args.data:
+        from kempnerforge.core.errors import DataError, DataPathError
         from kempnerforge.data.dataset import MemoryMappedDataset
-        from kempnerforge.data.errors import DataError, DataPathError
         from kempnerforge.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.data.tokenizer)
@@ -204,7 +204,7 @@ def _dataset(args: argparse.Namespace, config: Any, runtime: Any) -> Any:
             )
         except DataError as e:
             raise DataPathError("--data", args.data, e) from None
-    from kempnerforge.training.eval_cli import build_eval_data
+    from kempnerforge.commands.eval import build_eval_data
 
     dataset = build_eval_data(config, runtime).eval_dataset
     assert dataset is not None  # build_eval_data raises without eval data

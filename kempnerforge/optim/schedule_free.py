@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kempnerforge.training.multi_tensor import bucket, copy_all, use_foreach, with_grad
+from kempnerforge.optim.multi_tensor import bucket, copy_all, use_foreach, with_grad
 
 
 class ScheduleFreeAdamW(torch.optim.Optimizer):

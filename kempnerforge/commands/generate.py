@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_beside
+from kempnerforge.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kempnerforge.config.data import DataConfig
@@ -96,9 +96,9 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from kempnerforge.checkpoint.manager import CheckpointManager
     from kempnerforge.config.loader import load_config
+    from kempnerforge.core.logging import configure_logging, get_logger
     from kempnerforge.data.tokenizer import load_tokenizer
     from kempnerforge.distributed.runtime import resolve_device, world_size_from_env
-    from kempnerforge.metrics.logging import configure_logging, get_logger
     from kempnerforge.model import build_model, generate
     from kempnerforge.training.sample import prompt_ids
 
@@ -221,7 +221,7 @@ def data_starts_with_bos(data: DataConfig) -> bool | None:
     it: every training source prepared with --bos (its meta.json), or data.builtin_bos for
     the built-in corpus. None when a source's meta.json cannot be read. A sharded source
     reads as its shards' common metadata."""
-    from kempnerforge.data.errors import DataError
+    from kempnerforge.core.errors import DataError
     from kempnerforge.data.shards import read_parts
 
     paths = [source.path for source in data.datasets] or ([data.path] if data.path else [])

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kempnerforge.config.errors import ConfigError
 from kempnerforge.config.eval import DEFAULT_EVAL_SET
+from kempnerforge.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig
@@ -39,13 +39,16 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     """Evaluate the weights of ``args.checkpoint``; print the table, write the JSON; 0."""
+    from kempnerforge.launch.allocator import put_allocator_in_place
+
+    put_allocator_in_place(args.config, overrides, restart=getattr(args, "may_restart", False))
     # Heavy imports here, so `kempnerforge --help` stays fast.
     import torch
 
     from kempnerforge.checkpoint.manager import CheckpointManager
     from kempnerforge.config.loader import load_config
+    from kempnerforge.core.logging import configure_logging
     from kempnerforge.distributed.runtime import init_runtime, teardown_runtime, world_size_from_env
-    from kempnerforge.metrics.logging import configure_logging
     from kempnerforge.model import build_model
     from kempnerforge.model.vlm import build_vlm
     from kempnerforge.training.eval import evaluate_model
@@ -108,7 +111,7 @@ def eval_batch_of_checkpoint(config: JobConfig, checkpoint: str, extra: dict[str
     process, with a warning.
     """
     from kempnerforge.checkpoint.layout import read_marker
-    from kempnerforge.metrics.logging import get_logger
+    from kempnerforge.core.logging import get_logger
     from kempnerforge.training.eval import eval_global_batch
     from kempnerforge.training.resume_guard import global_batch
 
@@ -136,7 +139,7 @@ def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
 
     data = build_job_data(config, runtime, with_train=False)
     if not data.eval_datasets and config.is_vlm:
-        from kempnerforge.data.errors import DataError
+        from kempnerforge.core.errors import DataError
 
         raise DataError(
             "no held-out image-text pairs: set vlm.eval_data to a jsonl index (or leave "

@@ -1,0 +1,198 @@
+"""`kempnerforge prepare-data`: tokenize text into a prepared directory, or record the
+largest token id of directories prepared before.
+
+Building the parser (for `--help`) imports neither numpy nor a tokenizer: those come with
+the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kempnerforge.data.sources import SUPPORTED
+
+
+def _int_at_least(value: str, least: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value!r}")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    return _int_at_least(value, 1)
+
+
+def _non_negative_int(value: str) -> int:
+    return _int_at_least(value, 0)
+
+
+def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kempnerforge prepare-data`."""
+    # --input and --output are required unless --record-max-id is given (run_prepare_data).
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        metavar="FILE_OR_DIR",
+        help=f"{SUPPORTED}, or directories searched recursively (required)",
+    )
+    parser.add_argument("--output", metavar="DIR", help="prepared directory (required)")
+    parser.add_argument(
+        "--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json"
+    )
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        help="jsonl field / parquet or dataset column holding the document text",
+    )
+    parser.add_argument(
+        "--text-suffix",
+        action="append",
+        default=[],
+        metavar="SUFFIX",
+        help="also read files ending in SUFFIX (e.g. .py, .md; repeatable) as one document "
+        "each, like .txt",
+    )
+    parser.add_argument(
+        "--skip-non-utf8",
+        action="store_true",
+        help="leave out whole-file documents that are not UTF-8 (with a warning) instead of "
+        "stopping",
+    )
+    parser.add_argument(
+        "--split",
+        default=None,
+        help="split of a saved Hugging Face DatasetDict (default: train)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tokenizer processes (default 1); the output is the same for every N",
+    )
+    parser.add_argument(
+        "--bos",
+        action="store_true",
+        help="start every document with the tokenizer's BOS token (default: EOS only between "
+        "documents); needs a tokenizer whose BOS is not its EOS",
+    )
+    parser.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="fraction of documents held out into --eval-output (default 0: none)",
+    )
+    parser.add_argument("--eval-output", default=None, metavar="DIR", help="held-out directory")
+    parser.add_argument(
+        "--shard-index",
+        type=_non_negative_int,
+        default=None,
+        metavar="I",
+        help="write only shard I of --num-shards N: the I-th contiguous block of the input "
+        "files, into DIR/shard-I-of-N of --output (and --eval-output)",
+    )
+    parser.add_argument(
+        "--num-shards",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the number of shards of the corpus (with --shard-index); shards 0..N-1 together "
+        "hold what one unsharded run writes",
+    )
+    parser.add_argument(
+        "--record-max-id",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="instead of preparing: scan each prepared DIR (each shard of a sharded one) once "
+        "and record its largest token id in its meta.json, for directories prepared by an "
+        "older version",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run `kempnerforge prepare-data`; DataError and ConfigError propagate to the CLI."""
+    import sys
+    from pathlib import Path
+
+    from kempnerforge.core.errors import DataError
+    from kempnerforge.data.prepare import prepare_data
+    from kempnerforge.data.shards import Shard
+    from kempnerforge.data.token_file import read_meta
+    from kempnerforge.data.tokenizer import load_tokenizer
+
+    if overrides:
+        raise DataError(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.record_max_id:
+        if args.input or args.output:
+            raise DataError(
+                "--record-max-id scans directories already prepared; it takes no --input or "
+                "--output (run it on its own)"
+            )
+        return run_record_max_id(args.record_max_id)
+    if not args.input or not args.output:
+        raise DataError(
+            "prepare-data needs --input FILE_OR_DIR ... and --output DIR (or --record-max-id "
+            "DIR to record the largest id of a directory already prepared)"
+        )
+    if args.eval_output and args.eval_fraction <= 0.0:
+        raise DataError(f"--eval-output {args.eval_output} needs --eval-fraction F > 0")
+    shard = None
+    if args.shard_index is not None or args.num_shards is not None:
+        if args.shard_index is None or args.num_shards is None:
+            raise DataError(
+                "--shard-index I and --num-shards N go together: this process writes shard I "
+                "of N (0 <= I < N)"
+            )
+        shard = Shard(args.shard_index, args.num_shards)
+    output = str(Path(args.output) / shard.name) if shard else args.output
+    meta = prepare_data(
+        args.input,
+        args.output,
+        load_tokenizer(args.tokenizer),
+        text_field=args.text_field,
+        show_progress=not args.no_progress and sys.stderr.isatty(),
+        eval_fraction=args.eval_fraction,
+        eval_output_dir=args.eval_output,
+        split=args.split,
+        num_workers=args.workers,
+        bos_per_document=args.bos,
+        text_suffixes=tuple(args.text_suffix),
+        skip_non_utf8=args.skip_non_utf8,
+        shard=shard,
+    )
+    summary = (
+        f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
+        f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
+    )
+    if args.eval_fraction > 0.0:
+        eval_output = str(Path(args.eval_output) / shard.name) if shard else args.eval_output
+        held_out = read_meta(eval_output)
+        summary += (
+            f"; held out {held_out['num_tokens']:,} tokens in "
+            f"{held_out['num_documents']:,} documents into {eval_output}"
+        )
+    print(summary)
+    return 0
+
+
+def run_record_max_id(data_dirs: list[str]) -> int:
+    """Scan each prepared directory (each shard of a sharded one) once and record its largest
+    id in its meta.json, one line each; an id beyond meta.json's vocabulary is then reported
+    as opening reports it (it is recorded all the same, so every opening refuses it at once).
+    """
+    from kempnerforge.data.shards import prepared_dirs
+    from kempnerforge.data.token_ids import check_token_ids, scan_and_record
+
+    for data_dir in data_dirs:
+        for part in prepared_dirs(data_dir):
+            meta, top = scan_and_record(part)
+            print(f"{part}: recorded max_token_id {top} ({meta['num_tokens']:,} tokens scanned)")
+            check_token_ids(part, meta, None)
+    return 0

@@ -1,0 +1,186 @@
+"""`kempnerforge train`: load config -> validate -> preflight -> runtime -> directories and
+locks -> plan the resume -> build -> record the config -> resume -> loop -> exit code.
+
+Importing this module stays light (no torch), so `--help` answers at once; the run imports
+what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from kempnerforge.core.errors import CollectiveFailure
+from kempnerforge.launch.allocator import put_allocator_in_place
+from kempnerforge.resilience import exit_codes
+
+if TYPE_CHECKING:
+    from kempnerforge.launch.allocator import AllocatorPlan
+    from kempnerforge.resilience.shutdown import ShutdownHandler
+
+SECTIONS = (
+    "model",
+    "train",
+    "optimizer",
+    "scheduler",
+    "data",
+    "eval",
+    "distributed",
+    "checkpoint",
+    "metrics",
+    "profiling",
+)
+TRAIN_EPILOG = (
+    "Overrides: --section.field=value, the value read as TOML (--train.max_steps=100, "
+    "--optimizer.betas=[0.9,0.95], --train.name=run1). Sections: "
+    + ", ".join(f"[{s}]" for s in SECTIONS)
+    + ". Every field, its default and its meaning: docs/config.md "
+    "(or python -m kempnerforge.config.reference). Exit codes: 0 finished, 1 failed, "
+    "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue)."
+)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `kempnerforge train` (overrides are the unknown --section.field=...)."""
+    parser.epilog = TRAIN_EPILOG
+    parser.add_argument("config", help="path to a TOML config, e.g. configs/train/debug.toml")
+
+
+EXIT_CODE_FILE_ENV = "KEMPNERFORGE_EXIT_CODE_FILE"
+"""When set, rank 0 of `kempnerforge train` writes its exit code (one line) to this path.
+
+A launcher whose own exit code hides the ranks' (torchrun answers a stop signal with 1
+while every rank exits 75) reads it to decide whether to requeue; see scripts/slurm."""
+
+
+def _record_exit_code(code: int) -> None:
+    path = os.environ.get(EXIT_CODE_FILE_ENV)
+    if not path or os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{code}\n")
+    os.replace(tmp, path)
+
+
+def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Train ``args.config`` with ``overrides``; the exit code (also written to the exit-code
+    file). Errors propagate to the CLI, which reports them in one line."""
+    allocator = put_allocator_in_place(
+        args.config, overrides, restart=getattr(args, "may_restart", False)
+    )
+    code = exit_codes.FAILED
+    try:
+        code = _train_stopping_on_signals(args, overrides, allocator)
+        return code
+    except BaseException as error:
+        code = exit_codes.code_of(error)
+        raise
+    finally:
+        _record_exit_code(code)
+
+
+def _train_stopping_on_signals(
+    args: argparse.Namespace, overrides: list[str], allocator: AllocatorPlan | None
+) -> int:
+    from kempnerforge.resilience.shutdown import ShutdownHandler
+
+    shutdown = ShutdownHandler()
+    # Installed before anything slow, so a stop signal during the build (preparing data,
+    # a long checkpoint load) still ends in a clean requeue exit. It stays installed until
+    # the run is over; then a stopped run ignores further stop signals, so a late second
+    # signal during teardown cannot turn the requeue exit code into a kill.
+    with shutdown:
+        code = _train_under(args, overrides, shutdown, allocator)
+    if code == exit_codes.PREEMPTED:
+        _ignore_stop_signals()
+    return code
+
+
+def _train_under(
+    args: argparse.Namespace,
+    overrides: list[str],
+    shutdown: ShutdownHandler,
+    allocator: AllocatorPlan | None,
+) -> int:
+    # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.core.logging import configure_logging, get_logger
+    from kempnerforge.distributed.failure import describe_collective_failure, is_collective_failure
+    from kempnerforge.distributed.runtime import (
+        init_runtime,
+        rank_from_env,
+        teardown_runtime,
+        world_size_from_env,
+    )
+    from kempnerforge.launch.allocator import describe_allocator
+    from kempnerforge.resilience.agreement import agreed_stop
+    from kempnerforge.training.build import build_checkpointer, build_session
+    from kempnerforge.training.loop import run_training_loop
+    from kempnerforge.training.preflight import preflight
+    from kempnerforge.training.resume import apply_resume, plan_resume
+    from kempnerforge.training.sample import print_sample
+    from kempnerforge.training.workspace import rank0_workspace, record_config
+
+    started = time.time()
+    configure_logging(rank_from_env())  # before validate, which may warn
+    config = load_config(args.config, overrides)
+    config.validate(world_size_from_env())
+    preflight(config)
+    runtime = init_runtime(config.distributed, config.train.device)
+    logger = get_logger("kempnerforge.cli")
+    ended_together = False  # every rank got to a return: leave the group in step
+    try:
+        with rank0_workspace(config, runtime):
+            checkpointer = build_checkpointer(config, runtime)
+            plan = plan_resume(config, checkpointer)
+            if plan is not None and plan.step == config.train.max_steps:
+                if runtime.is_main:
+                    print(
+                        f"nothing to train: {plan.path} is already at train.max_steps = "
+                        f"{plan.step}; raise --train.max_steps to continue this run, or use "
+                        "another --train.name to start a new one"
+                    )
+                ended_together = True
+                return exit_codes.FINISHED
+            session = build_session(
+                config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown
+            )
+            if allocator is not None:  # once the data and model are known to be fine
+                logger.info(describe_allocator(allocator))
+            if agreed_stop(shutdown, runtime):  # a signal during the build
+                logger.warning(
+                    "stop requested by %s while the run was being built: exiting before the "
+                    "first step, nothing new to save",
+                    shutdown.reason,
+                )
+                session.tracker.close()
+                ended_together = True
+                return exit_codes.PREEMPTED
+            if runtime.is_main:
+                record_config(config, started)
+            with session.tracker:
+                step, tokens_seen = apply_resume(session, plan)
+                step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+            ended_together = True
+            if shutdown.requested:
+                return exit_codes.PREEMPTED
+            if runtime.is_main:
+                print(f"finished at step {step} ({tokens_seen:,} tokens); run: {config.run_dir}")
+            print_sample(session)
+            return exit_codes.FINISHED
+    except Exception as e:
+        if runtime.is_distributed and is_collective_failure(e):
+            timeout_s = config.distributed.timeout_s
+            raise CollectiveFailure(describe_collective_failure(e, runtime, timeout_s)) from e
+        raise
+    finally:
+        teardown_runtime(runtime, together=ended_together)
+
+
+def _ignore_stop_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
