@@ -28,6 +28,7 @@ from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.model import build_model
+from kempnerforge.model.transformer import Transformer
 from kempnerforge.model.transformer import flops_per_token as model_flops_per_token
 from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
 from kempnerforge.optim.optimizer import build_optimizer
@@ -77,7 +78,7 @@ def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> Checkpoint
 
 def build_sharded_on_meta(
     config: JobConfig, runtime: RuntimeContext
-) -> tuple[torch.nn.Module, list[int], list[torch.nn.Module]]:
+) -> tuple[Transformer | VisionLanguageModel, list[int], list[torch.nn.Module]]:
     """This rank's model on the meta device, parallelised: its shards' shapes, no memory.
 
     Returns the model, and with pipeline parallelism the ids and modules of this rank's
@@ -86,6 +87,7 @@ def build_sharded_on_meta(
     dc = config.distributed
     stage_ids: list[int] = []
     stage_modules: list[torch.nn.Module] = []
+    model: Transformer | VisionLanguageModel
     with torch.device("meta"):
         if dc.pp > 1:
             stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
