@@ -24,7 +24,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
-from kempnerforge.config.run_config import RUN_CONFIG_FILE
+from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkpoints
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
@@ -121,7 +121,7 @@ def open_for_inference(
         _check(config, command, source, validate)
     directory, named = locate_checkpoint(checkpoint)
     checkpointer = CheckpointManager(CheckpointConfig(), str(directory))
-    run_config = _run_config(directory)
+    run_config = run_config_of_checkpoints(directory)
     if config is None and run_config.is_file():
         config, source = load_config(str(run_config), overrides), str(run_config)
         _check(config, command, source, validate)
@@ -197,12 +197,6 @@ def locate_checkpoint(given: str) -> tuple[Path, Path | None]:
         if directory.is_dir() and ((directory / LATEST).exists() or step_dirs(directory)):
             return directory, None
     raise CheckpointError(path, f"holds no checkpoint; {CHECKPOINT_FORMS}")
-
-
-def _run_config(checkpoints: Path) -> Path:
-    """config.toml of the run whose checkpoints directory is ``checkpoints``: its parent,
-    found from the absolute path with '.' and '..' resolved, however the path was given."""
-    return Path(os.path.abspath(checkpoints)).parent / RUN_CONFIG_FILE
 
 
 def _newest_complete(checkpointer: CheckpointManager, directory: Path, skipped: list[str]) -> Path:
