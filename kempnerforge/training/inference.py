@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import torch
 
 from kempnerforge.checkpoint.choice import choose, list_candidates
@@ -234,8 +235,6 @@ def _recorded_config(
             "the TOML config of the run that saved the checkpoint",
             f"{run_config} does not exist and {checkpoint} records no config",
         )
-    import tomli_w
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, RUN_CONFIG_FILE)
         with open(path, "w") as f:
@@ -249,7 +248,7 @@ def _check(config: JobConfig, command: str, source: str, validate: bool) -> None
     (``validate``) a config whose cross-section rules fail in one process."""
     reason = unsupported(config, command)
     if reason is not None:
-        error = ConfigError("vlm", source, "a text model", reason)
+        error = ConfigError("<model family>", source, f"a model {command} takes", reason)
         error.args = (f"{source}: {reason}",)  # one line: the config and why
         raise error
     world_size = world_size_from_env()
