@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from kempnerforge.config.loader import build_dataclass
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError, read_hf_config
-from kempnerforge.interop.hf_layout import check_known_fields
+from kempnerforge.interop.hf_layout import check_known_fields, function_fields
 from kempnerforge.interop.hf_llama import (
     LLAMA_ARCHITECTURE,
     LLAMA_MODEL_TYPE,
@@ -38,6 +41,42 @@ def hf_architecture(model_cfg: ModelConfig) -> str:
     if not model_cfg.is_moe:
         return LLAMA_ARCHITECTURE
     return ARCHITECTURES[moe_model_type(model_cfg)]
+
+
+def check_exportable(
+    model_cfg: ModelConfig, recorded: dict[str, Any] | None, checkpoint: str | os.PathLike[str]
+) -> str:
+    """The Hugging Face class a checkpoint's model is exported as (hf_architecture), after
+    refusing a config whose model computes another function than the one the checkpoint
+    was trained as (``recorded``: the config it recorded; a stale config.toml, a wrong
+    override), naming the field. Cheap: call it before loading any weights."""
+    check_recorded_model(model_cfg, recorded, checkpoint)
+    return hf_architecture(model_cfg)
+
+
+def check_recorded_model(
+    model_cfg: ModelConfig, recorded: dict[str, Any] | None, checkpoint: str | os.PathLike[str]
+) -> None:
+    """Refuse ``model_cfg`` where a field that decides the weights' meaning differs from
+    the [model] the checkpoint recorded; nothing to compare when it recorded none."""
+    saved = recorded.get("model") if recorded is not None else None
+    if not isinstance(saved, dict):
+        return
+    try:
+        trained = build_dataclass(ModelConfig, saved, prefix="model.")
+    except ConfigError:
+        return  # recorded by a release with other fields: the weight load still checks shapes
+    ours, theirs = function_fields(model_cfg), function_fields(trained)
+    for field in sorted(ours.keys() | theirs.keys()):
+        if ours.get(field) != theirs.get(field):
+            name = field.split(".", 1)[1]
+            raise ConfigError(
+                field,
+                getattr(model_cfg, name),
+                f"{getattr(trained, name)!r}, the value {checkpoint} was trained with",
+                "the weights compute another model under this value; fix --config or "
+                "drop the override",
+            )
 
 
 def export_hf(

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 
-from kempnerforge.commands.eval import format_table
 from kempnerforge.config.eval import EvalConfig, EvalSetConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError, DataError
@@ -16,6 +15,7 @@ from kempnerforge.data.pipeline import build_data_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.eval import evaluate
+from kempnerforge.training.eval_checkpoint import format_table
 from kempnerforge.training.loop import run_training_loop
 
 

@@ -8,17 +8,13 @@ import shutil
 import pytest
 import torch
 
-from kempnerforge.commands.generate import (
-    VLM_REFUSAL,
-    add_generate_arguments,
-    data_starts_with_bos,
-    run_generate,
-)
+from kempnerforge.commands.generate import add_generate_arguments, run_generate
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.core.errors import ConfigError
+from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.model import KVCache, Transformer, forward_cached, generate, generate_greedy
 from kempnerforge.model.generate import sample_token
 from kempnerforge.model.moe import MoEFeedForward, RouterStats
+from kempnerforge.training.prompt import data_starts_with_bos
 
 VOCAB = 97
 
@@ -269,16 +265,19 @@ def test_generate_arguments_and_their_defaults():
     assert (args.seed, args.no_cache, args.bos, args.config) == (7, True, False, "a.toml")
 
 
-def test_a_missing_checkpoint_or_config_is_a_one_line_config_error(tmp_path):
-    with pytest.raises(ConfigError) as info:
-        run_generate(parse("--checkpoint", str(tmp_path / "nope"), "--prompt", "x"), [])
-    assert info.value.field == "--checkpoint" and "\n" not in str(info.value)
+def test_a_missing_or_incomplete_checkpoint_is_a_one_line_checkpoint_error(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(CheckpointError) as info:
+        run_generate(parse("--checkpoint", str(missing), "--prompt", "x"), [])
+    assert info.value.path == str(missing) and "does not exist" in str(info.value)
+    assert "\n" not in str(info.value)
     step = tmp_path / "checkpoints" / "step_4"
     step.mkdir(parents=True)
-    with pytest.raises(ConfigError) as info:
+    # No config.toml beside it, and no complete checkpoint to read its recorded config from.
+    with pytest.raises(CheckpointError) as info:
         run_generate(parse("--checkpoint", str(step), "--prompt", "x"), [])
-    assert info.value.field == "--config"
-    assert str(tmp_path / "config.toml") in str(info.value) and "\n" not in str(info.value)
+    assert info.value.path == str(step) and "complete.json is missing" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -297,7 +296,11 @@ def test_a_vision_language_job_is_refused(tmp_path):
     args = parse("--checkpoint", str(tmp_path), "--prompt", "x", "--config", str(config))
     with pytest.raises(ConfigError) as info:
         run_generate(args, ["--vision_encoder.type=random", "--vlm.max_text_len=8"])
-    assert str(info.value) == f"{config}: {VLM_REFUSAL}"
+    assert str(info.value) == (
+        f"{config}: kempnerforge generate takes text models, not a vision-language model "
+        "([vlm]): it continues text prompts; a vision-language model's caption sample is "
+        "printed at the end of training"
+    )
 
 
 def test_bos_follows_the_training_data(tmp_path):
@@ -379,12 +382,11 @@ def test_generate_continues_a_prompt_with_a_trained_checkpoint(tmp_path, tiny_ov
     long = run("--temperature=0", "--max-new-tokens=500", "--no-bos")
     assert long.startswith(prompt) and len(long) <= 64 + 1  # one character per byte token
 
-    # A checkpoint moved away from its run needs --config.
+    # A checkpoint moved away from its run rebuilds its model from the config it recorded,
+    # or from --config.
     moved = tmp_path / "elsewhere" / "step_4"
     shutil.copytree(step, moved)
-    with pytest.raises(ConfigError, match="--config"):
-        run(*greedy, checkpoint=str(moved))
-    capsys.readouterr()
+    assert run(*greedy, checkpoint=str(moved)) == expected_text
     args = parse("--checkpoint", str(moved), "--prompt", prompt, *greedy)
     args.config = str(run_dir / "config.toml")
     assert run_generate(args, []) == 0

@@ -1,0 +1,109 @@
+"""Evaluating a saved checkpoint outside training (`kempnerforge eval`): its eval data, the
+eval batch its run used, the report and the table printed from it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kempnerforge.checkpoint.layout import read_marker
+from kempnerforge.config.eval import DEFAULT_EVAL_SET
+from kempnerforge.config.job import JobConfig
+from kempnerforge.core.errors import DataError
+from kempnerforge.core.logging import get_logger
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.training.build import build_job_data
+from kempnerforge.training.eval import eval_global_batch, evaluate_model
+from kempnerforge.training.inference import InferenceJob
+from kempnerforge.training.resume_guard import global_batch
+
+logger = get_logger(__name__)
+
+
+def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
+    """Tokenizer and eval sets only (no training loader); a DataError when there are none."""
+    data = build_job_data(config, runtime, with_train=False)
+    if not data.eval_datasets and config.is_vlm:
+        raise DataError(
+            "no held-out image-text pairs: set vlm.eval_data to a jsonl index (or leave "
+            "vlm.data empty to use the synthetic held-out set)"
+        )
+    if not data.eval_datasets:
+        data.eval_batches(1, 1)  # raises the DataError that says how to configure eval data
+    return data
+
+
+def eval_batch_of_checkpoint(
+    config: JobConfig, checkpoint: Path, recorded: dict[str, Any] | None
+) -> int:
+    """Sequences per eval step for evaluating ``checkpoint`` in one process: eval.batch_size,
+    or when it is 0 the global batch of the run that saved the checkpoint (``recorded``,
+    its config, at the world size its marker records), so this evaluates the windows the
+    run's own eval did.
+
+    A checkpoint without a recorded config falls back to this config's global batch in one
+    process, with a warning.
+    """
+    if config.eval.batch_size:
+        return config.eval.batch_size
+    world_size = int((read_marker(checkpoint) or {}).get("world_size", 1))
+    trained = global_batch(recorded, world_size) if recorded is not None else None
+    if trained is not None:
+        return trained
+    fallback = eval_global_batch(config, 1)
+    logger.warning(
+        "%s records no config of the run that saved it: evaluating %d sequences per eval "
+        "step (this config's global batch in one process); set --eval.batch_size to the "
+        "run's global batch to evaluate the windows its eval did",
+        checkpoint,
+        fallback,
+    )
+    return fallback
+
+
+def evaluate_checkpoint(
+    job: InferenceJob, model: torch.nn.Module, data: DataPipeline
+) -> dict[str, Any]:
+    """Evaluate ``model`` (the weights of ``job``'s checkpoint) on ``data``'s eval sets,
+    over the windows the run's own eval used; the report `kempnerforge eval` writes."""
+    batch = eval_batch_of_checkpoint(job.config, job.checkpoint, job.recorded_config)
+    metrics = evaluate_model(model, data, job.config, job.runtime.device, global_batch=batch)
+    return {
+        "checkpoint": str(job.checkpoint),
+        "step": job.step,
+        "eval_steps": job.config.eval.steps,
+        "eval_batch_size": batch,
+        "metrics": metrics,
+    }
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    """``report`` as indented JSON at ``path``, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def format_table(metrics: dict[str, Any], names: list[str], *, named: bool) -> str:
+    """One row per eval set (set, tokens, loss, perplexity), plus "all" for several sets."""
+    rows: list[tuple[str, float, float, float]] = []
+    if named:
+        for name in names:
+            keys = (f"eval_tokens/{name}", f"eval_loss/{name}", f"eval_ppl/{name}")
+            rows.append((name, *(metrics[k] for k in keys)))
+    overall = (metrics["eval_tokens"], metrics["eval_loss"], metrics["eval_ppl"])
+    if not named:
+        rows.append((names[0] if names else DEFAULT_EVAL_SET, *overall))
+    elif len(rows) > 1:
+        rows.append(("all", *overall))
+    width = max(len("set"), *(len(r[0]) for r in rows))
+    lines = [f"{'set':<{width}}  {'tokens':>12}  {'loss':>10}  {'perplexity':>12}"]
+    for name, tokens, loss, ppl in rows:
+        lines.append(f"{name:<{width}}  {int(tokens):>12,}  {loss:>10.6f}  {ppl:>12.4f}")
+    return "\n".join(lines)
