@@ -6,6 +6,9 @@ VENV ?= .venv
 # The torch build to install when the venv has none. Installed first, on its own, so that
 # resolving the other dependencies never swaps in a different (e.g. multi-GB CUDA) build.
 TORCH ?= torch==2.13.0
+# Where that torch comes from; empty means PyPI. PyTorch's own index picks the build, e.g.
+# https://download.pytorch.org/whl/cpu (CPU only) or https://download.pytorch.org/whl/cu128.
+TORCH_INDEX_URL ?=
 BIN := $(VENV)/bin
 
 .PHONY: train test lint typecheck install install-dev bench clean
@@ -15,7 +18,8 @@ $(BIN)/python:
 
 # What training needs: torch and the package's own dependencies, nothing for development.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)" \
+		$(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 

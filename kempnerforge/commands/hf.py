@@ -94,7 +94,7 @@ def run_import(args: argparse.Namespace, overrides: list[str]) -> int:
     toml, step = write_imported(source, out, overrides)
     print(f"wrote {toml} and the checkpoint {step} from {source}")
     print(
-        f'train from it: include = ["{toml}"] in your config (or copy its [model] table), '
+        f'train from it: include = ["{toml.resolve()}"] in a config (or copy its [model] table), '
         f"then kempnerforge train CONFIG --checkpoint.resume_from={step} "
         "--checkpoint.load_weights_only=true"
     )

@@ -8,11 +8,13 @@ what it needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import time
 from typing import TYPE_CHECKING
 
+from kempnerforge.config.job import JobConfig  # dataclasses only: no torch
 from kempnerforge.core.errors import CollectiveFailure
 from kempnerforge.launch.allocator import put_allocator_in_place
 from kempnerforge.resilience import exit_codes
@@ -21,31 +23,27 @@ if TYPE_CHECKING:
     from kempnerforge.launch.allocator import AllocatorPlan
     from kempnerforge.resilience.shutdown import ShutdownHandler
 
-SECTIONS = (
-    "model",
-    "train",
-    "optimizer",
-    "scheduler",
-    "data",
-    "eval",
-    "distributed",
-    "checkpoint",
-    "metrics",
-    "profiling",
-)
-TRAIN_EPILOG = (
-    "Overrides: --section.field=value, the value read as TOML (--train.max_steps=100, "
-    "--optimizer.betas=[0.9,0.95], --train.name=run1). Sections: "
-    + ", ".join(f"[{s}]" for s in SECTIONS)
-    + ". Every field, its default and its meaning: docs/config.md "
-    "(or python -m kempnerforge.config.reference). Exit codes: 0 finished, 1 failed, "
-    "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue)."
-)
+
+def train_epilog() -> str:
+    """The help's closing paragraph: how overrides are written, every section of JobConfig
+    (read from it, so a new section is listed without an edit here), the reference, exit codes.
+    """
+    fields = dataclasses.fields(JobConfig)
+    always = ", ".join(f"[{f.name}]" for f in fields if f.default is not None)
+    optional = ", ".join(f"[{f.name}]" for f in fields if f.default is None)
+    return (
+        "Overrides: --section.field=value, the value read as TOML (--train.max_steps=100, "
+        "--train.name=run1, --optimizer.betas='[0.9,0.95]': quote a value with brackets, "
+        f"braces, quotes or spaces for the shell). Sections: {always}, and the optional "
+        f"{optional}. Every field, its default and its meaning: docs/config.md "
+        "(or python -m kempnerforge.config.reference). Exit codes: 0 finished, 1 failed, "
+        "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue)."
+    )
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `kempnerforge train` (overrides are the unknown --section.field=...)."""
-    parser.epilog = TRAIN_EPILOG
+    parser.epilog = train_epilog()
     parser.add_argument("config", help="path to a TOML config, e.g. configs/train/debug.toml")
 
 

@@ -35,7 +35,9 @@ class DataConfig:
     path: str = ""
     """Directory written by `kempnerforge prepare-data`; empty uses the built-in corpus."""
     eval_path: str = ""
-    """Held-out directory from prepare-data; empty uses the built-in corpus's held-out split."""
+    """Held-out directory from prepare-data (`--eval-output`). Empty: the built-in corpus's
+    held-out split when data.path and data.datasets are empty, otherwise no eval data (a job
+    with eval.interval > 0 then warns at start-up, and `kempnerforge eval` refuses)."""
     tokenizer: str = "byte"
     """'byte' (built-in byte-level tokenizer) or a path to a Hugging Face tokenizer.json."""
     cache_dir: str = ""

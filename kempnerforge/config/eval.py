@@ -11,6 +11,8 @@ from kempnerforge.config.checks import (
     check_named_paths,
     check_positive,
 )
+from kempnerforge.config.data import DataConfig
+from kempnerforge.config.vlm import VLMConfig
 
 DEFAULT_EVAL_SET = "heldout"
 """The name of the single eval set data.eval_path (or the built-in held-out split) gives."""
@@ -29,7 +31,8 @@ class EvalSetConfig:
 @dataclass
 class EvalConfig:
     interval: int = 0
-    """Evaluate every N optimizer steps; 0 disables periodic eval; at most 2**62 - 1."""
+    """Evaluate every N optimizer steps; 0 disables periodic eval; at most 2**62 - 1. A job
+    without held-out data (see data.eval_path) warns at start-up and does not evaluate."""
     steps: int = 10
     """Eval steps per evaluation and per set, each of batch_size sequences: a set is
     evaluated on its first steps * batch_size windows, the same ones every time and in
@@ -41,7 +44,8 @@ class EvalConfig:
     another number of ranks keeps); at most 2**31 - 1."""
     sets: list[EvalSetConfig] = field(default_factory=list)
     """Named held-out sets (`[[eval.sets]]` tables with name and path); empty means the one
-    set "heldout" from data.eval_path or the built-in corpus's held-out split."""
+    set "heldout" from data.eval_path, or without it the built-in corpus's held-out split
+    when data.path and data.datasets are empty (none otherwise)."""
 
     def __post_init__(self) -> None:
         check_at_least("eval.interval", self.interval, 0, MAX_STEPS)
@@ -52,3 +56,26 @@ class EvalConfig:
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+
+def missing_eval_data(data: DataConfig, eval_cfg: EvalConfig, vlm: VLMConfig | None) -> str:
+    """Why a job has no held-out data and what to set, or "" when it has some.
+
+    Decided from the config alone, as build_data_pipeline and build_image_text_datasets
+    decide it: only the built-in corpus and the synthetic image-text data bring their own.
+    """
+    if vlm is not None:
+        if vlm.data and not vlm.eval_data:
+            return (
+                "vlm.data is set and vlm.eval_data is empty; set vlm.eval_data to a jsonl "
+                "index of held-out image-text pairs"
+            )
+        return ""
+    if eval_cfg.sets or data.eval_path or not (data.path or data.datasets):
+        return ""
+    given = "data.path" if data.path else "data.datasets"
+    return (
+        f"{given} is set and data.eval_path is empty (only the built-in corpus has a "
+        "held-out split of its own); set data.eval_path to a prepare-data directory "
+        "(prepare-data --eval-fraction F --eval-output DIR writes one) or give [[eval.sets]]"
+    )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
-from kempnerforge.config.eval import EvalConfig
+from kempnerforge.config.eval import EvalConfig, missing_eval_data
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
@@ -133,6 +133,12 @@ class JobConfig:
             )
         if self.vlm is not None:
             self._validate_vlm()
+        if self.eval.enabled and (why := missing_eval_data(self.data, self.eval, self.vlm)):
+            logger.warning(
+                "eval.interval = %d but this job has no held-out data, so training skips eval: %s",
+                self.eval.interval,
+                why,
+            )
         if self.profiling.enable and self.profiling.start_step > train.max_steps:
             raise ConfigError(
                 "profiling.start_step",

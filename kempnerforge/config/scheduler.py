@@ -19,7 +19,9 @@ class SchedulerConfig:
     1 / warmup_steps of it); 0 to 2**62 - 1. Longer than train.max_steps, it is cut to
     train.max_steps with a warning, so the peak comes at the last step. Ignored by 'none'."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak (cosine, linear, rex and the WSD decay)."""
+    """Where the decay ends (cosine, linear, rex and the WSD decay), as a fraction of the peak
+    learning rate: the factor at progress 1, i.e. after the last step. Step s uses progress
+    (s - 1 - warmup) / (train.max_steps - warmup), so the last step trains just above it."""
     wsd_decay_fraction: float = 0.2
     """WSD only: fraction of the post-warmup steps spent decaying at the end of the run."""
     wsd_decay_type: str = "linear"

@@ -289,6 +289,55 @@ def test_warmup_that_fits_or_is_ignored_does_not_warn(config_warnings, overrides
     assert config_warnings == []
 
 
+NO_EVAL_DATA = "eval.interval = 50 but this job has no held-out data, so training skips eval: "
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (
+            ["--data.path=data/mine"],
+            "data.path is set and data.eval_path is empty (only the built-in corpus has a "
+            "held-out split of its own); set data.eval_path to a prepare-data directory "
+            "(prepare-data --eval-fraction F --eval-output DIR writes one) or give "
+            "[[eval.sets]]",
+        ),
+        (
+            ['--data.datasets=[{name="a", path="data/a"}]'],
+            "data.datasets is set and data.eval_path is empty (only the built-in corpus has "
+            "a held-out split of its own); set data.eval_path to a prepare-data directory "
+            "(prepare-data --eval-fraction F --eval-output DIR writes one) or give "
+            "[[eval.sets]]",
+        ),
+        (
+            ["--vision_encoder.type=random", "--vlm.max_text_len=8", "--vlm.data=pairs.jsonl"],
+            "vlm.data is set and vlm.eval_data is empty; set vlm.eval_data to a jsonl index "
+            "of held-out image-text pairs",
+        ),
+    ],
+    ids=["data_path", "mixture", "vlm_data"],
+)
+def test_eval_without_held_out_data_warns_once_naming_what_to_set(config_warnings, overrides, why):
+    load_config(None, ["--eval.interval=50", *overrides]).validate(1)
+    assert [r.getMessage() for r in config_warnings] == [NO_EVAL_DATA + why]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # the built-in corpus brings its held-out split
+        ["--data.path=data/mine", "--data.eval_path=data/mine-eval"],
+        ["--data.path=data/mine", '--eval.sets=[{name="code", path="data/code"}]'],
+        ["--data.path=data/mine", "--eval.interval=0"],
+        ["--vision_encoder.type=random", "--vlm.max_text_len=8"],  # synthetic held-out pairs
+    ],
+    ids=["builtin", "eval_path", "eval_sets", "eval_off", "vlm_synthetic"],
+)
+def test_eval_with_held_out_data_or_turned_off_does_not_warn(config_warnings, overrides):
+    load_config(None, ["--eval.interval=50", *overrides]).validate(1)
+    assert config_warnings == []
+
+
 @pytest.mark.parametrize(
     "name",
     ["run1", "123", "debug-mixture", "schedule_free", "v1.2", "_scratch", "a" * 128],
