@@ -131,14 +131,20 @@ def _log_model(summary: ModelSummary) -> None:
     )
 
 
-def _warn_if_eval_skipped(config: JobConfig) -> None:
-    """Say once, at the build, that in-loop eval cannot run in this layout."""
-    reason = layout_of(config).forward_refusal
-    if reason is not None and config.eval.enabled:
+def _warn_what_the_layout_skips(config: JobConfig) -> None:
+    """Say once, at the build, that in-loop eval and the end-of-run sample cannot run in
+    this layout, when they are on."""
+    reason, tc = layout_of(config).forward_refusal, config.train
+    skipped = []
+    if config.eval.enabled:
+        skipped.append(f"in-loop eval (eval.interval = {config.eval.interval})")
+    if tc.sample_tokens:
+        skipped.append(f"the end-of-run sample (train.sample_tokens = {tc.sample_tokens})")
+    if reason is not None and skipped:
         logger.warning(
-            "in-loop eval (eval.interval = %d) is skipped: %s; evaluate a checkpoint with "
-            "`kempnerforge eval`",
-            config.eval.interval,
+            "skipping %s: %s; evaluate or sample a checkpoint with `kempnerforge eval` or "
+            "`kempnerforge generate`",
+            " and ".join(skipped),
             reason,
         )
 
@@ -170,7 +176,7 @@ def build_session(
     family = family_of(config)
     summary = family.summarize(config, model)
     _log_model(summary)
-    _warn_if_eval_skipped(config)
+    _warn_what_the_layout_skips(config)
     if runtime.device.type == "cpu":
         logger.info(
             "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "

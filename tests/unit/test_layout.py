@@ -58,15 +58,19 @@ def test_the_pipeline_layout_keeps_only_this_ranks_stage():
     assert sorted(first.model.layers) == ["0", "1"] and sorted(last.model.layers) == ["2", "3"]
 
 
-def test_the_build_warns_once_that_a_pipelined_run_skips_in_loop_eval(caplog):
+def test_the_build_says_once_what_a_pipelined_run_skips(caplog):
     with caplog.at_level(logging.WARNING, logger="kempnerforge"):
-        build._warn_if_eval_skipped(_config(*PIPELINED, "--eval.interval=5"))
-        build._warn_if_eval_skipped(_config(*PIPELINED, "--eval.interval=0"))
-        build._warn_if_eval_skipped(_config("--eval.interval=5"))
+        build._warn_what_the_layout_skips(_config(*PIPELINED, "--eval.interval=5"))
+        build._warn_what_the_layout_skips(
+            _config(*PIPELINED, "--eval.interval=0", "--train.sample_tokens=0")
+        )
+        build._warn_what_the_layout_skips(_config("--eval.interval=5"))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "in-loop eval (eval.interval = 5) is skipped: pipeline stages (distributed.pp > 1) "
-        "have no whole-model forward; evaluate a checkpoint with `kempnerforge eval`"
+        "skipping in-loop eval (eval.interval = 5) and the end-of-run sample "
+        "(train.sample_tokens = 120): pipeline stages (distributed.pp > 1) have no "
+        "whole-model forward; evaluate or sample a checkpoint with `kempnerforge eval` or "
+        "`kempnerforge generate`"
     ]
 
 
