@@ -13,7 +13,7 @@ are any. Two routers:
   optimizer step, from the step's load summed over every data-parallel rank).
 
 Both routers compute in fp32 whatever the autocast, and both report a z-loss. The layer
-keeps its last forward's losses and counts (``last``) for add_moe_losses and the metrics;
+keeps its last forward's losses and counts (``last``) for add_router_losses and the metrics;
 it never reads a value to the host unless a capacity factor or expert parallelism needs
 the group sizes.
 """
@@ -251,7 +251,10 @@ def _expert_counts(sorted_or_not: torch.Tensor, experts: int) -> torch.Tensor:
     return (sorted_or_not[:, None] == ids).sum(0)
 
 
-# --- Per-step bookkeeping: the loop's side of the routers ------------------------------
+# --- Per-step bookkeeping: the training step's side of the routers ---------------------
+#
+# Every function below does nothing for a model without MoE layers (moe_layers is empty,
+# and found once per model), so the step bodies and the loop call them unconditionally.
 
 
 @dataclass
@@ -278,6 +281,36 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
         found = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
         model.__dict__[_LAYERS_ATTR] = found
     return found
+
+
+def add_router_losses(loss: torch.Tensor, model: nn.Module, cfg: ModelConfig) -> torch.Tensor:
+    """``loss`` plus the router terms of every MoE layer's latest forward.
+
+    moe_aux_loss_weight times the summed load-balancing losses, plus
+    moe_router_z_loss_weight times the summed z-losses. A model without MoE layers, or a
+    weight of 0, adds nothing (and no graph): ``loss`` comes back as it is.
+    """
+    stats = [layer.last for layer in moe_layers(model) if layer.last is not None]
+    if stats and cfg.moe_aux_loss_weight > 0:
+        loss = loss + cfg.moe_aux_loss_weight * torch.stack([s.aux_loss for s in stats]).sum()
+    if stats and cfg.moe_router_z_loss_weight > 0:
+        z = torch.stack([s.z_loss for s in stats]).sum()
+        loss = loss + cfg.moe_router_z_loss_weight * z
+    return loss
+
+
+def add_micro_batch_router_losses(
+    objective: torch.Tensor, model: nn.Module, cfg: ModelConfig, micro_batches: int
+) -> torch.Tensor:
+    """One micro-batch's training objective plus its share of the step's router terms.
+
+    The router terms are per-micro-batch means, so each micro-batch adds 1/micro_batches
+    of them and the step's gradient holds their mean over its micro-batches. The
+    objective of a model without MoE layers comes back untouched (not even rescaled).
+    """
+    if not moe_layers(model):
+        return objective
+    return add_router_losses(objective * micro_batches, model, cfg) / micro_batches
 
 
 def begin_router_step(model: nn.Module, step: int) -> None:

@@ -6,27 +6,18 @@ micro-batches, all data-parallel ranks) exists once.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from kempnerforge.config.model import ModelConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.model.moe import record_router_stats
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.model.moe import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.session import TrainingSession
-
-MoELosses = Callable[[torch.Tensor, torch.nn.Module, ModelConfig], torch.Tensor]
-
-
-def autocast(session: TrainingSession) -> contextlib.AbstractContextManager:
-    """bf16 autocast on the session's device when train.mixed_precision says so: the one
-    precision policy the step and eval share (training_autocast)."""
-    return training_autocast(session.config.train, session.runtime.device)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -49,12 +40,11 @@ class StepTokens:
 
 
 def step_tokens(
-    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]]
+    runtime: RuntimeContext, micro_batches: list[dict[str, torch.Tensor]]
 ) -> StepTokens:
     """Count the step's supervised tokens: on the host per rank, summed over the
     data-parallel group on the device (tensor-parallel and pipeline peers hold the same
     batches, so they are not counted again)."""
-    runtime = session.runtime
     local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     count = torch.tensor(local, dtype=torch.int64, device=runtime.device)
     group = runtime.group("dp")
@@ -103,10 +93,7 @@ MicroLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
 def accumulate(
-    session: TrainingSession,
-    micro_batches: list[dict[str, torch.Tensor]],
-    micro_loss: MicroLoss,
-    add_moe_losses: MoELosses,
+    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]], micro_loss: MicroLoss
 ) -> tuple[float, float, int]:
     """Forward and backward every micro-batch; return (mean loss, grad norm, tokens).
 
@@ -115,23 +102,22 @@ def accumulate(
     whole step (every micro-batch, every data-parallel rank), so each token weighs the
     same however the micro-batches and ranks split them. The data-parallel gradient
     reduction runs on the last micro-batch only (maybe_no_sync). Nothing is read to the
-    host until finish_step, which also clips. ``add_moe_losses`` (the loop's) adds the
-    router terms of an MoE model to each micro-batch's objective.
+    host until finish_step, which also clips. The router terms of an MoE model join each
+    micro-batch's objective, and its router statistics the step's totals (model/moe.py;
+    both do nothing for a model without MoE layers).
     """
-    tc, mc, model = session.config.train, session.config.model, session.model
-    tokens = step_tokens(session, micro_batches)
-    loss_sum = torch.zeros((), device=session.runtime.device)
+    config, model, device = session.config, session.model, session.runtime.device
+    tokens = step_tokens(session.runtime, micro_batches)
+    loss_sum = torch.zeros((), device=device)
     for micro, cpu_batch in enumerate(micro_batches):
-        batch = _to_device(cpu_batch, session.runtime.device)
+        batch = _to_device(cpu_batch, device)
         with maybe_no_sync(model, micro, len(micro_batches)):
-            with autocast(session):
+            with training_autocast(config.train, device):
                 loss = micro_loss(batch)
-            objective = loss * tokens.scale
-            if mc.is_moe:
-                # Aux terms are per-micro-batch means: average them over the micro-batches.
-                accum = tc.grad_accum_steps
-                objective = add_moe_losses(objective * accum, model, mc) / accum
-                record_router_stats(model)
+            objective = add_micro_batch_router_losses(
+                loss * tokens.scale, model, config.model, config.train.grad_accum_steps
+            )
+            record_router_stats(model)
             objective.backward()
         loss_sum += loss.detach()
     return finish_step(session, loss_sum, tokens)

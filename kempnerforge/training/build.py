@@ -14,30 +14,21 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline, build_image_text_pipeline
+from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.parallelize import parallelize_model
-from kempnerforge.distributed.pipeline import (
-    PipelineBundle,
-    build_pipeline,
-    build_stage_model,
-    stage_layer_ranges,
-    stages_of_rank,
-)
+from kempnerforge.distributed.pipeline import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.tracker import MetricsTracker
-from kempnerforge.model import build_model
-from kempnerforge.model.transformer import Transformer
-from kempnerforge.model.transformer import flops_per_token as model_flops_per_token
-from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
 from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
+from kempnerforge.training.family import FamilyModel, ModelSummary, family_of
 from kempnerforge.training.freeze import describe, freeze_for_step
-from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.hooks import HookRunner, load_hooks
+from kempnerforge.training.layout import RankModel, layout_of
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.phases import PhaseState, TrainingPhase
@@ -78,28 +69,23 @@ def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> Checkpoint
 
 def build_sharded_on_meta(
     config: JobConfig, runtime: RuntimeContext
-) -> tuple[Transformer | VisionLanguageModel, list[int], list[torch.nn.Module]]:
+) -> tuple[FamilyModel, list[int], list[torch.nn.Module]]:
     """This rank's model on the meta device, parallelised: its shards' shapes, no memory.
 
     Returns the model, and with pipeline parallelism the ids and modules of this rank's
-    stages (empty lists otherwise). A pipeline rank keeps only the layers of its stages.
+    stages (empty lists otherwise). A pipeline rank keeps only the layers of its stages
+    (the job's ModelLayout decides).
     """
-    dc = config.distributed
-    stage_ids: list[int] = []
-    stage_modules: list[torch.nn.Module] = []
-    model: Transformer | VisionLanguageModel
+    rank_model = _build_on_meta(config, runtime)
+    return rank_model.model, rank_model.stage_ids, rank_model.stage_modules
+
+
+def _build_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     with torch.device("meta"):
-        if dc.pp > 1:
-            stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
-            ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
-            model, stages = build_stage_model(config.model, stage_ids, ranges)
-            stage_modules.extend(stages)
-        elif config.is_vlm:
-            model = build_vlm(config, config.vision_spec())
-        else:
-            model = build_model(config.model)
-    parallelize_model(model, runtime, config, roots=stage_modules or None)
-    return model, stage_ids, stage_modules
+        rank_model = layout_of(config).build_on_meta(config, runtime)
+    roots = rank_model.stage_modules or None
+    parallelize_model(rank_model.model, runtime, config, roots=roots)
+    return rank_model
 
 
 def build_model_on_mesh(
@@ -115,48 +101,52 @@ def build_model_on_mesh(
     pretrained tower read from its directory by init_weights, and starts in the freeze
     state of step 0 (vlm.freeze).
     """
-    model, stage_ids, stage_modules = build_sharded_on_meta(config, runtime)
+    rank_model = _build_on_meta(config, runtime)
+    model = rank_model.model
     model.to_empty(device=runtime.device)
     torch.manual_seed(config.train.seed)  # the weights depend on the seed, not on what ran before
     model.init_weights()
-    frozen = freeze_for_step(model, config, 0)
+    frozen = freeze_for_step(model, family_of(config).freeze_schedule(config), 0)
     if frozen:
         logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
-    if config.distributed.pp == 1:
-        return model, None
-    setattr(model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
-    return model, build_pipeline(stage_modules, stage_ids, runtime, config, loss_fn)
+    return model, layout_of(config).build_schedule(rank_model, runtime, config, loss_fn)
 
 
 def build_job_data(
     config: JobConfig, runtime: RuntimeContext, *, with_train: bool = True
 ) -> DataPipeline:
-    """This rank's data: image-text pairs for a [vlm] job, token windows otherwise."""
-    tc = config.train
-    if config.is_vlm:
-        assert config.vlm is not None
-        return build_image_text_pipeline(
-            config.data,
-            config.vlm,
-            config.vision_spec(),
-            batch_size=tc.batch_size,
-            seed=tc.seed,
-            dp_rank=runtime.dp_rank,
-            dp_size=runtime.dp_size,
-            model_vocab_size=config.model.vocab_size,
-            with_train=with_train,
-        )
-    return build_data_pipeline(
-        config.data,
-        seq_len=tc.seq_len,
-        batch_size=tc.batch_size,
-        seed=tc.seed,
-        dp_rank=runtime.dp_rank,
-        dp_size=runtime.dp_size,
-        model_vocab_size=config.model.vocab_size,
-        with_train=with_train,
-        eval_sets=config.eval.sets,
+    """This rank's data, as the job's model family reads it: image-text pairs for a [vlm]
+    job, token windows otherwise."""
+    return family_of(config).build_data(config, runtime, with_train)
+
+
+def _log_model(summary: ModelSummary) -> None:
+    groups = ", ".join(f"{group} {n / 1e6:.2f}M" for group, n in summary.groups.items())
+    logger.info(
+        "model: %.2fM parameters%s, %.3g FLOPs/%s",
+        summary.num_params / 1e6,
+        f" ({groups})" if groups else "",
+        summary.flops_per_token,
+        summary.token,
     )
+
+
+def _warn_what_the_layout_skips(config: JobConfig) -> None:
+    """Say once, at the build, that in-loop eval and the end-of-run sample cannot run in
+    this layout, when they are on."""
+    reason, tc = layout_of(config).forward_refusal, config.train
+    skipped = []
+    if config.eval.enabled:
+        skipped.append(f"in-loop eval (eval.interval = {config.eval.interval})")
+    if tc.sample_tokens:
+        skipped.append(f"the end-of-run sample (train.sample_tokens = {tc.sample_tokens})")
+    if reason is not None and skipped:
+        logger.warning(
+            "skipping %s: %s; evaluate or sample a checkpoint with `kempnerforge eval` or "
+            "`kempnerforge generate`",
+            " and ".join(skipped),
+            reason,
+        )
 
 
 def build_session(
@@ -183,17 +173,10 @@ def build_session(
     data = build_job_data(config, runtime)
     loss_fn = build_loss_fn(tc)
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
-    if isinstance(model, VisionLanguageModel):
-        assert config.vlm is not None
-        flops_per_token = model.flops_per_text_token(config.vlm.max_text_len)
-        logger.info(
-            "vision-language model (%s): %s; FLOPs per text token approximate "
-            "(VisionLanguageModel.flops_per_text_token)",
-            config.vlm.arch,
-            ", ".join(f"{group} {n / 1e6:.2f}M" for group, n in model.group_sizes().items()),
-        )
-    else:
-        flops_per_token = model_flops_per_token(config.model, tc.seq_len)
+    family = family_of(config)
+    summary = family.summarize(config, model)
+    _log_model(summary)
+    _warn_what_the_layout_skips(config)
     if runtime.device.type == "cpu":
         logger.info(
             "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
@@ -201,13 +184,6 @@ def build_session(
             torch.get_num_threads(),
             config.data.num_workers,
         )
-    is_vlm = isinstance(model, VisionLanguageModel)
-    logger.info(
-        "model: %.2fM parameters, %.3g FLOPs/%stoken",
-        (model.num_params() if is_vlm else config.model.num_params()) / 1e6,
-        flops_per_token,
-        "text " if is_vlm else "",
-    )
     optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
     peak = peak_flops_per_sec(runtime.device, tc.precision_on(runtime.device.type))
@@ -216,7 +192,7 @@ def build_session(
         config.run_dir,
         max_steps=tc.max_steps,
         rank=runtime.rank,
-        flops_per_token=flops_per_token,
+        flops_per_token=summary.flops_per_token,
         # Tokens are counted over all ranks, so the peak must cover all their devices.
         peak_flops_per_sec=peak * runtime.world_size if peak else None,
         device=runtime.device,
@@ -238,7 +214,7 @@ def build_session(
         data=data,
         phases=PhaseState(
             [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases],
-            freeze_stages=config.vlm.freeze_schedule if config.vlm is not None else None,
+            freeze_stages=list(family.freeze_schedule(config).stages),
         ),
         checkpointer=checkpointer or build_checkpointer(config, runtime),
         tracker=tracker,

@@ -8,14 +8,12 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.config.job import JobConfig
-from kempnerforge.core.logging import get_logger
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
-from kempnerforge.training.forward import select_batch_loss, training_autocast
-from kempnerforge.training.session import TrainingSession
-
-logger = get_logger(__name__)
+from kempnerforge.training.family import family_of
+from kempnerforge.training.forward import training_autocast
 
 # exp() of a diverged loss overflows a float; report perplexity as inf past this.
 _MAX_LOG_PPL = 700.0
@@ -34,34 +32,25 @@ def eval_global_batch(config: JobConfig, dp_size: int) -> int:
     return config.eval.batch_size or tc.batch_size * tc.grad_accum_steps * dp_size
 
 
-def evaluate(session: TrainingSession) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, data: DataPipeline, config: JobConfig, runtime: RuntimeContext
+) -> dict[str, float]:
     """Token-weighted mean cross-entropy over the first eval.steps global eval batches of
     each set.
 
-    See evaluate_model; this is it for the session's model, data, device, data-parallel
-    group and global batch. A pipelined model has no whole-model forward on one rank: eval
-    is skipped there, with a warning at the first eval step.
+    See evaluate_model; this is it for this rank's device, data-parallel group and the
+    run's global eval batch (eval_global_batch). The model must be whole on the rank
+    (possibly sharded): a pipelined run has no such forward, so the loop does not call
+    this there (ModelLayout.forward_refusal).
     """
-    if session.pipeline is not None:
-        if not _warned_pipeline:
-            _warned_pipeline.append(True)
-            logger.warning(
-                "eval is skipped with distributed.pp > 1 (pipeline stages have no "
-                "whole-model forward); evaluate a checkpoint with `kempnerforge eval`"
-            )
-        return {}
-    runtime, config = session.runtime, session.config
     return evaluate_model(
-        session.model,
-        session.data,
+        model,
+        data,
         config,
         runtime.device,
         group=runtime.group("dp"),
         global_batch=eval_global_batch(config, runtime.dp_size),
     )
-
-
-_warned_pipeline: list[bool] = []
 
 
 @torch.no_grad()
@@ -98,7 +87,7 @@ def evaluate_model(
         )
     if not data.eval_datasets:
         return {}
-    batch_loss = select_batch_loss(config)
+    batch_loss = family_of(config).batch_loss(config)
     spec = HeadLossSpec(config.train.loss_chunk_tokens, z_loss_weight=0.0)
     was_training = model.training
     model.eval()

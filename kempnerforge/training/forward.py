@@ -1,9 +1,9 @@
-"""The model family's forward outside the training step: the summed loss of one batch for
+"""The model families' forwards outside the training step: the summed loss of one batch for
 eval, the logits of a token window for the end-of-run sample, and the training's autocast.
 
-Chosen once per job by select_batch_loss / select_window_logits, beside the loop's
-select_step_fn, so eval and sampling of a vision-language model run its own forward
-(images and text) instead of a text-only call.
+Each family names its own (ModelFamily.batch_loss and .sample, training/family.py), so
+eval and sampling of a vision-language model run its own forward (images and text)
+instead of a text-only call.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec
@@ -61,13 +60,6 @@ def vlm_batch_loss(
     if spec.chunk_tokens > 0:
         return model(pixels, input_ids, labels=labels, loss_spec=spec).loss_sum
     return cross_entropy_sum(model(pixels, input_ids), labels)
-
-
-def select_batch_loss(config: JobConfig) -> BatchLoss:
-    """The eval forward of this job's model family."""
-    if config.is_vlm:
-        return vlm_batch_loss
-    return text_batch_loss_fn(config.data.document_masking)
 
 
 WindowLogits = Callable[[torch.Tensor], torch.Tensor]

@@ -1,9 +1,11 @@
-"""Freeze schedules of a vision-language model: which module groups train at which step.
+"""Freeze schedules: which module groups of a model train at which step.
 
-A group ('encoder', 'adapter', 'decoder', 'cross_attention') is every parameter under the
-VLM's submodule of that name. ``vlm.freeze`` is the state at step 0 and each
-``vlm.freeze_schedule`` stage overrides the groups it names from its start_step on; the
-state at any step is a pure function of the config (``effective_freeze``), so a resumed run
+A model family names its freeze groups and schedule (``ModelFamily.freeze_schedule``):
+a vision-language model's groups ('encoder', 'adapter', 'decoder', 'cross_attention') are
+every parameter under its submodule of that name, ``vlm.freeze`` is the state at step 0
+and each ``vlm.freeze_schedule`` stage overrides the groups it names from its start_step
+on; a text model has no groups, so every function here leaves it as it is. The state at
+any step is a pure function of the schedule (``effective_freeze``), so a resumed run
 recomputes it instead of trusting what it finds.
 
 The optimizer knows every parameter from the start, frozen or not (training/optimizer.py):
@@ -17,16 +19,18 @@ unfrozen (the load reads what is there: checkpoint/resume.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kempnerforge.config.job import JobConfig
-from kempnerforge.config.vlm import FreezeSpec, FreezeStage, VLMConfig
+from kempnerforge.config.vlm import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.parallelize import refresh_sharded_trainable
 
 __all__ = [
+    "NO_FREEZE",
+    "FreezeSchedule",
     "FreezeSpec",
     "FreezeStage",
     "apply_freeze",
@@ -35,7 +39,6 @@ __all__ = [
     "describe",
     "effective_freeze",
     "freeze_for_step",
-    "freeze_meta_at_step",
     "group_parameters",
 ]
 
@@ -69,16 +72,30 @@ def canonical_freeze_meta(state: FreezeState) -> list[dict[str, object]]:
     return [{"module": name, "frozen": state[name]} for name in sorted(state)]
 
 
-def freeze_meta_at_step(config: JobConfig, step: int) -> list[dict[str, object]] | None:
-    """checkpoint_extra's ``vlm_freeze``: the state after the last transition at or before
-    ``step``; None for a text-only job."""
-    if config.vlm is None:
-        return None
-    return canonical_freeze_meta(_state(config.vlm, step))
+@dataclass(frozen=True)
+class FreezeSchedule:
+    """A model's freeze groups, their state at step 0 and the stages that change it.
+
+    ``config_field`` names the config field of the stages, for error messages. No groups
+    (NO_FREEZE, a text model's) means nothing is ever frozen.
+    """
+
+    groups: tuple[str, ...] = ()
+    base: tuple[FreezeSpec, ...] = ()
+    stages: tuple[FreezeStage, ...] = ()
+    config_field: str = ""
+
+    def state_at(self, step: int) -> FreezeState:
+        """The freeze state in force after optimizer step ``step`` (effective_freeze)."""
+        return effective_freeze(step, self.base, self.stages, self.groups)
+
+    def meta_at(self, step: int) -> list[dict[str, object]]:
+        """The state at ``step`` as a checkpoint records it (``vlm_freeze``)."""
+        return canonical_freeze_meta(self.state_at(step))
 
 
-def _state(vlm: VLMConfig, step: int) -> FreezeState:
-    return effective_freeze(step, vlm.freeze, vlm.freeze_schedule, vlm.freeze_groups)
+NO_FREEZE = FreezeSchedule()
+"""The schedule of a model without freeze groups."""
 
 
 def group_parameters(model: torch.nn.Module, group: str) -> list[tuple[str, torch.nn.Parameter]]:
@@ -121,14 +138,12 @@ def apply_freeze(
 
 def freeze_for_step(
     model: torch.nn.Module,
-    config: JobConfig,
+    schedule: FreezeSchedule,
     step: int,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, int]:
-    """Put the model in the freeze state of ``step`` (see apply_freeze); {} for text jobs."""
-    if config.vlm is None:
-        return {}
-    return apply_freeze(model, _state(config.vlm, step), optimizer)
+    """Put the model in the freeze state of ``step`` (see apply_freeze); {} without groups."""
+    return apply_freeze(model, schedule.state_at(step), optimizer)
 
 
 def describe(state_changes: dict[str, int]) -> str:
@@ -147,16 +162,16 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def check_saved_freeze(saved: object, config: JobConfig, step: int, where: str) -> None:
+def check_saved_freeze(saved: object, schedule: FreezeSchedule, step: int, where: str) -> None:
     """Refuse a resume whose freeze state at ``step`` differs from the checkpoint's.
 
     ``saved`` is the checkpoint's vlm_freeze; a changed schedule is fine as long as it
     agrees with the past up to ``step`` (only later stages differ). Groups that only one
-    side has (another arch) are not compared.
+    side has (another arch, or a model without groups) are not compared.
     """
-    if config.vlm is None or saved is None:
+    if saved is None:
         return
-    expected = _state(config.vlm, step)
+    expected = schedule.state_at(step)
     try:
         recorded = {str(m["module"]): bool(m["frozen"]) for m in saved}  # type: ignore[union-attr]
     except (TypeError, KeyError):
@@ -169,8 +184,8 @@ def check_saved_freeze(saved: object, config: JobConfig, step: int, where: str) 
             for g in differing
         )
         raise ConfigError(
-            "vlm.freeze_schedule",
-            [s.start_step for s in config.vlm.freeze_schedule],
+            schedule.config_field,
+            [s.start_step for s in schedule.stages],
             f"a freeze schedule that agrees with {where} at its step {step}",
             f"{details}; change only stages after step {step}",
         )

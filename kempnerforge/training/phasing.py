@@ -4,6 +4,7 @@ and the LR scale) and a VLM's freeze stages."""
 from __future__ import annotations
 
 from kempnerforge.core.logging import get_logger
+from kempnerforge.training.family import family_of
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.session import TrainingSession
@@ -45,7 +46,8 @@ def _advance_freeze(session: TrainingSession, step: int) -> None:
     if not fired:
         return
     session.checkpointer.wait()
-    changes = freeze_for_step(session.model, session.config, step, session.optimizer)
+    schedule = family_of(session.config).freeze_schedule(session.config)
+    changes = freeze_for_step(session.model, schedule, step, session.optimizer)
     for stage in fired:
         logger.info("freeze stage of step %d: %s", stage.start_step, describe(changes))
         session.tracker.log_event(

@@ -59,6 +59,9 @@ def check_model_fits(config: ModelConfig, device: torch.device, shards: int = 1)
     if device.type == "cuda":
         needed //= shards
     if needed > available:
+        # The fields that set the size and are in use (num_experts: an MoE model's).
+        sizes = [n for n in ("dim", "n_layers", "vocab_size", "num_experts") if getattr(config, n)]
+        knobs = [f"model.{n}" for n in sizes]
         raise ConfigError(
             "model.dim",
             config.dim,
@@ -66,6 +69,5 @@ def check_model_fits(config: ModelConfig, device: torch.device, shards: int = 1)
             f"gradients, optimizer moments) fit this {device.type} device's "
             f"{available / 2**30:.1f} GiB",
             f"this config builds {num_params:.3g} parameters, {needed / 2**30:.1f} GiB; "
-            "lower model.dim, model.n_layers or model.vocab_size"
-            + (" (or model.num_experts)" if config.is_moe else ""),
+            f"lower {', '.join(knobs[:-1])} or {knobs[-1]}",
         )

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kempnerforge.checkpoint.layout import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.optim.optimizer import set_optimizer_mode
+from kempnerforge.training.family import family_of
 from kempnerforge.training.freeze import check_saved_freeze
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.profiling import build_profiler
@@ -104,7 +107,8 @@ def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePla
         world_size=checkpointer.world_size,
     ):
         mode = FRESH_OPTIMIZER
-    check_saved_freeze(extra.get("vlm_freeze"), config, step, path)
+    schedule = family_of(config).freeze_schedule(config)
+    check_saved_freeze(extra.get("vlm_freeze"), schedule, step, path)
     max_steps = config.train.max_steps
     if step > max_steps:
         raise ConfigError(
@@ -117,10 +121,9 @@ def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePla
     return ResumePlan(path, mode, step)
 
 
-def _config_hyperparameters(session: TrainingSession) -> list[dict[str, Any]]:
+def _config_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [
-        {k: group[k] for k in CONFIG_GROUP_KEYS if k in group}
-        for group in session.optimizer.param_groups
+        {k: group[k] for k in CONFIG_GROUP_KEYS if k in group} for group in optimizer.param_groups
     ]
 
 
@@ -139,7 +142,7 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
         session.tracker.log_event(0, "load_weights", path=plan.path)
         logger.info("initialised the model from %s (weights only); starting at step 0", plan.path)
         return 0, 0
-    configured = _config_hyperparameters(session)
+    configured = _config_hyperparameters(session.optimizer)
     if plan.mode == FULL:
         state = checkpointer.load(
             plan.path, model=model, optimizer=session.optimizer, scheduler=session.scheduler

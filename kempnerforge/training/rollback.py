@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.loader import sampler_state_of
 from kempnerforge.data.mixture import MixtureDataset
+from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.optim.optimizer import set_optimizer_mode
 from kempnerforge.resilience.nan import NaNAbortError, describe_attempts
 from kempnerforge.training.lr import refresh_learning_rates
@@ -16,21 +18,20 @@ logger = get_logger(__name__)
 _SHOWN_WINDOWS = 8
 
 
-def data_position(session: TrainingSession) -> str:
+def data_position(data: DataPipeline, train: TrainConfig) -> str:
     """Where the batches of the step just taken came from: epoch and dataset windows.
 
     Read from the loader's own state (exact also with worker processes, which prefetch
     ahead of the sampler). A window w of a prepared directory holds its tokens
     ``[w * seq_len, w * seq_len + seq_len]``. Empty when the loader keeps no position.
     """
-    data, tc = session.data, session.config.train
     if data.dataloader is None or data.sampler is None or data.dataset is None:
         return ""
     sampler_state = sampler_state_of(data.dataloader.state_dict())
     if not sampler_state:
         return ""
     epoch, end = int(sampler_state["epoch"]), int(sampler_state["yielded"])
-    start = max(end - tc.batch_size * tc.grad_accum_steps, 0)
+    start = max(end - train.batch_size * train.grad_accum_steps, 0)
     indices = data.sampler.rank_indices(epoch, start, end)
     by_source: dict[str, list[int]] = {}
     dataset = data.dataset

@@ -16,6 +16,7 @@ import torch
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import DataError, unwrap_worker_error
+from kempnerforge.core.logging import get_logger
 from kempnerforge.data.loader import stop_workers
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline import PipelineBundle
@@ -25,6 +26,8 @@ from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.training.hooks import HookRunner
 from kempnerforge.training.phases import PhaseState
+
+logger = get_logger(__name__)
 
 
 class BatchStream:
@@ -134,7 +137,14 @@ class StepResult:
 
 @dataclass
 class TrainingSession:
-    """Everything one training run needs after the build phase."""
+    """Everything one training run needs after the build phase.
+
+    ``eval_dataloader`` is kept for code that constructs a session by the published
+    fields, and is not read: eval draws the data pipeline's eval sets
+    (``data.eval_batches``), whose windows eval.steps and the global eval batch fix in
+    every layout and across a resume, which a loader handed in could not promise. A
+    session given one says so once, when it is made.
+    """
 
     config: JobConfig
     runtime: RuntimeContext
@@ -153,6 +163,13 @@ class TrainingSession:
     pipeline: PipelineBundle | None = None
     eval_dataloader: Any | None = None
     profiler: Any | None = None
+
+    def __post_init__(self) -> None:
+        if self.eval_dataloader is not None:
+            logger.warning(
+                "TrainingSession.eval_dataloader is not read: eval uses the data pipeline's "
+                "eval sets ([[eval.sets]], data.eval_path or the built-in held-out split)"
+            )
 
     @property
     def batches(self) -> BatchStream:

@@ -5,20 +5,29 @@ from __future__ import annotations
 from typing import Any
 
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.resilience.nan import NaNDetector
+from kempnerforge.training.family import family_of
 from kempnerforge.training.freeze import freeze_for_step
 from kempnerforge.training.session import TrainingSession
 
 
 def capture_train_state(
-    session: TrainingSession, step: int, tokens_seen: int, extra: dict[str, Any]
+    data: DataPipeline,
+    nan_detector: NaNDetector,
+    step: int,
+    tokens_seen: int,
+    extra: dict[str, Any],
 ) -> dict[str, Any]:
-    """Everything besides weights and optimizer that a resume needs to continue exactly."""
+    """Everything besides weights and optimizer that a resume needs to continue exactly:
+    the data position, the RNG, the NaN detector's counters and ``extra``
+    (checkpoint_extra)."""
     return {
         "step": step,
         "tokens_seen": tokens_seen,
-        "dataloader": session.data.state_dict(),
+        "dataloader": data.state_dict(),
         "rng": capture_rng_state(),
-        "nan_detector": session.nan_detector.state_dict(),
+        "nan_detector": nan_detector.state_dict(),
         "extra": extra,
     }
 
@@ -44,7 +53,8 @@ def restore_train_state(
     step = int(state["step"])
     # The freeze state is the config's at this step, whatever the model held before; the
     # loaded optimizer state already matches it (a frozen parameter has none saved).
-    freeze_for_step(session.model, session.config, step)
+    config = session.config
+    freeze_for_step(session.model, family_of(config).freeze_schedule(config), step)
     session.phases.skip_freeze_to(step)
     restore_rng_state(state["rng"])
     return step, int(state["tokens_seen"])

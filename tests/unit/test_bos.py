@@ -216,7 +216,7 @@ def test_builtin_bos_with_a_tokenizer_without_bos_is_a_config_error(tiny_stdlib,
 
 
 def test_training_on_bos_data_samples_from_a_bos_prompt(tmp_path, tiny_overrides, monkeypatch):
-    from kempnerforge.training import sample
+    from kempnerforge.training import family, sample
     from kempnerforge.training.loop import run_training_loop
     from tests.support.resume import make_session
 
@@ -230,13 +230,13 @@ def test_training_on_bos_data_samples_from_a_bos_prompt(tmp_path, tiny_overrides
     with session.tracker:
         run_training_loop(session)
     prompts = []
-    real = sample.generate_greedy
+    real = family.generate_greedy
 
     def spy(model, ids, **kwargs):
         prompts.append(list(ids))
         return real(model, ids, **kwargs)
 
-    monkeypatch.setattr(sample, "generate_greedy", spy)
+    monkeypatch.setattr(family, "generate_greedy", spy)
     text = sample.sample_text(session)
     assert prompts == [[BOS, *b"def"]]
     assert text is not None and text.startswith("def")

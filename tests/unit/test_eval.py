@@ -36,7 +36,7 @@ def test_eval_computes_in_the_training_steps_precision(tiny_overrides, token_dir
     )
     config.validate(1)
     session = build_session(config, RuntimeContext())
-    metrics = evaluate(session)
+    metrics = evaluate(session.model, session.data, session.config, session.runtime)
     result = session.step_fn(session, 1)
     assert metrics["eval_tokens"] > 0
     assert metrics["eval_loss"] == pytest.approx(result.loss, abs=1e-7)

@@ -16,7 +16,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.eval_checkpoint import format_table
-from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.loop import TrainingSession, run_training_loop
 
 
 def two_sets(token_dirs) -> list[str]:
@@ -148,9 +148,13 @@ def test_the_default_set_is_named_heldout(tiny_job_config):
 # --- evaluate ----------------------------------------------------------------------------
 
 
+def _evaluate(session: TrainingSession) -> dict[str, float]:
+    return evaluate(session.model, session.data, session.config, session.runtime)
+
+
 def test_evaluate_reports_each_set_and_the_token_weighted_overall(tiny_overrides, token_dirs):
     session = session_with_sets([*tiny_overrides, *two_sets(token_dirs)])
-    metrics = evaluate(session)
+    metrics = _evaluate(session)
     for name in ("eval", "train"):
         for key in ("eval_loss", "eval_ppl", "eval_tokens"):
             assert f"{key}/{name}" in metrics
@@ -160,7 +164,7 @@ def test_evaluate_reports_each_set_and_the_token_weighted_overall(tiny_overrides
     weighted = sum(metrics[f"eval_loss/{n}"] * t for n, t in tokens.items()) / sum(tokens.values())
     assert metrics["eval_loss"] == pytest.approx(weighted, rel=1e-12)
     assert metrics["eval_loss/eval"] != metrics["eval_loss/train"]
-    assert evaluate(session) == metrics  # deterministic
+    assert _evaluate(session) == metrics  # deterministic
     table = format_table(metrics, ["eval", "train"], named=True)
     assert [line.split()[0] for line in table.splitlines()] == ["set", "eval", "train", "all"]
 
@@ -169,15 +173,15 @@ def test_the_default_single_set_keeps_the_old_keys(tiny_overrides, token_dirs):
     config = load_config(None, [*tiny_overrides, "--eval.steps=2"])
     config.validate(1)
     session = build_session(config, RuntimeContext())
-    metrics = evaluate(session)
+    metrics = _evaluate(session)
     assert set(metrics) == {"eval_loss", "eval_ppl", "eval_tokens"}
-    assert evaluate(session) == metrics
+    assert _evaluate(session) == metrics
     # The same data as a named set gives the same numbers, now with the per-set keys too.
     named = session_with_sets(
         [*tiny_overrides, f'--eval.sets=[{{name = "h", path = "{token_dirs[1]}"}}]']
     )
     named.model.load_state_dict(session.model.state_dict())
-    got = evaluate(named)
+    got = _evaluate(named)
     assert got["eval_loss/h"] == metrics["eval_loss"] == got["eval_loss"]
     assert format_table(metrics, ["heldout"], named=False).splitlines()[1].split()[0] == "heldout"
 
@@ -186,4 +190,4 @@ def test_evaluate_refuses_data_built_without_the_configured_sets(tiny_overrides,
     session = session_with_sets([*tiny_overrides, *two_sets(token_dirs)])
     session.data.eval_datasets.pop("train")
     with pytest.raises(RuntimeError, match="eval_sets=config.eval.sets"):
-        evaluate(session)
+        _evaluate(session)

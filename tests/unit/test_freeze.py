@@ -14,13 +14,15 @@ from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.vlm import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.optim.optimizer import build_optimizer
+from kempnerforge.training.family import family_of
 from kempnerforge.training.freeze import (
+    FreezeSchedule,
     apply_freeze,
     canonical_freeze_meta,
     check_saved_freeze,
     effective_freeze,
-    freeze_meta_at_step,
 )
+from kempnerforge.training.loop import checkpoint_extra
 from kempnerforge.training.phases import PhaseState
 
 GROUPS = ("encoder", "adapter", "decoder")
@@ -50,6 +52,10 @@ def _vlm_config(*extra: str) -> JobConfig:
     return load_config(None, ["--vision_encoder.type=random", "--vlm.max_text_len=8", *extra])
 
 
+def _schedule(config: JobConfig) -> FreezeSchedule:
+    return family_of(config).freeze_schedule(config)
+
+
 def test_effective_freeze_applies_stages_up_to_the_step_last_word_wins():
     base = [FreezeSpec("encoder", True)]
     schedule = [
@@ -63,14 +69,15 @@ def test_effective_freeze_applies_stages_up_to_the_step_last_word_wins():
     assert states[4] == states[5] == off
 
 
-def test_freeze_meta_is_sorted_and_none_for_text_jobs():
+def test_freeze_meta_is_sorted_and_absent_for_text_jobs():
     config = _vlm_config()
-    assert freeze_meta_at_step(config, 0) == [
+    assert checkpoint_extra(config, 0, PhaseState())["vlm_freeze"] == [
         {"module": "adapter", "frozen": False},
         {"module": "decoder", "frozen": False},
         {"module": "encoder", "frozen": True},
     ]
-    assert freeze_meta_at_step(JobConfig(), 5) is None
+    assert "vlm_freeze" not in checkpoint_extra(JobConfig(), 5, PhaseState())
+    assert _schedule(JobConfig()).groups == ()
 
 
 def test_apply_freeze_is_idempotent_and_drops_grads_and_optimizer_state():
@@ -129,12 +136,12 @@ def test_a_resume_checks_the_schedule_against_the_saved_state():
     unfreeze_at_3 = (
         '--vlm.freeze_schedule=[{start_step=3, specs=[{module="encoder", frozen=false}]}]'
     )
-    check_saved_freeze(saved, _vlm_config(unfreeze_at_3), 3, "ckpt/step_3")
+    check_saved_freeze(saved, _schedule(_vlm_config(unfreeze_at_3)), 3, "ckpt/step_3")
     # A stage still to come may be added or changed; the past may not.
     added = unfreeze_at_3.replace("}]}]", '}]}, {start_step=10, specs=[{module="adapter"}]}]')
-    check_saved_freeze(saved, _vlm_config(added), 5, "ckpt/step_5")
+    check_saved_freeze(saved, _schedule(_vlm_config(added)), 5, "ckpt/step_5")
     with pytest.raises(ConfigError) as info:
-        check_saved_freeze(saved, _vlm_config(), 3, "ckpt/step_3")
+        check_saved_freeze(saved, _schedule(_vlm_config()), 3, "ckpt/step_3")
     assert info.value.field == "vlm.freeze_schedule"
     assert "encoder trainable there, frozen by this config" in str(info.value)
     assert "ckpt/step_3" in str(info.value)

@@ -260,7 +260,9 @@ def test_a_replaced_loss_fn_is_called_with_the_logits_even_with_chunks_on(tiny_o
 
 
 def test_eval_gives_the_same_loss_with_and_without_chunks(tiny_overrides):
-    plain = evaluate(_session([*tiny_overrides, "--train.loss_chunk_tokens=0"]))
-    chunked = evaluate(_session([*tiny_overrides, "--train.loss_chunk_tokens=24"]))
+    whole = _session([*tiny_overrides, "--train.loss_chunk_tokens=0"])
+    plain = evaluate(whole.model, whole.data, whole.config, whole.runtime)
+    chunks = _session([*tiny_overrides, "--train.loss_chunk_tokens=24"])
+    chunked = evaluate(chunks.model, chunks.data, chunks.config, chunks.runtime)
     assert chunked["eval_tokens"] == plain["eval_tokens"] > 0
     assert chunked["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)

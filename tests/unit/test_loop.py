@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 
@@ -91,6 +92,15 @@ def test_session_batches_rebuilt_when_data_is_replaced(tiny_overrides):
     assert session.batches is first
     session.data = dataclasses.replace(session.data)
     assert session.batches is not first
+
+
+def test_a_session_given_an_eval_dataloader_says_it_is_not_read(tiny_overrides, caplog):
+    session = make_session(tiny_overrides)
+    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
+        dataclasses.replace(session)  # none given: nothing said
+        assert caplog.records == []
+        dataclasses.replace(session, eval_dataloader=[{}])
+    assert "TrainingSession.eval_dataloader is not read" in caplog.text
 
 
 # --- StepResult and dispatch -------------------------------------------------------------

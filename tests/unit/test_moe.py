@@ -20,6 +20,8 @@ from kempnerforge.model.experts import grouped_swiglu, looped_swiglu
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import (
     MoEFeedForward,
+    add_micro_batch_router_losses,
+    add_router_losses,
     begin_router_step,
     bias_rate_factor,
     finish_router_step,
@@ -616,6 +618,32 @@ def test_add_moe_losses_does_not_walk_the_modules_again(monkeypatch) -> None:
         monkeypatch.setattr(model, name, walked)
     model(random_ids())
     assert torch.equal(add_moe_losses(torch.tensor(1.0), model, mc), first)
+
+
+def test_a_micro_batch_adds_its_share_of_the_router_terms() -> None:
+    mc = model_config(moe_aux_loss_weight=0.1, moe_router_z_loss_weight=0.01)
+    model = moe_model(moe_aux_loss_weight=0.1, moe_router_z_loss_weight=0.01)
+    model(random_ids())
+    objective = torch.tensor(0.75)
+    terms = add_router_losses(torch.tensor(0.0), model, mc)
+    assert terms > 0
+    share = add_micro_batch_router_losses(objective, model, mc, 4)
+    torch.testing.assert_close(share, objective + terms / 4)
+
+
+def test_the_router_step_functions_leave_a_dense_model_alone() -> None:
+    """The step bodies and the loop call them on every model: a dense one gets its
+    objective back as it was (the same tensor, not rescaled), and no router step."""
+    mc = model_config(num_experts=0)
+    model = Transformer(mc)
+    model(random_ids())
+    assert moe_layers(model) == []
+    objective = torch.tensor(1.0 / 3.0, requires_grad=True)
+    assert add_router_losses(objective, model, mc) is objective
+    assert add_micro_batch_router_losses(objective, model, mc, 3) is objective
+    begin_router_step(model, 5)
+    record_router_stats(model)
+    assert finish_router_step(model, mc, None, max_steps=10, with_metrics=True) is None
 
 
 # --- Step bookkeeping: bias schedules and the sign rule ---------------------------------

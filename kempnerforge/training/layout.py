@@ -1,0 +1,101 @@
+"""ModelLayout: whether a rank runs every layer of the model (WHOLE_MODEL) or only those of
+its pipeline stages (PIPELINE_STAGES, distributed.pp > 1), picked once per job by layout_of.
+
+The build, select_step_fn, in-loop eval and the end-of-run sample ask the layout instead
+of testing distributed.pp themselves. The model family (training/family.py) is the other
+seam; a pipelined job is always a text model (JobConfig.validate refuses the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kempnerforge.config.job import JobConfig
+from kempnerforge.distributed.pipeline import (
+    PipelineBundle,
+    build_pipeline,
+    build_stage_model,
+    stage_layer_ranges,
+    stages_of_rank,
+)
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.training.family import FamilyModel, StepFn, family_of
+from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
+from kempnerforge.training.loss import LossFn
+from kempnerforge.training.steps import pipeline_step
+
+
+@dataclass
+class RankModel:
+    """This rank's model, and with pipeline parallelism the ids and modules of its stages."""
+
+    model: FamilyModel
+    stage_ids: list[int] = field(default_factory=list)
+    stage_modules: list[torch.nn.Module] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One way of holding the model along the pipeline axis; two instances."""
+
+    name: str
+    build_on_meta: Callable[[JobConfig, RuntimeContext], RankModel]
+    """This rank's layers, under the caller's default device (meta), not yet parallelised."""
+    build_schedule: Callable[[RankModel, RuntimeContext, JobConfig, LossFn], PipelineBundle | None]
+    """The schedule that runs the materialised stages; None for the whole model."""
+    step: StepFn | None = None
+    """A step body of the layout's own, which wins over the family's (select_step_fn)."""
+    forward_refusal: str | None = None
+    """Why no rank can run the whole model's forward (in-loop eval, the end-of-run
+    sample); None when every rank can."""
+
+
+def build_whole_model(config: JobConfig, runtime: RuntimeContext) -> RankModel:
+    """The model family's whole model (every rank holds every layer, or its FSDP shard)."""
+    del runtime
+    return RankModel(family_of(config).build_model(config))
+
+
+def build_stages(config: JobConfig, runtime: RuntimeContext) -> RankModel:
+    """The layers of the stages this pipeline rank holds (distributed.stages_per_rank),
+    split at distributed.pp_split_points or evenly."""
+    dc = config.distributed
+    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
+    ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
+    model, stages = build_stage_model(config.model, stage_ids, ranges)
+    return RankModel(model, stage_ids, list(stages))
+
+
+def no_schedule(
+    rank_model: RankModel, runtime: RuntimeContext, config: JobConfig, loss_fn: LossFn
+) -> None:
+    """The whole model needs no pipeline schedule."""
+    del rank_model, runtime, config, loss_fn
+
+
+def build_stage_schedule(
+    rank_model: RankModel, runtime: RuntimeContext, config: JobConfig, loss_fn: LossFn
+) -> PipelineBundle:
+    """The distributed.pp_schedule over this rank's stages (build_pipeline)."""
+    # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
+    setattr(rank_model.model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
+    return build_pipeline(rank_model.stage_modules, rank_model.stage_ids, runtime, config, loss_fn)
+
+
+WHOLE_MODEL = ModelLayout("whole model", build_whole_model, no_schedule)
+
+PIPELINE_STAGES = ModelLayout(
+    "pipeline stages",
+    build_stages,
+    build_stage_schedule,
+    step=pipeline_step,
+    forward_refusal="pipeline stages (distributed.pp > 1) have no whole-model forward",
+)
+
+
+def layout_of(config: JobConfig) -> ModelLayout:
+    """The layout of this job: pipeline stages when distributed.pp > 1."""
+    return PIPELINE_STAGES if config.distributed.pp > 1 else WHOLE_MODEL

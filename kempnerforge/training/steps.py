@@ -1,0 +1,137 @@
+"""The three step bodies: one optimizer step's forward, backward and clip, reported as a
+StepResult.
+
+text_step and vlm_step are the model families' (training/family.py), pipeline_step the
+pipeline layout's (training/layout.py); select_step_fn in loop.py picks one per job, and
+loop.py re-exports all three. They share the micro-batch loop (training/accumulate.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kempnerforge.model.attention import needs_document_mask
+from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
+from kempnerforge.model.moe import begin_router_step
+from kempnerforge.training.accumulate import accumulate, finish_step, step_tokens
+from kempnerforge.training.forward import training_autocast
+from kempnerforge.training.loss import TokenCrossEntropy
+from kempnerforge.training.mixture_metrics import DatasetSums
+from kempnerforge.training.session import StepResult, TrainingSession
+
+
+def text_step(session: TrainingSession, step: int) -> StepResult:
+    """Standard step (no PP, text-only), with optional per-dataset mixture metrics.
+
+    Token-weighted over the whole step (see accumulate). With train.loss_chunk_tokens > 0
+    the model computes the loss itself from labels, never holding the whole logits (see
+    model/head_loss.py); with 0 it returns logits for session.loss_fn. When batches carry
+    ``dataset_idx`` (a mixture), the result also holds per-dataset sums of the same loss
+    (z-loss term included), taken from the per-token losses the loss already has, so
+    their token-weighted mean is the step's loss. ``step`` goes to an MoE model's routers
+    (their balancing schedule); dense models do not use it.
+    """
+    model, tc = session.model, session.config.train
+    begin_router_step(model, step)
+    mask_docs = session.config.data.document_masking
+    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    if mask_docs:
+        # A micro-batch of one document per row needs only the causal mask: dropping its
+        # doc_ids (read on the host, no sync) lets attention take the causal kernels.
+        micro_batches = [
+            b if needs_document_mask(b.get("doc_ids")) else _without(b, "doc_ids")
+            for b in micro_batches
+        ]
+    names = getattr(session.data, "dataset_names", [])
+    per_dataset = (
+        DatasetSums(names, session.runtime.device)
+        if names and "dataset_idx" in micro_batches[0]
+        else None
+    )
+    spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
+    # The model computes the loss only when it is the built-in one (a replaced
+    # session.loss_fn gets the logits).
+    fused = spec.chunk_tokens > 0 and isinstance(session.loss_fn, TokenCrossEntropy)
+
+    def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        doc_ids = batch.get("doc_ids") if mask_docs else None
+        inputs, labels = batch["input_ids"], batch["labels"]
+        if fused:
+            head = model(inputs, doc_ids=doc_ids, labels=labels, loss_spec=spec)
+        elif per_dataset is None:
+            return session.loss_fn(model(inputs, doc_ids=doc_ids), labels)
+        else:
+            head = logits_head_loss(model(inputs, doc_ids=doc_ids), labels, tc.z_loss_weight)
+        if per_dataset is not None:
+            per_dataset.add(head.token_losses, batch)
+        return head.loss_sum
+
+    loss, grad_norm, _ = accumulate(session, micro_batches, micro_loss)
+    result = StepResult(loss=loss, grad_norm=grad_norm)
+    if per_dataset is not None:
+        (
+            result.dataset_token_counts,
+            result.dataset_loss_sums,
+            result.dataset_loss_counts,
+        ) = per_dataset.finish(session.runtime.group("dp"))
+    return result
+
+
+def _without(batch: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k != key}
+
+
+def vlm_step(session: TrainingSession, step: int) -> StepResult:
+    """VLM step (no PP): pixel_values + input_ids forward, with a text-token count.
+
+    The model is called as ``model(pixel_values, input_ids)`` and returns logits over the
+    text positions, aligned with ``labels`` (the data shifts them: each text position
+    predicts the next token); session.loss_fn turns them into the summed loss, or, with
+    train.loss_chunk_tokens > 0, the model computes it from the labels in chunks, as in
+    text_step. The loss is token-weighted over the step's supervised text tokens, and
+    ``text_tokens`` is their count over every data-parallel rank, which the loop counts
+    as the step's tokens. An MoE decoder's routers get ``step`` as in text_step.
+    """
+    model, tc = session.model, session.config.train
+    begin_router_step(model, step)
+    if not session.batches.has_data:
+        raise RuntimeError("a VLM step needs a dataloader of image-text batches")
+    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
+    fused = spec.chunk_tokens > 0 and isinstance(session.loss_fn, TokenCrossEntropy)
+
+    def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels, input_ids, labels = batch["pixel_values"], batch["input_ids"], batch["labels"]
+        if fused:
+            return model(pixels, input_ids, labels=labels, loss_spec=spec).loss_sum
+        return session.loss_fn(model(pixels, input_ids), labels)
+
+    loss, grad_norm, text_tokens = accumulate(session, micro_batches, micro_loss)
+    return StepResult(loss=loss, grad_norm=grad_norm, text_tokens=text_tokens)
+
+
+def pipeline_step(session: TrainingSession, step: int) -> StepResult:
+    """PP step: collect microbatches, hand them to the schedule, broadcast loss.
+
+    The micro-batches are the step's train.grad_accum_steps micro-batches, and the loss is
+    normalised exactly as in text_step (summed cross-entropy over the step's supervised
+    tokens on every data-parallel rank), so a pipelined run logs and trains on the same
+    numbers as one process. The stage holding the head reduces its loss over the
+    data-parallel and pipeline groups in finish_step, so every rank of every stage reports
+    it; the gradient norm covers all stages, so a NaN anywhere skips the step everywhere.
+    step is unused: MoE (the only step-dependent branch) is rejected with PP in
+    JobConfig.validate.
+    """
+    bundle = session.pipeline
+    if bundle is None:
+        raise RuntimeError("pipeline_step needs session.pipeline (distributed.pp > 1)")
+    runtime, tc = session.runtime, session.config.train
+    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    tokens = step_tokens(runtime, micro_batches)
+    inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(runtime.device)
+    labels = torch.cat([b["labels"] for b in micro_batches]).to(runtime.device)
+    with training_autocast(tc, runtime.device):
+        loss_sums = bundle.run(inputs, labels, tokens.scale)
+    loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=runtime.device)
+    loss, grad_norm, _ = finish_step(session, loss_sum, tokens)
+    return StepResult(loss=loss, grad_norm=grad_norm)
