@@ -24,6 +24,17 @@ from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 
 logger = get_logger(__name__)
 
+NO_TOKEN_EVAL_DATA = (
+    "no held-out data configured: set data.eval_path to a prepare-data directory (or leave "
+    "data.path empty to use the built-in corpus's held-out split)"
+)
+"""What a text job without eval data is told where eval data is needed."""
+NO_IMAGE_TEXT_EVAL_DATA = (
+    "no held-out image-text pairs: set vlm.eval_data to a jsonl index (or leave vlm.data "
+    "empty to use the synthetic held-out set)"
+)
+"""What a vision-language job without eval data is told where eval data is needed."""
+
 # Key of a not-yet-drawn mixture weight change in DataPipeline.state_dict().
 PENDING_WEIGHTS_KEY = "pending_mixture_weights"
 
@@ -152,10 +163,7 @@ class DataPipeline:
         padding counts no loss and no tokens.
         """
         if not self.eval_datasets:
-            raise DataError(
-                "no held-out data configured: set data.eval_path to a prepare-data directory "
-                "(or leave data.path empty to use the built-in corpus's held-out split)"
-            )
+            raise DataError(NO_TOKEN_EVAL_DATA)
         if name is None:
             name = next(iter(self.eval_datasets))
         if name not in self.eval_datasets:

@@ -19,6 +19,7 @@ from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_job_data
 from kempnerforge.training.eval import eval_global_batch, evaluate_model
+from kempnerforge.training.family import family_of
 from kempnerforge.training.inference import InferenceJob
 from kempnerforge.training.resume_guard import global_batch
 
@@ -28,13 +29,8 @@ logger = get_logger(__name__)
 def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
     """Tokenizer and eval sets only (no training loader); a DataError when there are none."""
     data = build_job_data(config, runtime, with_train=False)
-    if not data.eval_datasets and config.is_vlm:
-        raise DataError(
-            "no held-out image-text pairs: set vlm.eval_data to a jsonl index (or leave "
-            "vlm.data empty to use the synthetic held-out set)"
-        )
     if not data.eval_datasets:
-        data.eval_batches(1, 1)  # raises the DataError that says how to configure eval data
+        raise DataError(family_of(config).no_eval_data)
     return data
 
 

@@ -17,7 +17,13 @@ import torch
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
-from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline, build_image_text_pipeline
+from kempnerforge.data.pipeline import (
+    NO_IMAGE_TEXT_EVAL_DATA,
+    NO_TOKEN_EVAL_DATA,
+    DataPipeline,
+    build_data_pipeline,
+    build_image_text_pipeline,
+)
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import generate_greedy
@@ -80,6 +86,11 @@ class ModelFamily:
     """Its freeze groups and their schedule (training/freeze.py); NO_FREEZE without groups."""
     checkpoint_extra: Callable[[JobConfig, int], dict[str, Any]]
     """Its keys of checkpoint_extra at a step (a resume checks them)."""
+    no_eval_data: str
+    """The error where eval data is needed and the job has none: what to set."""
+    fill_unsaved: Callable[[Any], None]
+    """After to_empty, fill what a checkpoint does not hold (tied weights, computed
+    buffers), so a weights-only load makes the model whole (training/inference.py)."""
     refusals: Mapping[str, str] = field(default_factory=dict)
     """Why a command of COMMANDS does not take this family, by command."""
 
@@ -267,6 +278,8 @@ TEXT = ModelFamily(
     tokens_per_step=text_tokens_per_step,
     freeze_schedule=lambda config: NO_FREEZE,
     checkpoint_extra=lambda config, step: {},
+    no_eval_data=NO_TOKEN_EVAL_DATA,
+    fill_unsaved=lambda model: (model.tie_head(), model.reset_buffers()),
 )
 
 VISION_LANGUAGE = ModelFamily(
@@ -280,12 +293,26 @@ VISION_LANGUAGE = ModelFamily(
     tokens_per_step=text_tokens_of,
     freeze_schedule=vlm_freeze_schedule,
     checkpoint_extra=vlm_checkpoint_extra,
+    # A pretrained tower's encoder fills its own buffers (position ids) as it initialises;
+    # the load then overwrites every weight.
+    no_eval_data=NO_IMAGE_TEXT_EVAL_DATA,
+    fill_unsaved=lambda model: model.init_weights(),
     refusals={
-        "generate": "generate takes text models; a VLM's caption sample is printed at the end "
-        "of training",
-        "capture": "capture reads token data; a vision-language model is not supported",
-        "export": "the Hugging Face export writes causal language models; a vision-language "
-        "model's encoder, adapter and cross-attention blocks have no place in them",
+        command: f"kempnerforge {command} takes text models, not a vision-language model "
+        f"([vlm]): {reason}"
+        for command, reason in (
+            (
+                "generate",
+                "it continues text prompts; a vision-language model's caption sample is "
+                "printed at the end of training",
+            ),
+            ("capture", "it runs token windows, not image-text pairs, through the model"),
+            (
+                "export",
+                "a Hugging Face causal language model has no place for the vision encoder, "
+                "the adapter and the cross-attention blocks",
+            ),
+        )
     },
 )
 

@@ -29,9 +29,7 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkp
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
-from kempnerforge.model import build_model
-from kempnerforge.model.transformer import Transformer
-from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
+from kempnerforge.training.family import family_of
 
 logger = get_logger(__name__)
 
@@ -44,28 +42,11 @@ CHECKPOINT_FORMS = (
 )
 """What --checkpoint accepts, for the errors that say it was none of them."""
 
-_VLM_REASONS = {
-    "generate": "it continues text prompts; a vision-language model's caption sample is "
-    "printed at the end of training",
-    "capture": "it runs token windows, not image-text pairs, through the model",
-    "export": "a Hugging Face causal language model has no place for the vision encoder, "
-    "the adapter and the cross-attention blocks",
-}
-
 
 def unsupported(config: JobConfig, command: str) -> str | None:
     """Why ``command`` (eval, generate, capture, export) cannot run the model family of
-    ``config``, or None when it can.
-
-    The only place an inference command's refusal of a model family is decided: eval takes
-    every family; a vision-language model is not a text model for the others.
-    """
-    reason = _VLM_REASONS.get(command) if config.is_vlm else None
-    if reason is None:
-        return None
-    return (
-        f"kempnerforge {command} takes text models, not a vision-language model ([vlm]): {reason}"
-    )
+    ``config``, or None when it can: the family's own answer (ModelFamily.refusal)."""
+    return family_of(config).refusal(command)
 
 
 @dataclass(frozen=True)
@@ -162,22 +143,11 @@ def load_for_inference(job: InferenceJob) -> torch.nn.Module:
     weights the load overwrites; then a weights-only load (CheckpointManager.load_weights:
     no optimizer, scheduler, train state or RNG is read).
     """
-    config = job.config
-    model: Transformer | VisionLanguageModel
+    family = family_of(job.config)
     with torch.device("meta"):
-        if config.is_vlm:
-            model = build_vlm(config, config.vision_spec())
-        else:
-            model = build_model(config.model)
+        model = family.build_model(job.config)
     model.to_empty(device=job.runtime.device)
-    if isinstance(model, Transformer):
-        # Only what the checkpoint does not hold: the tied head, the RoPE tables.
-        model.tie_head()
-        model.reset_buffers()
-    else:
-        # A vision-language model's encoder fills its own buffers (a pretrained tower's
-        # position ids) as part of its initialisation; the load then overwrites the weights.
-        model.init_weights()
+    family.fill_unsaved(model)  # only what the checkpoint does not hold
     job.checkpointer.load_weights(str(job.checkpoint), model=model)
     return model.eval()
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kempnerforge.commands.capture import add_capture_arguments, run_capture
-from kempnerforge.commands.generate import VLM_REFUSAL
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError
@@ -133,12 +132,17 @@ def test_the_text_family_supports_every_command():
 def test_a_vision_language_model_is_refused_by_generate_capture_and_export():
     refusals = {c: VISION_LANGUAGE.refusal(c) for c in COMMANDS}
     assert refusals["train"] is None and refusals["eval"] is None
-    assert refusals["generate"] == VLM_REFUSAL
+    lead = "takes text models, not a vision-language model ([vlm]): "
+    assert (
+        refusals["generate"] == f"kempnerforge generate {lead}it continues text prompts; a "
+        "vision-language model's caption sample is printed at the end of training"
+    )
     assert refusals["capture"] == (
-        "capture reads token data; a vision-language model is not supported"
+        f"kempnerforge capture {lead}it runs token windows, not image-text pairs, through the model"
     )
     export = refusals["export"]
-    assert export is not None and "Hugging Face" in export and "vision-language" in export
+    assert export is not None and export.startswith(f"kempnerforge export {lead}")
+    assert "Hugging Face" in export
 
 
 def test_capture_refuses_a_vision_language_config_for_the_familys_reason(tmp_path):

@@ -11,7 +11,7 @@ import kempnerforge
 
 PACKAGE = pathlib.Path(kempnerforge.__file__).parent
 
-SCANNED = ("training",)
+SCANNED = ("training", "commands")
 """The folders whose code may branch on the family or on pipelining only at a seam."""
 
 MAX_SEAM_LINES = 4
