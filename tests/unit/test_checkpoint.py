@@ -369,7 +369,7 @@ def test_importing_checkpoint_errors_does_not_import_torch():
     assert result.returncode == 0, result.stderr
     code = (
         "from kempnerforge.checkpoint import CheckpointError, CheckpointManager; "
-        "from kempnerforge.checkpoint import manager, errors; "
+        "from kempnerforge.checkpoint import manager; from kempnerforge.core import errors; "
         "assert CheckpointManager is manager.CheckpointManager; "
         "assert CheckpointError is errors.CheckpointError is manager.CheckpointError"
     )

@@ -94,13 +94,13 @@ def test_session_batches_rebuilt_when_data_is_replaced(tiny_overrides):
     assert session.batches is not first
 
 
-def test_a_session_given_an_eval_dataloader_says_it_is_not_read(tiny_overrides, caplog):
+def test_a_session_given_an_eval_dataloader_says_it_is_not_read(tiny_overrides, log):
     session = make_session(tiny_overrides)
-    with caplog.at_level(logging.WARNING, logger="kempnerforge"):
-        dataclasses.replace(session)  # none given: nothing said
-        assert caplog.records == []
-        dataclasses.replace(session, eval_dataloader=[{}])
-    assert "TrainingSession.eval_dataloader is not read" in caplog.text
+    log.clear()
+    dataclasses.replace(session)  # none given: nothing said
+    assert not [r for r in log.records if r.levelno >= logging.WARNING]
+    dataclasses.replace(session, eval_dataloader=[{}])
+    assert "TrainingSession.eval_dataloader is not read" in log.text
 
 
 # --- StepResult and dispatch -------------------------------------------------------------
