@@ -67,7 +67,10 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
             torch.set_num_threads(config.train.num_threads)
         data = build_eval_data(config, runtime)
         with torch.device(runtime.device):
-            model = build_vlm(config) if config.is_vlm else build_model(config.model)
+            if config.is_vlm:
+                model = build_vlm(config.model, config.vision_encoder, config.adapter, config.vlm)
+            else:
+                model = build_model(config.model)
         checkpointer = CheckpointManager(config.checkpoint, config.checkpoint_dir)
         extra = checkpointer.read_extra(args.checkpoint)
         step = extra.get("step")

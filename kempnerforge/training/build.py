@@ -15,7 +15,7 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline, build_image_text_pipeline
-from kempnerforge.distributed.parallelize import parallelize_model
+from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline import (
     PipelineBundle,
     build_pipeline,
@@ -95,10 +95,17 @@ def build_sharded_on_meta(
             model, stages = build_stage_model(config.model, stage_ids, ranges)
             stage_modules.extend(stages)
         elif config.is_vlm:
-            model = build_vlm(config, config.vision_spec())
+            model = build_vlm(
+                config.model,
+                config.vision_encoder,
+                config.adapter,
+                config.vlm,
+                config.vision_spec(),
+            )
         else:
             model = build_model(config.model)
-    parallelize_model(model, runtime, config, roots=stage_modules or None)
+    plan = ParallelPlan.of(config.distributed, config.train, runtime.device.type)
+    parallelize_model(model, runtime, plan, roots=stage_modules or None)
     return model, stage_ids, stage_modules
 
 
@@ -125,7 +132,14 @@ def build_model_on_mesh(
     if config.distributed.pp == 1:
         return model, None
     setattr(model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
-    return model, build_pipeline(stage_modules, stage_ids, runtime, config, loss_fn)
+    return model, build_pipeline(
+        stage_modules,
+        stage_ids,
+        runtime,
+        config.distributed,
+        loss_fn,
+        num_microbatches=config.train.grad_accum_steps,
+    )
 
 
 def build_job_data(

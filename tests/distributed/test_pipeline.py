@@ -91,7 +91,14 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
             fully_shard(stage, mesh=mesh)
     model.to_empty(device=runtime.device)
     model.init_weights(SEED)
-    bundle = build_pipeline(stage_modules, stage_ids, runtime, config, cross_entropy_sum)
+    bundle = build_pipeline(
+        stage_modules,
+        stage_ids,
+        runtime,
+        config.distributed,
+        cross_entropy_sum,
+        num_microbatches=config.train.grad_accum_steps,
+    )
     inputs, labels = _step_data(runtime.dp_size)
     scale = runtime.dp_size / (labels != IGNORE_INDEX).sum()
     steps = []

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
-from kempnerforge.distributed.parallelize import parallelize_model
+from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.transformer import Transformer
 
@@ -35,6 +35,11 @@ def job_config(*overrides: str) -> JobConfig:
     return load_config(None, [*TINY, *overrides])
 
 
+def parallel_plan(config: JobConfig) -> ParallelPlan:
+    """The ParallelPlan the trainer derives from ``config`` on a CPU rank."""
+    return ParallelPlan.of(config.distributed, config.train, "cpu")
+
+
 def build_parallel(
     config: JobConfig,
     runtime: RuntimeContext,
@@ -46,7 +51,7 @@ def build_parallel(
     with torch.device("meta"):
         model = Transformer(config.model)
     if parallelize is None:
-        parallelize_model(model, runtime, config)
+        parallelize_model(model, runtime, parallel_plan(config))
     else:
         parallelize(model)
     model.to_empty(device=runtime.device)
