@@ -19,6 +19,7 @@ import pytest
 
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
+from tests.support.metrics_rows import events
 
 pytestmark = pytest.mark.slow
 
@@ -102,8 +103,7 @@ def test_sigkill_mid_async_save_resumes_from_the_last_committed_checkpoint(tmp_p
     second = _train(run_dir, data, cache)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resumes = [r for r in rows if r.get("event") == "resume"]
+    resumes = events(run_dir, "resume")
     assert [r["step"] for r in resumes] == [5]
     assert resumes[0]["path"] == str(checkpoints / "step_5")
     assert _latest(checkpoints) == "step_12"

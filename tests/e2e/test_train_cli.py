@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -11,6 +10,8 @@ import sys
 import time
 
 import pytest
+
+from tests.support.metrics_rows import train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +37,6 @@ def run(*args: str, cache: pathlib.Path, timeout: float = 400) -> subprocess.Com
     proc = kempnerforge(*args, env_extra={"KEMPNERFORGE_CACHE": str(cache)})
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def train_rows(run_dir: pathlib.Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "event" not in r and "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +134,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, ca
         "--checkpoint.interval=0",
         env_extra={"KEMPNERFORGE_CACHE": str(cache)},
     )
-    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if metrics.exists() and len(train_rows(run_dir)) >= 3:
+        if len(train_rows(run_dir, live=True)) >= 3:
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)

@@ -15,18 +15,12 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.transformer import Transformer
+from tests.support.tiny import TINY_MODEL
 
 SEED = 1234
 """The init seed every parallel model and its single-process reference share."""
 
-TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.multiple_of=16",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-]
+TINY = [*TINY_MODEL, "--model.n_heads=4", "--model.vocab_size=64", "--model.max_seq_len=32"]
 """dim 32, 2 layers, 4 heads (head size 8), SwiGLU hidden size 96, vocabulary 64."""
 
 

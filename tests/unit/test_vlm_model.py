@@ -20,17 +20,15 @@ from kempnerforge.model.head_loss import HeadLoss
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.model.vision import build_vision_encoder
 from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
+from tests.support.tiny import TINY_MODEL
 from tests.support.vision_towers import save_tiny_clip, save_tiny_siglip
 
 TEXT_LEN = 8
 VOCAB = 259
 DECODER = [
-    "--model.dim=32",
-    "--model.n_layers=2",
+    *TINY_MODEL,
     "--model.n_heads=4",
     "--model.n_kv_heads=2",
-    "--model.multiple_of=16",
-    "--model.max_seq_len=64",
     "--train.seq_len=32",
     f"--vlm.max_text_len={TEXT_LEN}",
 ]
