@@ -20,6 +20,7 @@ import pytest
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.metrics_rows import events
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +42,18 @@ def _token_dir(root: pathlib.Path) -> str:
 
 
 def _train(run_dir: pathlib.Path, data: str, cache: pathlib.Path, **env: str) -> subprocess.Popen:
-    args = [
-        f"--train.run_dir={run_dir}",
+    # The tiny model: what is under test is the checkpoint's commit, not the training.
+    args = tiny_run(
+        run_dir,
+        None,
+        "--model.n_kv_heads=2",  # the debug config's 4 do not divide the tiny model's heads
         "--checkpoint.interval=5",
         "--checkpoint.async_mode=async",
         "--train.max_steps=12",
-        "--scheduler.warmup_steps=2",  # the debug config warms up for 20 steps
-        "--metrics.progress=off",
-        "--train.sample_prompt=",
         f"--data.path={data}",
         "--data.eval_path=",
         "--eval.interval=0",
-    ]
+    )
     return subprocess.Popen(
         [sys.executable, "-m", "kempnerforge", "train", DEBUG, *args],
         cwd=REPO,
