@@ -288,15 +288,15 @@ def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedPr
 
 
 def test_vlm_debug_config_trains_end_to_end_on_cpu(tmp_path):
-    schedule = '--vlm.freeze_schedule=[{start_step=6, specs=[{module="decoder", frozen=false}]}]'
+    schedule = '--vlm.freeze_schedule=[{start_step=4, specs=[{module="decoder", frozen=false}]}]'
     done = run_cli(
         "train",
         str(REPO / "configs/train/vlm_debug.toml"),
         f"--train.run_dir={tmp_path / 'run'}",
-        "--train.max_steps=12",
-        "--eval.interval=6",
+        "--train.max_steps=8",
+        "--eval.interval=4",
         "--eval.steps=2",
-        "--checkpoint.interval=6",
+        "--checkpoint.interval=4",
         "--metrics.log_interval=2",
         "--train.sample_tokens=8",
         schedule,
@@ -306,19 +306,19 @@ def test_vlm_debug_config_trains_end_to_end_on_cpu(tmp_path):
     assert "caption of image 0: 'a " in done.stdout
     rows = read_rows(tmp_path / "run")
     freeze = [r for r in rows if r.get("event") == "freeze"]
-    assert [(r["step"], r["unfrozen"]) for r in freeze] == [(6, ["decoder"])]
+    assert [(r["step"], r["unfrozen"]) for r in freeze] == [(4, ["decoder"])]
     assert any("eval_loss" in r for r in rows)
-    assert (tmp_path / "run" / "checkpoints" / "step_12").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / "step_8").is_dir()
     # The standalone eval reads the VLM checkpoint with the VLM's own forward.
     evaluated = run_cli(
         "eval",
         str(tmp_path / "run" / "config.toml"),
         "--checkpoint",
-        str(tmp_path / "run" / "checkpoints" / "step_12"),
+        str(tmp_path / "run" / "checkpoints" / "step_8"),
         cwd=tmp_path,
     )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "checkpoints" / "step_12" / "eval.json").read_text())
+    report = json.loads((tmp_path / "run" / "checkpoints" / "step_8" / "eval.json").read_text())
     final_eval = [r for r in rows if "eval_loss" in r][-1]
     assert report["metrics"]["eval_loss"] == pytest.approx(final_eval["eval_loss"], rel=1e-5)
 
