@@ -259,23 +259,23 @@ def build_pipeline(
     ``scale_grads=False``: ``loss_fn`` (summed loss of one micro-batch, as build_loss_fn
     gives) is scaled by ``run``'s loss_scale.
     """
-    dc = distributed
-    num_stages = dc.num_stages
+    num_stages = distributed.num_stages
     group = runtime.group("pp")
     # Typed loosely: the schedules take a list of torch's private stage base class.
     stages: list[Any] = [
         PipelineStage(module, stage_id, num_stages, runtime.device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
-    n_micro = num_microbatches
     loss = _ScaledLoss(loss_fn)
-    if dc.pp_schedule == "interleaved_1f1b":
-        schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss, scale_grads=False)
+    if distributed.pp_schedule == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(
+            stages, num_microbatches, loss_fn=loss, scale_grads=False
+        )
     else:
-        single = ScheduleGPipe if dc.pp_schedule == "gpipe" else Schedule1F1B
+        single = ScheduleGPipe if distributed.pp_schedule == "gpipe" else Schedule1F1B
         if len(stages) != 1:
-            raise ValueError(f"pp_schedule {dc.pp_schedule!r} runs one stage per rank")
-        schedule = single(stages[0], n_micro, loss_fn=loss, scale_grads=False)
+            raise ValueError(f"pp_schedule {distributed.pp_schedule!r} runs one stage per rank")
+        schedule = single(stages[0], num_microbatches, loss_fn=loss, scale_grads=False)
     return PipelineBundle(
         stage=stages[0],
         schedule=schedule,
@@ -285,6 +285,6 @@ def build_pipeline(
         stages=stages,
         stage_ids=list(stage_ids),
         num_stages=num_stages,
-        num_microbatches=n_micro,
+        num_microbatches=num_microbatches,
         loss=loss,
     )
