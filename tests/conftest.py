@@ -11,14 +11,7 @@ import torch
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
-
-TINY_MODEL = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=2",
-    "--model.multiple_of=16",
-    "--model.max_seq_len=64",
-]
+from tests.support.tiny import tiny_run
 
 
 def synthetic_documents(num_docs: int, seed: int = 0) -> list[str]:
@@ -48,21 +41,7 @@ def token_dirs(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture
 def tiny_overrides(tmp_path, token_dirs) -> list[str]:
-    train, evald = token_dirs
-    return [
-        *TINY_MODEL,
-        "--train.batch_size=4",
-        "--train.seq_len=32",
-        "--train.max_steps=6",
-        "--train.sample_prompt=",
-        f"--train.run_dir={tmp_path / 'run'}",
-        "--scheduler.warmup_steps=2",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
-    ]
+    return tiny_run(tmp_path / "run", token_dirs, "--train.max_steps=6")
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
-"""Writing metrics.jsonl: appending after a torn last row, rows of JSON-safe values."""
+"""metrics.jsonl: appending after a torn last row, rows of JSON-safe values, reading rows."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
+from collections.abc import Iterator
 from typing import IO, Any
 
 METRICS_FILE = "metrics.jsonl"
@@ -48,3 +50,36 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, numbers.Real):  # numpy floats
         return jsonable(float(value))
     return str(value)
+
+
+def iter_rows(path: str | os.PathLike[str], *, strict: bool = False) -> Iterator[dict[str, Any]]:
+    """The rows of the metrics.jsonl at ``path``, in file order.
+
+    A line that is not a JSON object is skipped: a killed run leaves a torn last row, and a
+    resumed run appends after it (open_append). With ``strict`` such a line raises
+    ValueError naming the file and line instead, and so does NaN or Infinity, which the
+    writer never emits (jsonable writes a non-finite value as null): for a reader that
+    expects every row of a finished run.
+    """
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant) if strict else json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                row = decoder.decode(line)
+            except ValueError as error:
+                if strict:
+                    raise ValueError(f"{path}, line {number}: not a metrics row: {error}") from None
+                continue
+            if isinstance(row, dict):
+                yield row
+            elif strict:
+                raise ValueError(f"{path}, line {number}: not a metrics row: not a JSON object")
+
+
+def read_rows(path: str | os.PathLike[str], *, strict: bool = False) -> list[dict[str, Any]]:
+    """Every row of the metrics.jsonl at ``path`` (see iter_rows), as a list."""
+    return list(iter_rows(path, strict=strict))
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")

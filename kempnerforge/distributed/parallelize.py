@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from kempnerforge.config.job import JobConfig
+from kempnerforge.config.distributed import DistributedConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.expert_parallel import apply_ep, expert_fsdp_mesh, set_router_groups
 from kempnerforge.distributed.runtime import RuntimeContext
@@ -28,10 +30,42 @@ from kempnerforge.model.moe import moe_layers
 logger = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What parallelize_model applies besides the mesh: the [distributed] fields it reads
+    and the two train fields that change the model, compile and mixed precision."""
+
+    activation_checkpointing: str = "none"
+    """'none', 'full' or 'selective' (distributed.activation_checkpointing)."""
+    ac_every: int = 2
+    """With 'selective', checkpoint the blocks whose index is a multiple of this."""
+    reshard_after_forward: bool = True
+    """FSDP frees a block's gathered parameters after its forward."""
+    compile: bool = False
+    """torch.compile each block (train.compile); ignored under tensor parallelism."""
+    bf16: bool = False
+    """FSDP gathers parameters in bf16 and reduces gradients in fp32 (train.mixed_precision
+    resolved for the device); False keeps both in the parameters' dtype."""
+
+    @classmethod
+    def of(
+        cls, distributed: DistributedConfig, train: TrainConfig, device_type: str
+    ) -> ParallelPlan:
+        """The plan of a job's [distributed] and [train] sections on a ``device_type``
+        ('cuda', 'cpu') device."""
+        return cls(
+            activation_checkpointing=distributed.activation_checkpointing,
+            ac_every=distributed.ac_every,
+            reshard_after_forward=distributed.reshard_after_forward,
+            compile=train.compile,
+            bf16=train.precision_on(device_type) == "bf16",
+        )
+
+
 def parallelize_model(
     model: nn.Module,
     runtime: RuntimeContext,
-    config: JobConfig,
+    plan: ParallelPlan,
     roots: list[nn.Module] | None = None,
 ) -> None:
     """Apply, in place and in this order: tensor parallel, activation checkpointing,
@@ -42,32 +76,30 @@ def parallelize_model(
     every shard with its slice of the single-process weights. ``roots`` are the modules
     FSDP shards last (default ``[model]``); a pipeline rank passes its stage modules.
     Parameter names never change, so checkpoints read the same in every layout. With
-    tensor parallelism ``train.compile`` is ignored, with a warning: a compiled
+    tensor parallelism ``plan.compile`` is ignored, with a warning: a compiled
     tensor-parallel block fails in backward in this PyTorch version.
     """
-    dc, tc = config.distributed, config.train
     if runtime.tp_size > 1:
         apply_tp(model, runtime.device_mesh["tp"])
     if runtime.mesh_size("ep") > 1:
         apply_ep(model, runtime.expert_mesh["ep"])
     set_router_groups(model, runtime)
-    apply_ac(model, dc.activation_checkpointing, dc.ac_every)
-    compiled = tc.compile and _compile_allowed(runtime)
+    apply_ac(model, plan.activation_checkpointing, plan.ac_every)
+    compiled = plan.compile and _compile_allowed(runtime)
     if compiled:
         apply_compile(model)
-        if config.model.is_moe:
+        if moe_layers(model):
             logger.info(
                 "MoE blocks compile in pieces: the routing's host reads and the grouped "
                 "expert matmuls run eagerly between compiled graphs"
             )
     if runtime.dp_size > 1:
-        bf16 = tc.precision_on(runtime.device.type) == "bf16"
         apply_fsdp(
             model,
             data_parallel_mesh(runtime),
-            param_dtype=torch.bfloat16 if bf16 else None,
-            reduce_dtype=torch.float32 if bf16 else None,
-            reshard_after_forward=dc.reshard_after_forward,
+            param_dtype=torch.bfloat16 if plan.bf16 else None,
+            reduce_dtype=torch.float32 if plan.bf16 else None,
+            reshard_after_forward=plan.reshard_after_forward,
             roots=roots,
             expert_mesh=expert_fsdp_mesh(runtime),
         )
@@ -79,7 +111,7 @@ def parallelize_model(
         runtime.mesh_size("dp_replicate"),
         runtime.mesh_size("dp_shard"),
         runtime.mesh_size("ep"),
-        dc.activation_checkpointing,
+        plan.activation_checkpointing,
         compiled,
     )
 

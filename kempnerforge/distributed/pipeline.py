@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from kempnerforge.config.job import JobConfig
+from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.norm import RMSNorm
@@ -245,34 +245,37 @@ def build_pipeline(
     stage_modules: Sequence[nn.Module],
     stage_ids: list[int],
     runtime: RuntimeContext,
-    config: JobConfig,
+    distributed: DistributedConfig,
     loss_fn: LossFn,
+    *,
+    num_microbatches: int,
 ) -> PipelineBundle:
     """Wrap this rank's stage modules in pipeline stages and build the configured schedule.
 
     The modules must be materialized and initialized (and, with FSDP, each a
     ``fully_shard`` root: the stage then runs the data-parallel gradient reduction once,
-    after the step's last backward). The schedule is distributed.pp_schedule over
-    train.grad_accum_steps micro-batches with ``scale_grads=False``: ``loss_fn`` (summed
-    loss of one micro-batch, as build_loss_fn gives) is scaled by ``run``'s loss_scale.
+    after the step's last backward). The schedule is ``distributed.pp_schedule`` over
+    ``num_microbatches`` micro-batches (the trainer's train.grad_accum_steps) with
+    ``scale_grads=False``: ``loss_fn`` (summed loss of one micro-batch, as build_loss_fn
+    gives) is scaled by ``run``'s loss_scale.
     """
-    dc = config.distributed
-    num_stages = dc.num_stages
+    num_stages = distributed.num_stages
     group = runtime.group("pp")
     # Typed loosely: the schedules take a list of torch's private stage base class.
     stages: list[Any] = [
         PipelineStage(module, stage_id, num_stages, runtime.device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
-    n_micro = config.train.grad_accum_steps
     loss = _ScaledLoss(loss_fn)
-    if dc.pp_schedule == "interleaved_1f1b":
-        schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss, scale_grads=False)
+    if distributed.pp_schedule == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(
+            stages, num_microbatches, loss_fn=loss, scale_grads=False
+        )
     else:
-        single = ScheduleGPipe if dc.pp_schedule == "gpipe" else Schedule1F1B
+        single = ScheduleGPipe if distributed.pp_schedule == "gpipe" else Schedule1F1B
         if len(stages) != 1:
-            raise ValueError(f"pp_schedule {dc.pp_schedule!r} runs one stage per rank")
-        schedule = single(stages[0], n_micro, loss_fn=loss, scale_grads=False)
+            raise ValueError(f"pp_schedule {distributed.pp_schedule!r} runs one stage per rank")
+        schedule = single(stages[0], num_microbatches, loss_fn=loss, scale_grads=False)
     return PipelineBundle(
         stage=stages[0],
         schedule=schedule,
@@ -282,6 +285,6 @@ def build_pipeline(
         stages=stages,
         stage_ids=list(stage_ids),
         num_stages=num_stages,
-        num_microbatches=n_micro,
+        num_microbatches=num_microbatches,
         loss=loss,
     )

@@ -9,7 +9,6 @@ Importing this module stays light (no torch), like the rest of the CLI.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 from kempnerforge.config.distributed import MESH_DIMS, PP_SCHEDULES
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.core.metrics_file import METRICS_FILE
+from kempnerforge.core.metrics_file import METRICS_FILE, iter_rows
 
 PROG = "kempnerforge check-parallel"
 DEGREES = (*MESH_DIMS, "ep")
@@ -199,15 +198,10 @@ def read_step_rows(run_dir: str) -> StepRows:
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(path):
         return rows
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a torn last row of a killed run
-            if "event" in row or "loss" not in row:
-                continue
-            rows[int(row["step"])] = (row.get("loss"), row.get("grad_norm"))
+    for row in iter_rows(path):  # lenient: a killed run leaves a torn last row
+        if "event" in row or "loss" not in row:
+            continue
+        rows[int(row["step"])] = (row.get("loss"), row.get("grad_norm"))
     return rows
 
 

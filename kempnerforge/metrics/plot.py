@@ -8,13 +8,13 @@ plotting, with the Agg backend, so the package never needs a display or matplotl
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.core.metrics_file import iter_rows
 
 PLOTTED = {
     "loss": "training loss",
@@ -55,25 +55,20 @@ def read_curves(path: str | os.PathLike[str], name: str = "") -> RunCurves:
     unreadable line (the torn last row of a killed run) is skipped.
     """
     values: dict[str, dict[int, float | None]] = {key: {} for key in PLOTTED}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(row, dict) or not _is_step(row.get("step")):
-                continue
-            step = int(row["step"])
-            if "event" in row:
-                if row["event"] in RESTART_EVENTS:
-                    for by_step in values.values():
-                        for later in [s for s in by_step if s > step]:
-                            del by_step[later]
-                continue
-            for key, by_step in values.items():
-                if key in row:
-                    value = row[key]
-                    by_step[step] = float(value) if _is_finite(value) else None
+    for row in iter_rows(path):
+        if not _is_step(row.get("step")):
+            continue
+        step = int(row["step"])
+        if "event" in row:
+            if row["event"] in RESTART_EVENTS:
+                for by_step in values.values():
+                    for later in [s for s in by_step if s > step]:
+                        del by_step[later]
+            continue
+        for key, by_step in values.items():
+            if key in row:
+                value = row[key]
+                by_step[step] = float(value) if _is_finite(value) else None
     curves = RunCurves(name or str(path))
     for key, by_step in values.items():
         points = [(s, v) for s, v in sorted(by_step.items()) if v is not None]

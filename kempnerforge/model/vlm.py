@@ -9,9 +9,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.config.vlm import AdapterConfig, VisionEncoderConfig, VisionSpec, VLMConfig
+from kempnerforge.config.vlm import (
+    AdapterConfig,
+    VisionEncoderConfig,
+    VisionSpec,
+    VLMConfig,
+    resolve_vision,
+)
 from kempnerforge.model.adapter import ImageAdapter, build_adapter
 from kempnerforge.model.cross_attention import GatedCrossAttentionBlock
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
@@ -230,15 +235,26 @@ def _check_batch(
         )
 
 
-def build_vlm(job: JobConfig, spec: VisionSpec | None = None) -> VisionLanguageModel:
-    """The vision-language model ``job`` describes, on the current default device.
+def build_vlm(
+    model_cfg: ModelConfig,
+    encoder_cfg: VisionEncoderConfig | None,
+    adapter_cfg: AdapterConfig | None,
+    vlm_cfg: VLMConfig | None,
+    spec: VisionSpec | None = None,
+) -> VisionLanguageModel:
+    """The vision-language model of these sections ([model], [vision_encoder], [adapter],
+    [vlm]), on the current default device.
 
-    ``spec`` is the encoder's shape (job.vision_spec(), read from the tower's config files
-    when omitted). Under ``torch.device("meta")`` nothing is allocated or loaded; then
-    to_empty(device=...) and init_weights() make it real.
+    ``spec`` is the encoder's shape (read from the tower's config files when omitted);
+    no [adapter] means the default adapter. Under ``torch.device("meta")`` nothing is
+    allocated or loaded; then to_empty(device=...) and init_weights() make it real.
     """
-    if job.vlm is None or job.vision_encoder is None or job.adapter is None:
+    if vlm_cfg is None or encoder_cfg is None:
         raise ValueError("build_vlm needs a job with [vlm] and [vision_encoder] sections")
     return VisionLanguageModel(
-        job.model, job.vision_encoder, job.adapter, job.vlm, spec or job.vision_spec()
+        model_cfg,
+        encoder_cfg,
+        adapter_cfg or AdapterConfig(),
+        vlm_cfg,
+        spec or resolve_vision(encoder_cfg),
     )

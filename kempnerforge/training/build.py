@@ -15,7 +15,7 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.distributed.parallelize import parallelize_model
+from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
@@ -84,7 +84,8 @@ def _build_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     with torch.device("meta"):
         rank_model = layout_of(config).build_on_meta(config, runtime)
     roots = rank_model.stage_modules or None
-    parallelize_model(rank_model.model, runtime, config, roots=roots)
+    plan = ParallelPlan.of(config.distributed, config.train, runtime.device.type)
+    parallelize_model(rank_model.model, runtime, plan, roots=roots)
     return rank_model
 
 

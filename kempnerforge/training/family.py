@@ -178,7 +178,9 @@ def continue_prompt(
 
 def build_vision_language_model(config: JobConfig) -> VisionLanguageModel:
     """Encoder, adapter and decoder of [vision_encoder], [adapter], [vlm] and model.*."""
-    return build_vlm(config, config.vision_spec())
+    return build_vlm(
+        config.model, config.vision_encoder, config.adapter, config.vlm, config.vision_spec()
+    )
 
 
 def build_image_text_data(

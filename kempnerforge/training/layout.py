@@ -82,7 +82,14 @@ def build_stage_schedule(
     """The distributed.pp_schedule over this rank's stages (build_pipeline)."""
     # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
     setattr(rank_model.model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
-    return build_pipeline(rank_model.stage_modules, rank_model.stage_ids, runtime, config, loss_fn)
+    return build_pipeline(
+        rank_model.stage_modules,
+        rank_model.stage_ids,
+        runtime,
+        config.distributed,
+        loss_fn,
+        num_microbatches=config.train.grad_accum_steps,
+    )
 
 
 WHOLE_MODEL = ModelLayout("whole model", build_whole_model, no_schedule)

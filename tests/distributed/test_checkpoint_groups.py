@@ -24,6 +24,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from tests.support.dist import run_distributed
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.distributed
 
@@ -133,30 +134,20 @@ def _counted_run(rank: int, world_size: int, overrides: list[str]) -> dict[str, 
 def test_one_side_group_and_one_world_collective_per_step_during_an_async_save(
     tmp_path, token_dirs
 ):
-    train, evald = token_dirs
-    overrides = [
-        "--model.dim=32",
-        "--model.n_layers=2",
-        "--model.n_heads=2",
+    overrides = tiny_run(
+        tmp_path / "run",
+        token_dirs,
         "--model.n_kv_heads=2",
-        "--model.multiple_of=16",
-        "--model.max_seq_len=64",
-        "--train.seq_len=32",
-        "--train.batch_size=4",
         "--train.max_steps=20",
-        "--train.sample_prompt=",
         "--scheduler.warmup_steps=1",
-        "--metrics.progress=off",
+        "--metrics.log_interval=10",
         "--eval.interval=0",
         "--checkpoint.interval=10",
         "--checkpoint.async_mode=async",
         "--distributed.tp=2",
         "--distributed.dp_shard=1",
         "--data.document_masking=false",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
-        f"--train.run_dir={tmp_path / 'run'}",
-    ]
+    )
     ranks = run_distributed(_counted_run, 2, overrides)
     for record in ranks:
         created = record["created_by_init"]

@@ -15,6 +15,8 @@ import pytest
 
 from kempnerforge.config.loader import load_config, save_config
 from tests.support.dist import run_distributed
+from tests.support.metrics_rows import read_rows
+from tests.support.tiny import tiny_run
 from tests.support.train_run import train_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -27,33 +29,23 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def base(token_dirs) -> list[str]:
-    train, evald = token_dirs
-    return [
-        "--model.dim=32",
-        "--model.n_layers=2",
+    return tiny_run(
+        None,
+        token_dirs,
         "--model.n_heads=4",
         "--model.n_kv_heads=2",
-        "--model.multiple_of=16",
-        "--model.max_seq_len=64",
-        "--train.seq_len=32",
         f"--train.max_steps={STEPS}",
-        "--train.sample_prompt=",
         "--train.deterministic=true",
         "--scheduler.warmup_steps=1",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
         f"--checkpoint.interval={STEPS}",
         f"--eval.interval={STEPS}",
         "--eval.steps=3",
         "--data.document_masking=false",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
-    ]
+    )
 
 
 def _logged_eval(run_dir: pathlib.Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    (row,) = [r for r in rows if "eval_loss" in r]
+    (row,) = [r for r in read_rows(run_dir) if "eval_loss" in r]
     assert row["step"] == STEPS
     return row
 

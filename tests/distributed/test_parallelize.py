@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kempnerforge.distributed.parallelize import (
+    ParallelPlan,
     apply_ac,
     apply_compile,
     apply_tp,
@@ -27,6 +28,7 @@ from tests.support.parallel import (
     job_config,
     lm_loss,
     max_diff,
+    parallel_plan,
     reference_model,
     token_batch,
     whole_grads,
@@ -142,7 +144,7 @@ def _first_stage_diffs(runtime: RuntimeContext) -> dict[str, float]:
     def first_stage(model: nn.Module) -> None:
         assert isinstance(model, Transformer)
         model.keep_layers(0, 1)
-        parallelize_model(model, runtime, config)
+        parallelize_model(model, runtime, parallel_plan(config))
 
     model = build_parallel(config, runtime, parallelize=first_stage)
     reference = reference_model(config)
@@ -169,7 +171,7 @@ def _compile_with_tensor_parallel(runtime: RuntimeContext) -> dict[str, Any]:
         config = job_config(*TP, "--train.compile=true")
         with torch.device("meta"):
             model = Transformer(config.model)
-        parallelize_model(model, runtime, config)
+        parallelize_model(model, runtime, parallel_plan(config))
     finally:
         logger.removeHandler(handler)
     compiled = [b._compiled_call_impl is not None for _, b in transformer_blocks(model)]
@@ -401,7 +403,31 @@ def test_train_compile_compiles_every_block():
     config = job_config("--train.compile=true")
     with torch.device("meta"):
         model = Transformer(config.model)
-    parallelize_model(model, RuntimeContext(), config)
+    parallelize_model(model, RuntimeContext(), parallel_plan(config))
     compiled = [b._compiled_call_impl is not None for _, b in transformer_blocks(model)]
     assert compiled == [True, True]
     assert not any("_orig_mod" in name for name in model.state_dict())
+
+
+def test_parallel_plan_takes_the_distributed_fields_and_the_precision_of_the_device():
+    config = job_config(
+        "--distributed.activation_checkpointing=selective",
+        "--distributed.ac_every=3",
+        "--distributed.reshard_after_forward=false",
+        "--train.compile=true",
+    )
+    plan = ParallelPlan.of(config.distributed, config.train, "cpu")
+    assert plan == ParallelPlan("selective", 3, reshard_after_forward=False, compile=True)
+    assert ParallelPlan.of(config.distributed, config.train, "cuda").bf16  # 'auto' on a GPU
+    forced = job_config("--train.mixed_precision=bf16")
+    assert ParallelPlan.of(forced.distributed, forced.train, "cpu").bf16
+
+
+def test_parallelize_model_applies_the_plan_it_is_given():
+    config = job_config()
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    parallelize_model(model, RuntimeContext(), ParallelPlan(activation_checkpointing="full"))
+    assert [type(b).__name__ for _, b in transformer_blocks(model)] == [
+        "CheckpointedTransformerBlock"
+    ] * 2

@@ -20,6 +20,7 @@ from kempnerforge.distributed.runtime import init_runtime
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.loss import cross_entropy_sum
 from tests.support.dist import run_distributed
+from tests.support.tiny import TINY_MODEL
 
 SEED = 11
 NUM_MICRO, BATCH, SEQ, VOCAB = 4, 2, 16, 64
@@ -30,12 +31,11 @@ def _config(schedule: str, dp_shard: int = 1) -> JobConfig:
     return load_config(
         None,
         [
-            "--model.dim=32",
+            *TINY_MODEL,
             "--model.n_layers=4",
             "--model.n_heads=4",
             f"--model.vocab_size={VOCAB}",
             f"--model.max_seq_len={SEQ}",
-            "--model.multiple_of=16",
             "--distributed.pp=2",
             f"--distributed.pp_schedule={schedule!r}",
             f"--distributed.dp_shard={dp_shard}",
@@ -91,7 +91,14 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
             fully_shard(stage, mesh=mesh)
     model.to_empty(device=runtime.device)
     model.init_weights(SEED)
-    bundle = build_pipeline(stage_modules, stage_ids, runtime, config, cross_entropy_sum)
+    bundle = build_pipeline(
+        stage_modules,
+        stage_ids,
+        runtime,
+        config.distributed,
+        cross_entropy_sum,
+        num_microbatches=config.train.grad_accum_steps,
+    )
     inputs, labels = _step_data(runtime.dp_size)
     scale = runtime.dp_size / (labels != IGNORE_INDEX).sum()
     steps = []

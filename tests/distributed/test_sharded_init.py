@@ -16,7 +16,14 @@ from kempnerforge.distributed.runtime import init_runtime
 from kempnerforge.model.transformer import Transformer, init_std
 from kempnerforge.model.weight_init import TILE_ELEMENTS, fill_parameter, parameter_seed
 from tests.support.dist import run_distributed
-from tests.support.parallel import SEED, job_config, max_diff, reference_model, whole_params
+from tests.support.parallel import (
+    SEED,
+    job_config,
+    max_diff,
+    parallel_plan,
+    reference_model,
+    whole_params,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -71,7 +78,7 @@ def _init_on_rank(overrides: list[str]) -> dict[str, Any]:
     runtime = init_runtime(config.distributed, "cpu")
     with torch.device("meta"):
         model = Transformer(config.model)
-    parallelize_model(model, runtime, config)
+    parallelize_model(model, runtime, parallel_plan(config))
     model.to_empty(device=runtime.device)
     with _Allocations() as init:
         model.init_weights(SEED)

@@ -7,12 +7,12 @@ floating-point sums differs (reductions over ranks, sharded matmuls).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.support.dist import run_distributed
+from tests.support.metrics_rows import eval_rows, train_rows
+from tests.support.tiny import tiny_run
 from tests.support.train_run import train_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -25,26 +25,17 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def base(token_dirs) -> list[str]:
-    train, evald = token_dirs
-    return [
-        "--model.dim=32",
+    return tiny_run(
+        None,
+        token_dirs,
         "--model.n_layers=4",
         "--model.n_heads=4",
         "--model.n_kv_heads=2",
-        "--model.multiple_of=16",
-        "--model.max_seq_len=64",
-        "--train.seq_len=32",
         f"--train.max_steps={STEPS}",
-        "--train.sample_prompt=",
         "--train.deterministic=true",
         "--scheduler.warmup_steps=1",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
         "--data.document_masking=false",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
-    ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +98,9 @@ def test_a_pipeline_trains_like_one_process_and_every_stage_reports_the_loss(
     # Stages have no whole-model forward: in-loop eval is skipped (the build warns).
     ranks = _two_ranks(base, tmp_path / "two", *layout, *batch, "--eval.interval=2")
     _assert_matches(ranks, reference)
+    assert not eval_rows(tmp_path / "two")
     # Rank 0's rows count the tokens of every rank, per device too.
-    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").open()]
-    assert not [r for r in rows if "eval_loss" in r]
-    train = [r for r in rows if "loss" in r and "event" not in r]
+    train = train_rows(tmp_path / "two")
     assert len(train) == STEPS
     for row in train:
         assert row["peak_memory_gib"] > 0 and row["skipped_steps"] == 0

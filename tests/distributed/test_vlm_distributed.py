@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.support.dist import run_distributed
+from tests.support.tiny import tiny_run
 from tests.support.train_run import train_on_ranks
 from tests.support.vision_towers import save_tiny_clip
 
@@ -21,12 +22,9 @@ SCHEDULE = '[{start_step=2, specs=[{module="decoder", frozen=false}]}]'
 
 
 def base(run_dir, *extra: str) -> list[str]:
-    return [
-        "--model.dim=32",
-        "--model.n_layers=2",
-        "--model.n_heads=2",
-        "--model.multiple_of=16",
-        "--model.max_seq_len=64",
+    return tiny_run(
+        run_dir,
+        None,
         "--vision_encoder.type=random",
         "--vlm.max_text_len=40",
         "--vlm.synthetic_samples=64",
@@ -37,13 +35,9 @@ def base(run_dir, *extra: str) -> list[str]:
         "--train.deterministic=true",
         "--scheduler.warmup_steps=1",
         "--optimizer.lr=3e-3",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
         "--eval.interval=0",
-        f"--train.run_dir={run_dir}",
         *extra,
-    ]
+    )
 
 
 def one_process(overrides: list[str]) -> dict:

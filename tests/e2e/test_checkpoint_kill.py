@@ -19,6 +19,8 @@ import pytest
 
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
+from tests.support.metrics_rows import events
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -40,18 +42,18 @@ def _token_dir(root: pathlib.Path) -> str:
 
 
 def _train(run_dir: pathlib.Path, data: str, cache: pathlib.Path, **env: str) -> subprocess.Popen:
-    args = [
-        f"--train.run_dir={run_dir}",
+    # The tiny model: what is under test is the checkpoint's commit, not the training.
+    args = tiny_run(
+        run_dir,
+        None,
+        "--model.n_kv_heads=2",  # the debug config's 4 do not divide the tiny model's heads
         "--checkpoint.interval=5",
         "--checkpoint.async_mode=async",
         "--train.max_steps=12",
-        "--scheduler.warmup_steps=2",  # the debug config warms up for 20 steps
-        "--metrics.progress=off",
-        "--train.sample_prompt=",
         f"--data.path={data}",
         "--data.eval_path=",
         "--eval.interval=0",
-    ]
+    )
     return subprocess.Popen(
         [sys.executable, "-m", "kempnerforge", "train", DEBUG, *args],
         cwd=REPO,
@@ -102,8 +104,7 @@ def test_sigkill_mid_async_save_resumes_from_the_last_committed_checkpoint(tmp_p
     second = _train(run_dir, data, cache)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resumes = [r for r in rows if r.get("event") == "resume"]
+    resumes = events(run_dir, "resume")
     assert [r["step"] for r in resumes] == [5]
     assert resumes[0]["path"] == str(checkpoints / "step_5")
     assert _latest(checkpoints) == "step_12"

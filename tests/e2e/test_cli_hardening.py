@@ -8,7 +8,6 @@ disk, and `--help`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
 import signal
@@ -18,7 +17,8 @@ import time
 
 import pytest
 
-from tests.conftest import TINY_MODEL
+from tests.support.metrics_rows import train_rows
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -28,23 +28,17 @@ WAIT_S = 240.0
 
 
 def tiny(run_dir: pathlib.Path, token_dirs: tuple[str, str], *extra: str) -> list[str]:
-    train, evald = token_dirs
     return [
         "train",
         DEBUG,
-        *TINY_MODEL,
-        "--model.n_kv_heads=2",
-        "--train.batch_size=4",
-        "--train.seq_len=32",
-        "--train.sample_prompt=",
-        "--scheduler.warmup_steps=1",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--eval.interval=0",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
-        f"--train.run_dir={run_dir}",
-        *extra,
+        *tiny_run(
+            run_dir,
+            token_dirs,
+            "--model.n_kv_heads=2",
+            "--scheduler.warmup_steps=1",
+            "--eval.interval=0",
+            *extra,
+        ),
     ]
 
 
@@ -79,14 +73,7 @@ def run(*args: str, **kwargs) -> tuple[int, str, str]:
 
 
 def train_steps(run_dir: pathlib.Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            rows.append(json.loads(line))
-    return [r["step"] for r in rows if "loss" in r and "event" not in r]
+    return [r["step"] for r in train_rows(run_dir, live=True)]
 
 
 def one_line(err: str) -> str:

@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import TINY_MODEL, synthetic_documents
+from tests.conftest import synthetic_documents
 from tests.support.data_files import write_jsonl
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +37,17 @@ def train_args(data: pathlib.Path, run_dir: pathlib.Path, *extra: str) -> list[s
     return [
         "train",
         DEBUG,
-        *TINY_MODEL,
-        "--model.n_kv_heads=2",
-        "--train.batch_size=2",
-        "--train.seq_len=16",
-        "--train.max_steps=3",
-        "--train.sample_prompt=",
-        "--eval.interval=0",
-        "--checkpoint.interval=0",
-        "--metrics.progress=off",
-        f"--data.path={data}",
-        f"--train.run_dir={run_dir}",
-        *extra,
+        *tiny_run(
+            run_dir,
+            None,
+            "--model.n_kv_heads=2",
+            "--train.batch_size=2",
+            "--train.seq_len=16",
+            "--train.max_steps=3",
+            "--eval.interval=0",
+            f"--data.path={data}",
+            *extra,
+        ),
     ]
 
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY_MODEL
+from tests.support.metrics_rows import read_rows
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -33,34 +34,26 @@ def kempnerforge(*args: str, timeout: float = 300) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, token_dirs) -> pathlib.Path:
     """The run directory of a 4-step tiny run that evaluated and saved at step 4."""
-    train, evald = token_dirs
     run_dir = tmp_path_factory.mktemp("eval_cli") / "run"
     result = kempnerforge(
         "train",
         DEBUG,
-        *TINY_MODEL,
-        "--model.n_kv_heads=2",
-        "--train.batch_size=4",
-        "--train.seq_len=32",
-        "--train.max_steps=4",
-        "--train.sample_prompt=",
-        f"--train.run_dir={run_dir}",
-        "--scheduler.warmup_steps=2",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=4",
-        "--eval.interval=4",
-        "--eval.steps=3",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
+        *tiny_run(
+            run_dir,
+            token_dirs,
+            "--model.n_kv_heads=2",
+            "--train.max_steps=4",
+            "--checkpoint.interval=4",
+            "--eval.interval=4",
+            "--eval.steps=3",
+        ),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
 def test_eval_of_a_checkpoint_matches_the_eval_the_run_logged(trained, tmp_path):
-    rows = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
-    (logged,) = [r for r in rows if "eval_loss" in r]
+    (logged,) = [r for r in read_rows(trained) if "eval_loss" in r]
     assert logged["step"] == 4
     checkpoint = trained / "checkpoints" / "step_4"
     result = kempnerforge("eval", str(trained / "config.toml"), f"--checkpoint={checkpoint}")

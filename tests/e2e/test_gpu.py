@@ -6,7 +6,6 @@ everywhere else).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
@@ -15,6 +14,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.support.metrics_rows import train_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,8 +49,7 @@ def _train(run_dir: pathlib.Path, cache: pathlib.Path, *launcher: str, extra=())
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row and "event" not in row]
+    return [row["loss"] for row in train_rows(run_dir)]
 
 
 def test_bf16_compiled_fused_training_on_one_gpu_learns(tmp_path, builtin_cache):

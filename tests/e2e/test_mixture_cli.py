@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.test_train_cli import kempnerforge
 from tests.support.data_files import make_hf_tokenizer
+from tests.support.metrics_rows import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -111,10 +112,6 @@ def write_config(
         lines += ["", "[[eval.sets]]", f'name = "{name}"', f"path = {toml_string(data_dir)}"]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def read_rows(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # --- preparing the corpora -------------------------------------------------------------------

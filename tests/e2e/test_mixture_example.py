@@ -6,7 +6,6 @@ recipe cannot drift from one that works; only the run is shortened.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.metrics_rows import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,7 @@ def test_the_worked_example_prepares_and_trains(tmp_path):
         ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "runs/debug-mixture/metrics.jsonl").open()]
+    rows = read_rows(tmp_path / "runs/debug-mixture")
     train = [r for r in rows if "loss" in r and "event" not in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     for row in train:

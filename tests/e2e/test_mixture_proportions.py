@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 from pathlib import Path
 
@@ -33,7 +32,8 @@ from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
-from tests.conftest import TINY_MODEL
+from tests.support.metrics_rows import train_rows
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -101,24 +101,20 @@ def train_mixture(
     datasets = ", ".join(
         f'{{name = "{n}", path = "{source_dirs[n]}", weight = {w}}}' for n, w in weights.items()
     )
-    overrides = [
-        *TINY_MODEL,
+    overrides = tiny_run(
+        run_dir,
+        None,
         f"--train.batch_size={BATCH}",
         f"--train.seq_len={SEQ_LEN}",
         f"--train.max_steps={steps}",
         "--train.seed=11",
-        "--train.sample_prompt=",
-        f"--train.run_dir={run_dir}",
         "--scheduler.name=constant",
         "--scheduler.warmup_steps=0",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
         f"--data.datasets=[{datasets}]",
         f"--data.mix_temperature={temperature}",
         *([f"--train.phases={phases}"] if phases else []),
         *extra,
-    ]
+    )
     config = load_config(None, overrides)
     config.validate(1)
     session: TrainingSession = build_session(config, RuntimeContext())
@@ -143,9 +139,7 @@ def train_mixture(
             run_training_loop(session)
     finally:
         handle.remove()
-    with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
-        logged = [json.loads(line) for line in f]
-    rows = [r for r in logged if "loss" in r and "event" not in r]
+    rows = train_rows(config.run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert len(results) == steps  # no step was skipped
     return MixtureRun(list(weights), rows, results, fed)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.support.metrics_rows import events, train_rows
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = pathlib.Path(__file__).parents[2]
@@ -33,17 +35,13 @@ def run(line: str, cwd: pathlib.Path, env: dict[str, str]) -> subprocess.Complet
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
 
 
-def rows(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def train_steps(run_dir: pathlib.Path) -> list[int]:
     """Steps of the logged training rows (the debug config logs every 10th step)."""
-    return [r["step"] for r in rows(run_dir) if "loss" in r and "event" not in r]
+    return [r["step"] for r in train_rows(run_dir)]
 
 
-def events(run_dir: pathlib.Path, name: str) -> list[int]:
-    return [r["step"] for r in rows(run_dir) if r.get("event") == name]
+def event_steps(run_dir: pathlib.Path, name: str) -> list[int]:
+    return [r["step"] for r in events(run_dir, name)]
 
 
 def latest(run_dir: pathlib.Path) -> str:
@@ -75,14 +73,14 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     quick = tmp_path / "runs" / "quick"
     # 20 steps, then the same run resumed at 21 (its first step is always logged) to 30.
     assert train_steps(quick) == [1, 10, 20, 21, 30]
-    assert events(quick, "resume") == [20]
+    assert event_steps(quick, "resume") == [20]
     assert latest(quick) == "step_30"
     assert "resumed from" in results[1].stderr
     for prepared in ("data/mycorpus", "data/mycorpus-eval"):
         assert (tmp_path / prepared / "meta.json").is_file(), prepared
     mycorpus = tmp_path / "runs" / "mycorpus"
     assert train_steps(mycorpus) == [1, 10, 20, 30]
-    assert events(mycorpus, "resume") == []
+    assert event_steps(mycorpus, "resume") == []
     assert latest(mycorpus) == "step_30"
     report = json.loads((mycorpus / "checkpoints" / "step_30" / "eval.json").read_text())
     assert report["step"] == 30 and report["metrics"]["eval_tokens"] > 0

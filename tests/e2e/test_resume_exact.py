@@ -17,20 +17,18 @@ import pytest
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import TrainingSession, run_training_loop
 from kempnerforge.training.resume import resume_session
-from tests.conftest import TINY_MODEL
+from tests.support.metrics_rows import eval_rows, events, train_rows
 from tests.support.resume import (
     assert_optimizer_states_bitwise_equal,
     assert_tensors_bitwise_equal,
     draw_from_every_generator,
-    eval_rows,
-    events,
     make_session,
     optimizer_state_of,
     parameters_of,
     rng_state_of,
-    train_rows,
     write_small_corpus,
 )
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -73,23 +71,9 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
 
 
 def overrides_for(corpus: tuple[str, str], run_dir: Path, extra: list[str]) -> list[str]:
-    train, evald = corpus
-    return [
-        *TINY_MODEL,
-        "--train.batch_size=4",
-        "--train.seq_len=32",
-        f"--train.max_steps={MAX_STEPS}",
-        "--train.deterministic=true",
-        "--train.sample_prompt=",
-        f"--train.run_dir={run_dir}",
-        "--scheduler.warmup_steps=2",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
-        f"--data.path={train}",
-        f"--data.eval_path={evald}",
-        *extra,
-    ]
+    return tiny_run(
+        run_dir, corpus, f"--train.max_steps={MAX_STEPS}", "--train.deterministic=true", *extra
+    )
 
 
 def run_uninterrupted(overrides: list[str]) -> TrainingSession:

@@ -26,16 +26,15 @@ from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.optim.scheduler import lr_factor
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import TrainingSession, run_training_loop
-from tests.conftest import TINY_MODEL
 from tests.e2e.test_resume_exact import MAX_STEPS, resume_fresh, run_until_sigterm
+from tests.support.metrics_rows import events, train_rows
 from tests.support.resume import (
     assert_tensors_bitwise_equal,
     draw_from_every_generator,
-    events,
     make_session,
     parameters_of,
-    train_rows,
 )
+from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -101,26 +100,21 @@ def sources(tmp_path_factory) -> dict[str, str]:
 
 def overrides_for(sources: dict[str, str], run_dir: Path, extra: list[str]) -> list[str]:
     datasets = ", ".join(f'{{name="{n}", path="{sources[n]}", weight={WEIGHTS[n]}}}' for n in NAMES)
-    return [
-        *TINY_MODEL,
+    return tiny_run(
+        run_dir,
+        None,
         f"--train.batch_size={BATCH}",
         f"--train.seq_len={SEQ_LEN}",
         f"--train.max_steps={MAX_STEPS}",
         "--train.deterministic=true",
-        "--train.sample_prompt=",
-        f"--train.run_dir={run_dir}",
         "--scheduler.name=cosine",
-        "--scheduler.warmup_steps=2",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
         "--data.path=",
         f"--data.datasets=[{datasets}]",
         f"--data.mix_temperature={TEMPERATURE}",
         f"--data.eval_path={sources['eval']}",
         f"--train.phases={PHASES}",
         *extra,
-    ]
+    )
 
 
 @dataclass(frozen=True)

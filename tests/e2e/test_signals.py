@@ -8,7 +8,6 @@ workers, resumed bitwise.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -23,6 +22,7 @@ import pytest
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.resilience import exit_codes
+from tests.support.metrics_rows import train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -102,18 +102,7 @@ def start(
 def logged_losses(run_dir: pathlib.Path) -> list[tuple[int, float]]:
     """(step, loss) of the training rows in metrics.jsonl so far (a half-written last row is
     skipped)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if "event" not in row and "loss" in row:
-            rows.append((row["step"], row["loss"]))
-    return rows
+    return [(row["step"], row["loss"]) for row in train_rows(run_dir, live=True)]
 
 
 def logged_steps(run_dir: pathlib.Path) -> list[int]:

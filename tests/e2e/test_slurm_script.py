@@ -6,7 +6,6 @@ stand-in trainer (exit codes, environment) or the real one (a stop signal, save,
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
 import signal
@@ -16,6 +15,8 @@ import sys
 import time
 
 import pytest
+
+from tests.support.metrics_rows import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -152,19 +153,6 @@ def test_the_highest_rank_exit_code_decides_requeue(
     assert requeues == ([f"requeue {job_id}"] if requeued else [])
 
 
-def _train_rows(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
-
-
 def _descendants(pid: int) -> list[int]:
     """Every process below pid (from /proc), as slurmd's signal to a job step reaches."""
     children: dict[int, list[int]] = {}
@@ -205,7 +193,7 @@ def test_stop_signal_saves_on_every_rank_and_requeues(tmp_path, builtin_cache, s
     )
     try:
         deadline = time.monotonic() + WAIT_S
-        while not any("loss" in r for r in _train_rows(run_dir)):
+        while not any("loss" in r for r in read_rows(run_dir, live=True)):
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "no training step within the time limit"
             time.sleep(0.5)
@@ -224,7 +212,7 @@ def test_stop_signal_saves_on_every_rank_and_requeues(tmp_path, builtin_cache, s
     assert f"received SIG{sig.name[3:]}" in out
     assert "requeueing job" in out
     assert fake_log(tmp_path) == [f"requeue {out.split()[1]}"]
-    rows = _train_rows(run_dir)
+    rows = read_rows(run_dir, live=True)
     shutdown = [r for r in rows if r.get("event") == "shutdown"]
     assert len(shutdown) == 1, rows[-5:]
     step = shutdown[0]["step"]

@@ -26,6 +26,7 @@ from tests.e2e.test_signals import (
     logged_steps,
     wait_until,
 )
+from tests.support.metrics_rows import events
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -133,8 +134,7 @@ def test_sigterm_to_the_torchrun_group_saves_once_on_every_rank_and_resumes_bitw
     assert CheckpointManager(CheckpointConfig(), str(checkpoints)).is_complete(
         checkpoints / f"step_{stopped_at}"
     )
-    events = (run_dir / "metrics.jsonl").read_text().count('"event": "checkpoint"')
-    assert events == 1
+    assert len(events(run_dir, "checkpoint")) == 1
 
     resumed = start_torchrun(run_dir, builtin_cache, *LAYOUT)
     assert resumed.finish() == 0, resumed.err()[-3000:]

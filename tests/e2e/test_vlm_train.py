@@ -24,13 +24,12 @@ from kempnerforge.training.forward import vlm_batch_loss
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
 from kempnerforge.training.resume import resume_session
-from tests.conftest import TINY_MODEL
+from tests.support.metrics_rows import events, read_rows, train_rows
 from tests.support.resume import (
     assert_tensors_bitwise_equal,
-    events,
     parameters_of,
-    train_rows,
 )
+from tests.support.tiny import tiny_run
 from tests.support.vision_towers import save_tiny_clip
 
 pytestmark = pytest.mark.slow
@@ -47,28 +46,22 @@ SCHEDULE = (
 
 
 def vlm_overrides(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        *TINY_MODEL,
+    return tiny_run(
+        run_dir,
+        None,
         "--vision_encoder.type=random",
         "--vlm.arch=joint_decoder",
         "--vlm.max_text_len=40",
         "--vlm.synthetic_samples=64",
         f"--vlm.freeze={FREEZE}",
         f"--vlm.freeze_schedule={SCHEDULE}",
-        "--train.batch_size=4",
         f"--train.max_steps={MAX_STEPS}",
         "--train.deterministic=true",
-        "--train.sample_prompt=",
         "--train.sample_tokens=0",
-        f"--train.run_dir={run_dir}",
-        "--scheduler.warmup_steps=2",
         "--optimizer.lr=3e-3",
-        "--metrics.progress=off",
-        "--metrics.log_interval=1",
-        "--checkpoint.interval=0",
         "--eval.interval=0",
         *extra,
-    ]
+    )
 
 
 def make_session(overrides: list[str]) -> TrainingSession:
@@ -295,15 +288,15 @@ def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedPr
 
 
 def test_vlm_debug_config_trains_end_to_end_on_cpu(tmp_path):
-    schedule = '--vlm.freeze_schedule=[{start_step=6, specs=[{module="decoder", frozen=false}]}]'
+    schedule = '--vlm.freeze_schedule=[{start_step=4, specs=[{module="decoder", frozen=false}]}]'
     done = run_cli(
         "train",
         str(REPO / "configs/train/vlm_debug.toml"),
         f"--train.run_dir={tmp_path / 'run'}",
-        "--train.max_steps=12",
-        "--eval.interval=6",
+        "--train.max_steps=8",
+        "--eval.interval=4",
         "--eval.steps=2",
-        "--checkpoint.interval=6",
+        "--checkpoint.interval=4",
         "--metrics.log_interval=2",
         "--train.sample_tokens=8",
         schedule,
@@ -311,21 +304,21 @@ def test_vlm_debug_config_trains_end_to_end_on_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "caption of image 0: 'a " in done.stdout
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rows = read_rows(tmp_path / "run")
     freeze = [r for r in rows if r.get("event") == "freeze"]
-    assert [(r["step"], r["unfrozen"]) for r in freeze] == [(6, ["decoder"])]
+    assert [(r["step"], r["unfrozen"]) for r in freeze] == [(4, ["decoder"])]
     assert any("eval_loss" in r for r in rows)
-    assert (tmp_path / "run" / "checkpoints" / "step_12").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / "step_8").is_dir()
     # The standalone eval reads the VLM checkpoint with the VLM's own forward.
     evaluated = run_cli(
         "eval",
         str(tmp_path / "run" / "config.toml"),
         "--checkpoint",
-        str(tmp_path / "run" / "checkpoints" / "step_12"),
+        str(tmp_path / "run" / "checkpoints" / "step_8"),
         cwd=tmp_path,
     )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "checkpoints" / "step_12" / "eval.json").read_text())
+    report = json.loads((tmp_path / "run" / "checkpoints" / "step_8" / "eval.json").read_text())
     final_eval = [r for r in rows if "eval_loss" in r][-1]
     assert report["metrics"]["eval_loss"] == pytest.approx(final_eval["eval_loss"], rel=1e-5)
 

@@ -12,27 +12,26 @@ from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
-from kempnerforge.distributed.parallelize import parallelize_model
+from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.transformer import Transformer
+from tests.support.tiny import TINY_MODEL
 
 SEED = 1234
 """The init seed every parallel model and its single-process reference share."""
 
-TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.multiple_of=16",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-]
+TINY = [*TINY_MODEL, "--model.n_heads=4", "--model.vocab_size=64", "--model.max_seq_len=32"]
 """dim 32, 2 layers, 4 heads (head size 8), SwiGLU hidden size 96, vocabulary 64."""
 
 
 def job_config(*overrides: str) -> JobConfig:
     """The tiny model's JobConfig with ``overrides`` (``--section.field=value``)."""
     return load_config(None, [*TINY, *overrides])
+
+
+def parallel_plan(config: JobConfig) -> ParallelPlan:
+    """The ParallelPlan the trainer derives from ``config`` on a CPU rank."""
+    return ParallelPlan.of(config.distributed, config.train, "cpu")
 
 
 def build_parallel(
@@ -46,7 +45,7 @@ def build_parallel(
     with torch.device("meta"):
         model = Transformer(config.model)
     if parallelize is None:
-        parallelize_model(model, runtime, config)
+        parallelize_model(model, runtime, parallel_plan(config))
     else:
         parallelize(model)
     model.to_empty(device=runtime.device)

@@ -1,9 +1,8 @@
-"""Resume-test inputs and checks: a corpus of a few steps per epoch, logged rows, state copies."""
+"""Resume-test inputs and checks: a corpus of a few steps per epoch, sessions, state copies."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -62,24 +61,6 @@ def make_session(overrides: list[str]) -> TrainingSession:
     config = load_config(None, overrides)
     config.validate(1)
     return build_session(config, RuntimeContext())
-
-
-def read_rows(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def train_rows(run_dir: str) -> list[dict]:
-    """The per-step training rows (events and eval rows left out), in logged order."""
-    return [r for r in read_rows(run_dir) if "loss" in r and "event" not in r]
-
-
-def events(run_dir: str, name: str) -> list[dict]:
-    return [r for r in read_rows(run_dir) if r.get("event") == name]
-
-
-def eval_rows(run_dir: str) -> list[dict]:
-    return [r for r in read_rows(run_dir) if "eval_loss" in r and "event" not in r]
 
 
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,24 @@ def test_stdlib_files_are_sorted_python_without_site_packages(fake_stdlib):
     assert "os.py" in names and "json/decoder.py" in names
     assert not any("site-packages" in n or "dist-packages" in n for n in names)
     assert "notes.txt" not in names
+
+
+def test_listing_the_stdlib_never_walks_into_site_packages(fake_stdlib, monkeypatch):
+    # Every run lists the library to find its cache entry; site-packages may hold far more
+    # files than the library itself, so the walk must not enter it.
+    (fake_stdlib / "dir.py").mkdir()  # a directory, not a file
+    opened: list[str] = []
+    scandir = os.scandir
+
+    def recording(path=".") -> Iterator[os.DirEntry]:
+        opened.append(os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", recording)
+    names = [p.relative_to(fake_stdlib).as_posix() for p in stdlib_files(str(fake_stdlib))]
+    assert names[:4] == ["json/__init__.py", "json/decoder.py", "latin1.py", "os.py"]
+    assert names[4:] == [f"pkg/m{i:02d}.py" for i in range(30)]
+    assert opened and not any("site-packages" in p or "dist-packages" in p for p in opened)
 
 
 def test_builtin_corpus_is_prepared_once_then_reused(fake_stdlib, tmp_path, monkeypatch):

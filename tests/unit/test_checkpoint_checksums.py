@@ -23,7 +23,8 @@ from kempnerforge.cli import main
 from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import resume_session
-from tests.support.resume import events, make_session
+from tests.support.metrics_rows import events
+from tests.support.resume import make_session
 from tests.unit.test_checkpoint import REPO, _build, _load, _manager, _save, _train
 from tests.unit.test_nan_rollback import PoisonedLoss
 from tests.unit.test_nan_rollback import make_session as make_poisoned_session

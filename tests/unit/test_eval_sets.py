@@ -17,6 +17,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.eval_checkpoint import format_table
 from kempnerforge.training.loop import TrainingSession, run_training_loop
+from tests.support.metrics_rows import eval_rows
 
 
 def two_sets(token_dirs) -> list[str]:
@@ -37,8 +38,7 @@ def test_a_training_run_logs_every_named_set(tiny_overrides, token_dirs):
     session = session_with_sets([*tiny_overrides, *two_sets(token_dirs), "--eval.interval=3"])
     with session.tracker:
         run_training_loop(session)
-    with open(f"{session.config.run_dir}/metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if "eval_loss" in line]
+    rows = eval_rows(session.config.run_dir)
     assert [r["step"] for r in rows] == [3, 6]
     for name in ("eval", "train"):
         assert math.isfinite(rows[-1][f"eval_loss/{name}"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ from kempnerforge.training.loop import (
 )
 from kempnerforge.training.loss import IGNORE_INDEX
 from kempnerforge.training.resume import resume_session
+from tests.support.metrics_rows import read_rows
 
 
 def make_session(overrides: list[str]):
@@ -187,11 +187,6 @@ class RecordingHook(TrainingHook):
 
     def on_train_end(self, step, tokens_seen):
         self.events.append(("end", step, tokens_seen))
-
-
-def read_rows(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_loop_runs_to_max_steps_with_eval_checkpoints_and_hooks(tiny_overrides):

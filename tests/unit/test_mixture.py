@@ -365,7 +365,7 @@ def test_per_dataset_losses_add_up_to_the_step_loss(
     from kempnerforge.distributed.runtime import RuntimeContext
     from kempnerforge.training.build import build_session
     from kempnerforge.training.loop import text_step
-    from tests.conftest import TINY_MODEL
+    from tests.support.tiny import TINY_MODEL
 
     mix = tmp_path / "mix.toml"
     mix.write_text(

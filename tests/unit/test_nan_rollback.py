@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import resume_session
+from tests.support.metrics_rows import events as logged_events
 from tests.support.resume import RecordLR
 
 # Two bad attempts in a row roll back to the checkpoint of step 3 at half the LR.
@@ -52,9 +50,7 @@ class PoisonedLoss:
 
 
 def events(session, name):
-    with open(os.path.join(session.config.run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return [r for r in rows if r.get("event") == name]
+    return logged_events(session.config.run_dir, name)
 
 
 def test_single_bad_step_is_skipped_and_the_run_finishes(tiny_overrides):

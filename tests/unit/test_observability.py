@@ -14,7 +14,8 @@ from kempnerforge.core.errors import ConfigError
 from kempnerforge.metrics.backends import TensorBoardBackend, WandbBackend, scalar_values
 from kempnerforge.training.hooks import StepContext, TrainingHook, load_hooks
 from kempnerforge.training.loop import run_training_loop
-from tests.support.resume import make_session, train_rows
+from tests.support.metrics_rows import train_rows
+from tests.support.resume import make_session
 from tests.unit.test_hooks import REPO_ROOT
 
 

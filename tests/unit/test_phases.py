@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from kempnerforge.config.loader import load_config
@@ -14,6 +11,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.resume import resume_session
+from tests.support.metrics_rows import read_rows
 
 PHASES = "--train.phases=[{start_step=3, lr_scale=0.5}, {start_step=5, lr_scale=0.25}]"
 
@@ -25,8 +23,7 @@ def make_session(overrides):
 
 
 def rows(session):
-    with open(os.path.join(session.config.run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_rows(session.config.run_dir)
 
 
 def train_rows(session):

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+import re
 import sys
 import time
 
@@ -13,6 +14,7 @@ import pytest
 
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.core.logging import configure_logging, get_live_line, get_logger
+from kempnerforge.core.metrics_file import iter_rows, read_rows
 from kempnerforge.metrics.tracker import MEMORY_KEYS, METRICS_FILE, STEP_KEYS, MetricsTracker
 
 
@@ -56,12 +58,7 @@ def step(tracker, clock, n, *, dt=1.0, tokens=100, loss=3.0, **kw):
 
 def strict_rows(path) -> list[dict]:
     """Every line of metrics.jsonl parsed as strict JSON (NaN/Infinity rejected)."""
-
-    def reject(name: str) -> None:
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line, parse_constant=reject) for line in f]
+    return read_rows(path, strict=True)
 
 
 def render(text: str) -> list[str]:
@@ -199,6 +196,22 @@ def test_torn_last_row_of_a_killed_run_does_not_corrupt_the_next(tmp_path, clock
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     assert lines[1] == '{"step": 2, "lo'
     assert json.loads(lines[2])["step"] == 3
+    # Readers skip the torn row; a strict reader names it.
+    assert [row["step"] for row in iter_rows(tmp_path / METRICS_FILE)] == [1, 3]
+    with pytest.raises(ValueError, match=rf"{METRICS_FILE}, line 2: not a metrics row"):
+        read_rows(tmp_path / METRICS_FILE, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("line", "lenient_steps"),
+    [('{"step": 1, "loss": NaN}', [0, 1]), ("[1, 2]", [0]), ("", [0])],
+)
+def test_a_strict_read_refuses_a_line_the_writer_never_writes(tmp_path, line, lenient_steps):
+    path = tmp_path / METRICS_FILE
+    path.write_text('{"step": 0}\n' + line + "\n")
+    assert [row["step"] for row in read_rows(path)] == lenient_steps
+    with pytest.raises(ValueError, match=re.escape(f"{path}, line 2: not a metrics row")):
+        read_rows(path, strict=True)
 
 
 def test_non_finite_values_are_written_as_null(tmp_path, clock):

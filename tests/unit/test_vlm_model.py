@@ -13,23 +13,22 @@ from safetensors.torch import load_file, save_file
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
+from kempnerforge.config.vlm import AdapterConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.adapter import pool_grid
 from kempnerforge.model.head_loss import HeadLoss
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.model.vision import build_vision_encoder
 from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
+from tests.support.tiny import TINY_MODEL
 from tests.support.vision_towers import save_tiny_clip, save_tiny_siglip
 
 TEXT_LEN = 8
 VOCAB = 259
 DECODER = [
-    "--model.dim=32",
-    "--model.n_layers=2",
+    *TINY_MODEL,
     "--model.n_heads=4",
     "--model.n_kv_heads=2",
-    "--model.multiple_of=16",
-    "--model.max_seq_len=64",
     "--train.seq_len=32",
     f"--vlm.max_text_len={TEXT_LEN}",
 ]
@@ -48,7 +47,7 @@ def job_of(*overrides: str, encoder: str = "random", path: str = "") -> JobConfi
 def built(job: JobConfig, seed: int = 0) -> VisionLanguageModel:
     """The lead's flow: build on meta, materialize, then initialise from the seed."""
     with torch.device("meta"):
-        model = build_vlm(job)
+        model = build_vlm(job.model, job.vision_encoder, job.adapter, job.vlm)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     model.init_weights()
@@ -106,10 +105,26 @@ def test_labels_give_the_summed_loss_of_the_text_logits() -> None:
     assert model.adapter.fc1.weight.grad is not None
 
 
+def test_build_vlm_takes_its_sections_and_needs_vlm_and_an_encoder() -> None:
+    job = job_of()
+    with torch.device("meta"):
+        default = build_vlm(job.model, job.vision_encoder, None, job.vlm)
+        pooled = build_vlm(
+            job.model, job.vision_encoder, AdapterConfig(type="pool", pool_window=2), job.vlm
+        )
+    # No [adapter]: the default one, an MLP over every encoder token.
+    assert default.adapter.num_output_tokens == default.spec.num_tokens
+    assert pooled.adapter.num_output_tokens == default.spec.num_tokens // 4
+    for missing in [(job.vision_encoder, None), (None, job.vlm)]:
+        encoder, vlm = missing
+        with pytest.raises(ValueError, match=r"\[vlm\] and \[vision_encoder\]"):
+            build_vlm(job.model, encoder, None, vlm)
+
+
 def test_meta_build_equals_a_direct_build_with_the_same_seed() -> None:
     job = job_of("--adapter.type=pool")
     torch.manual_seed(3)
-    direct = build_vlm(job)
+    direct = build_vlm(job.model, job.vision_encoder, job.adapter, job.vlm)
     meta = built(job, seed=3)
     for (name, a), (_, b) in zip(
         direct.state_dict().items(), meta.state_dict().items(), strict=True

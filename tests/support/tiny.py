@@ -1,0 +1,41 @@
+"""The tests' tiny job: a 2-layer byte-level model and the overrides of a short, quiet run."""
+
+from __future__ import annotations
+
+import os
+
+TINY_MODEL = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=2",
+    "--model.multiple_of=16",
+    "--model.max_seq_len=64",
+]
+"""dim 32, 2 layers, 2 heads, 64 positions, the byte vocabulary."""
+
+
+def tiny_run(
+    run_dir: str | os.PathLike[str] | None, data: tuple[str, str] | None, *extra: str
+) -> list[str]:
+    """Overrides of a short run of the tiny model that writes only what a test reads.
+
+    4 sequences of 32 tokens per step, a 2-step warmup, every step logged, no progress
+    line, no sample, no periodic checkpoint (a run still saves its last step). ``data``
+    is (train_dir, eval_dir); None leaves data to ``extra`` (or to a config file).
+    ``extra`` comes last, so it overrides any of these.
+    """
+    where = [] if run_dir is None else [f"--train.run_dir={run_dir}"]
+    corpus = [] if data is None else [f"--data.path={data[0]}", f"--data.eval_path={data[1]}"]
+    return [
+        *TINY_MODEL,
+        "--train.batch_size=4",
+        "--train.seq_len=32",
+        "--train.sample_prompt=",
+        *where,
+        "--scheduler.warmup_steps=2",
+        "--metrics.progress=off",
+        "--metrics.log_interval=1",
+        "--checkpoint.interval=0",
+        *corpus,
+        *extra,
+    ]
