@@ -267,6 +267,12 @@ def vlm_checkpoint_extra(config: JobConfig, step: int) -> dict[str, Any]:
     return {"vlm_freeze": vlm_freeze_schedule(config).meta_at(step)}
 
 
+def fill_text_unsaved(model: Transformer) -> None:
+    """What a text checkpoint does not hold: the tied head, the RoPE tables."""
+    model.tie_head()
+    model.reset_buffers()
+
+
 # --- The families, and the one choice between them ------------------------------------
 
 TEXT = ModelFamily(
@@ -281,7 +287,7 @@ TEXT = ModelFamily(
     freeze_schedule=lambda config: NO_FREEZE,
     checkpoint_extra=lambda config, step: {},
     no_eval_data=NO_TOKEN_EVAL_DATA,
-    fill_unsaved=lambda model: (model.tie_head(), model.reset_buffers()),
+    fill_unsaved=fill_text_unsaved,
 )
 
 VISION_LANGUAGE = ModelFamily(
