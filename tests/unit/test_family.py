@@ -29,7 +29,7 @@ from kempnerforge.training.freeze import NO_FREEZE
 from kempnerforge.training.loss import cross_entropy_sum
 from kempnerforge.training.session import StepResult
 from kempnerforge.training.steps import text_step, vlm_step
-from tests.conftest import TINY_MODEL
+from tests.support.tiny import TINY_MODEL
 
 VLM = ["--vision_encoder.type=random", "--vlm.max_text_len=8", "--vlm.synthetic_samples=16"]
 MOE = ["--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_expert_hidden_dim=16"]

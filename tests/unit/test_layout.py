@@ -16,8 +16,8 @@ from kempnerforge.training import build
 from kempnerforge.training.layout import PIPELINE_STAGES, WHOLE_MODEL, layout_of
 from kempnerforge.training.sample import sample_text
 from kempnerforge.training.steps import pipeline_step
-from tests.conftest import TINY_MODEL
 from tests.support.resume import make_session
+from tests.support.tiny import TINY_MODEL
 
 PIPELINED = ["--distributed.pp=2", "--model.n_layers=4", "--train.grad_accum_steps=2"]
 
