@@ -330,7 +330,9 @@ def bad_runs(tmp_path_factory, corpora, cache) -> dict:
     root = tmp_path_factory.mktemp("bad")
     commands, named = {}, {}
     for case, (datasets, phases) in _bad_jobs(corpora, root).items():
-        config = write_config(root / f"{case}.toml", root / case, datasets, phases, [])
+        # With an eval set, so the one line is the error (no eval data would add a warning).
+        evals = [("prose", corpora["evals"]["prose"])]
+        config = write_config(root / f"{case}.toml", root / case, datasets, phases, evals)
         commands[case] = ["train", str(config)]
         named[case] = datasets[-1][1]
     return {"results": run_all(commands, cache), "dirs": named}
