@@ -25,6 +25,7 @@ from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
+from kempnerforge.resilience.spikes import LossSpikeRule
 from kempnerforge.training.family import FamilyModel, ModelSummary, family_of
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
@@ -220,7 +221,10 @@ def build_session(
         checkpointer=checkpointer or build_checkpointer(config, runtime),
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
-        nan_detector=NaNDetector(tc.nan_consecutive_max),
+        nan_detector=NaNDetector(
+            tc.nan_consecutive_max,
+            LossSpikeRule(tc.spike_window, tc.spike_sigmas, tc.spike_min_history),
+        ),
         shutdown_handler=shutdown_handler or ShutdownHandler(),
         pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),

@@ -193,6 +193,7 @@ def _skip_bad_step(session: TrainingSession, result: StepResult, progress: _Prog
     session.tracker.log_event(
         progress.step + 1,
         "nan_skip",
+        reason=detector.last_reason,
         loss=result.loss,
         grad_norm=result.grad_norm,
         attempt=detector.attempt,
