@@ -14,6 +14,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
+from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline import PipelineBundle
@@ -205,6 +206,9 @@ def build_session(
         if runtime.rank == 0
         else None,
     )
+    checkpointer = checkpointer or build_checkpointer(config, runtime)
+    # Data traced to a fault in an earlier launch of this run stays skipped (bad_windows.py).
+    data.add_bad_windows(read_bad_data(checkpointer.directory))
     return TrainingSession(
         config=config,
         runtime=runtime,
@@ -218,7 +222,7 @@ def build_session(
             [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases],
             freeze_stages=list(family.freeze_schedule(config).stages),
         ),
-        checkpointer=checkpointer or build_checkpointer(config, runtime),
+        checkpointer=checkpointer,
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
         nan_detector=NaNDetector(
