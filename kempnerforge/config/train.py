@@ -119,6 +119,27 @@ class TrainConfig:
     nan_rollback_lr_scale: float = 1.0
     """Multiply the learning rate by this after each rollback (e.g. 0.5); 1 keeps it.
     > 0 and at most 1."""
+    spike_window: int = 128
+    """Loss-spike rule: how many recent steps' losses (each attempt with a finite loss) the
+    mean and standard deviation are taken over. A step whose loss is above that mean by more
+    than spike_sigmas standard deviations is skipped like a non-finite one. 0 turns the
+    rule off; at most 2**31 - 1."""
+    spike_sigmas: float = 6.0
+    """Loss-spike rule: how many standard deviations above the window's mean loss a step's
+    loss must be to count as a spike; > 0 and at most 1e6."""
+    spike_min_history: int = 0
+    """Loss-spike rule: no step is judged a spike until the window holds this many losses,
+    so a run shorter than this never skips one; 0 means half of spike_window (64 by
+    default), otherwise 2 to spike_window."""
+    attribute_faults: bool = False
+    """Run a step whose loss or gradient norm is non-finite, or whose loss spikes, once more
+    on the same weights and batches: a fault that repeats is the data's (its windows are
+    recorded in <checkpoint dir>/bad_data.jsonl and never read again), one that does not is
+    the machine's (the clean re-run's update is kept). False skips such a step at once."""
+    max_hardware_faults: int = 3
+    """With attribute_faults: after this many suspected hardware faults in one launch the
+    run stops with exit code 76 (HARDWARE_FAULT) so the job can be moved to other nodes;
+    0 never stops for them. At most 2**62 - 1."""
     hooks: list[str] = field(default_factory=list)
     """Training hooks by import path, 'package.module:ClassName', each built with no arguments."""
     phases: list[PhaseConfig] = field(default_factory=list)
@@ -152,6 +173,14 @@ class TrainConfig:
         check_at_least("train.nan_max_rollbacks", self.nan_max_rollbacks, 0, MAX_STEPS)
         # A rollback follows a divergence: the learning rate may stay or drop, never grow.
         check_positive("train.nan_rollback_lr_scale", self.nan_rollback_lr_scale, 1.0)
+        check_at_least("train.spike_window", self.spike_window, 0, MAX_SIZE)
+        if self.spike_window == 1:  # one loss has no standard deviation
+            raise ConfigError("train.spike_window", 1, "0 (off) or an integer >= 2")
+        check_positive("train.spike_sigmas", self.spike_sigmas, 1e6)
+        if self.spike_window and self.spike_min_history:
+            check_in_range("train.spike_min_history", self.spike_min_history, 2, self.spike_window)
+        check_at_least("train.spike_min_history", self.spike_min_history, 0)
+        check_at_least("train.max_hardware_faults", self.max_hardware_faults, 0, MAX_STEPS)
         check_at_least("train.sample_tokens", self.sample_tokens, 0, MAX_SIZE)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)

@@ -136,3 +136,19 @@ class PeerSetupError(Exception):
 class CollectiveFailure(Exception):
     """A collective failed because a peer died or hung; the message names the collective,
     this rank and the unresponsive ranks (see kempnerforge.distributed.failure)."""
+
+
+class HardwareFaultError(Exception):
+    """Too many faults that did not repeat when their step was run again: the machine is
+    suspect. The CLI exits with HARDWARE_FAULT (76), so the job can be moved elsewhere."""
+
+    def __init__(self, count: int, limit: int, step: int, where: str) -> None:
+        self.count = count
+        self.step = step
+        super().__init__(
+            f"{count} suspected hardware faults in this launch (train.max_hardware_faults = "
+            f"{limit}), the last at step {step} on {where}: each time a step whose loss or "
+            "gradient norm was non-finite or spiking came out clean when run again on the same "
+            "weights and batches; requeue the job on other nodes (scripts/slurm/train.sbatch "
+            "excludes the hosts named) and it resumes from its last checkpoint"
+        )

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.bad_windows import next_good_window
 from kempnerforge.data.shards import read_parts
 from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
 from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
@@ -59,6 +60,9 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
     file changed after it was prepared stops the run with a DataError naming the file and
     the offset, not a failed embedding lookup.
 
+    A window listed in ``skip_windows`` (recorded as bad data, see bad_windows.py) is never
+    read: its sample is the next window in file order that is not listed.
+
     Memory maps are opened lazily and never pickled, so worker processes reopen them.
     """
 
@@ -90,6 +94,8 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
                 f"{path}: {self.num_tokens} tokens, fewer than one window of seq_len + 1 = "
                 f"{seq_len + 1}; prepare more text or lower train.seq_len"
             )
+        self.skip_windows: frozenset[int] = frozenset()
+        """Windows recorded as bad data: each is read as the next good one (bad_windows.py)."""
         self._stream = TokenStream(
             [str(Path(part_dir) / TOKENS_FILE) for part_dir, _ in parts],
             [int(part_meta["num_tokens"]) for _, part_meta in parts],
@@ -114,10 +120,14 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
     def __len__(self) -> int:
         return self._num_windows
 
+    def window_for(self, index: int) -> int:
+        """The window sample ``index`` reads: itself, unless it is recorded as bad data."""
+        return next_good_window(index, self.skip_windows, self._num_windows, self.path)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self._num_windows:
             raise IndexError(f"window {index} out of range [0, {self._num_windows})")
-        start = index * self.seq_len
+        start = self.window_for(index) * self.seq_len
         window = self._stream.read(start, self.seq_len + 1)
         if int(window.max()) >= self._id_limit:
             self._refuse_window(start, window)

@@ -14,6 +14,7 @@ from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
 from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.core.logging import get_logger
+from kempnerforge.data.bad_windows import BadWindow, BadWindows
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset, SampleDataset
 from kempnerforge.data.image_text import build_image_text_datasets
@@ -21,6 +22,7 @@ from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_l
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
+from kempnerforge.data.window_reads import apply_bad_windows, windows_read
 
 logger = get_logger(__name__)
 
@@ -37,6 +39,8 @@ NO_IMAGE_TEXT_EVAL_DATA = (
 
 # Key of a not-yet-drawn mixture weight change in DataPipeline.state_dict().
 PENDING_WEIGHTS_KEY = "pending_mixture_weights"
+# Key of the bad windows (bad_windows.py) in DataPipeline.state_dict().
+BAD_WINDOWS_KEY = "bad_windows"
 
 
 @dataclass
@@ -69,6 +73,27 @@ class DataPipeline:
     dp_size: int = 1
     dataset_names: list[str] = field(default_factory=list)
     bos_per_document: bool = False
+    bad_windows: BadWindows = field(default_factory=BadWindows)
+    """Windows recorded as bad data: the training datasets read a stand-in for each."""
+
+    def add_bad_windows(self, windows: list[BadWindow]) -> list[BadWindow]:
+        """Skip ``windows`` from the next batch drawn on; return the ones not known before.
+
+        Like set_weights, the change reaches the loader's workers only through a fresh
+        iterator (``BatchStream.reset()``), so a caller mid-run drops the iterator next.
+        """
+        new = self.bad_windows.add(windows)
+        if new and self.dataset is not None:
+            applied = apply_bad_windows(self.dataset, self.bad_windows)
+            logger.info("skipping %d bad data window(s) of the training data", applied)
+        return new
+
+    def windows_read(self, epoch: int, start: int, stop: int, ranks: list[int]) -> list[BadWindow]:
+        """The windows data-parallel ``ranks`` read at their positions ``start`` to ``stop -
+        1`` of ``epoch`` (stand-ins in place of bad windows); [] without training data."""
+        if self.dataset is None or self.sampler is None:
+            return []
+        return windows_read(self.dataset, self.sampler, epoch, start, stop, ranks)
 
     def set_weights(self, weights_by_name: dict[str, float]) -> None:
         """Change the mixture weights of the named sources; the others keep theirs.
@@ -120,7 +145,8 @@ class DataPipeline:
         """The dataloader's position; the same on every data-parallel rank. {} without one.
 
         A mixture weight change made but not yet drawn with (a phase that fired at the step
-        being saved) is kept beside the loader's state, which does not hold it.
+        being saved) is kept beside the loader's state, which does not hold it, and so are
+        the bad windows skipped (a copy of the checkpoint directory's bad_data.jsonl).
         """
         if self.dataloader is None:
             return {}
@@ -130,6 +156,8 @@ class DataPipeline:
         state = self.dataloader.state_dict()
         if pending is not None:
             state = {**state, PENDING_WEIGHTS_KEY: pending}
+        if len(self.bad_windows):
+            state = {**state, BAD_WINDOWS_KEY: self.bad_windows.state_dict()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,6 +170,8 @@ class DataPipeline:
             return
         state = dict(state)
         pending = state.pop(PENDING_WEIGHTS_KEY, None)
+        # Bad windows are only ever added: those this run already knows stay skipped.
+        self.add_bad_windows(BadWindows().load_state_dict(state.pop(BAD_WINDOWS_KEY, [])))
         load_loader_state(self.dataloader, self.sampler, state)
         if pending is not None and isinstance(self.sampler, MixtureSampler):
             self.sampler.update_weights(pending)

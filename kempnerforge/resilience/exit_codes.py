@@ -28,6 +28,13 @@ PREEMPTED (75, EX_TEMPFAIL from sysexits.h)
     A signal (SIGTERM, SIGINT or SIGUSR1, e.g. from ``#SBATCH --signal=B:USR1@120``)
     arrived, the run saved a checkpoint of its last good step and exited cleanly.
     Requeue the job: `checkpoint.resume_from = "auto"` continues exactly there.
+HARDWARE_FAULT (76)
+    With train.attribute_faults, train.max_hardware_faults faulty steps in this launch came
+    out clean when run again on the same weights and batches: the machine, not the data,
+    is suspect (the ``suspected_hardware_fault`` events name host and rank). Nothing is
+    saved after the last checkpoint, which a suspect machine may not have computed right.
+    Requeue the job on other nodes (scripts/slurm/train.sbatch excludes the hosts named);
+    it resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ NAN_ABORT = 3
 """Too many consecutive non-finite steps; change the run before resuming."""
 PREEMPTED = 75
 """Saved after a stop signal (EX_TEMPFAIL): requeue and it resumes where it stopped."""
+HARDWARE_FAULT = 76
+"""Too many faults that a re-run did not repeat: requeue on other nodes."""
 INTERRUPTED = 130
 """Interrupted (Ctrl-C) outside a training run, which would have saved and exited 75."""
 
@@ -68,13 +77,15 @@ def report(error: BaseException) -> tuple[int, str] | None:
 
     User-caused problems (config, data, a held run directory) exit 2; a checkpoint that
     cannot be saved, found or loaded, a lost peer, a machine error (a full disk, a denied
-    path) and running out of memory exit 1; non-finite losses exit 3; Ctrl-C 130.
+    path) and running out of memory exit 1; non-finite losses exit 3; suspected hardware
+    faults 76; Ctrl-C 130.
     """
     from kempnerforge.core.errors import (
         CheckpointError,
         CollectiveFailure,
         ConfigError,
         DataError,
+        HardwareFaultError,
         PeerSetupError,
     )
     from kempnerforge.resilience.nan import NaNAbortError
@@ -88,6 +99,8 @@ def report(error: BaseException) -> tuple[int, str] | None:
         return FAILED, f"error: {error}"
     if isinstance(error, NaNAbortError):
         return NAN_ABORT, f"stopped: {error}"
+    if isinstance(error, HardwareFaultError):
+        return HARDWARE_FAULT, f"stopped: {error}"
     if isinstance(error, OSError) and error.errno in MACHINE_ERRNOS:
         where = error.filename if error.filename is not None else "the run"
         return FAILED, f"error: {where}: {error.strerror or error}"

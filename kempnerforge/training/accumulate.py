@@ -70,6 +70,9 @@ def finish_step(
     """
     runtime, handler, checkpointer = session.runtime, session.shutdown_handler, session.checkpointer
     loss_sum = loss_sum.detach().double()
+    if session.config.train.attribute_faults:
+        # This rank's own share (before the reduction), read only if the step is faulty.
+        session.nan_detector.local_loss = loss_sum * tokens.scale.double()
     for name in ("dp", "pp"):
         group = runtime.group(name)
         if group is not None:

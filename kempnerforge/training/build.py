@@ -14,6 +14,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
+from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline import PipelineBundle
@@ -25,6 +26,7 @@ from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
+from kempnerforge.resilience.spikes import LossSpikeRule
 from kempnerforge.training.family import FamilyModel, ModelSummary, family_of
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
@@ -204,6 +206,9 @@ def build_session(
         if runtime.rank == 0
         else None,
     )
+    checkpointer = checkpointer or build_checkpointer(config, runtime)
+    # Data traced to a fault in an earlier launch of this run stays skipped (bad_windows.py).
+    data.add_bad_windows(read_bad_data(checkpointer.directory))
     return TrainingSession(
         config=config,
         runtime=runtime,
@@ -217,10 +222,13 @@ def build_session(
             [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases],
             freeze_stages=list(family.freeze_schedule(config).stages),
         ),
-        checkpointer=checkpointer or build_checkpointer(config, runtime),
+        checkpointer=checkpointer,
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
-        nan_detector=NaNDetector(tc.nan_consecutive_max),
+        nan_detector=NaNDetector(
+            tc.nan_consecutive_max,
+            LossSpikeRule(tc.spike_window, tc.spike_sigmas, tc.spike_min_history),
+        ),
         shutdown_handler=shutdown_handler or ShutdownHandler(),
         pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),

@@ -24,6 +24,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.model.moe import add_router_losses, finish_router_step
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
+from kempnerforge.training.attribution import attempt_step
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.family import family_of
 from kempnerforge.training.grad import total_grad_norm
@@ -33,7 +34,7 @@ from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
 from kempnerforge.training.phases import PhaseState
 from kempnerforge.training.phasing import advance_phases
-from kempnerforge.training.rollback import data_position, roll_back_or_stop
+from kempnerforge.training.rollback import roll_back_or_stop
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
 from kempnerforge.training.steps import pipeline_step, text_step, vlm_step
@@ -129,13 +130,7 @@ def run_training_loop(
     try:
         while progress.step < max_steps and not _stop_agreed(session):
             session.tracker.start_step()
-            result = session.step_fn(session, progress.step)
-            good = session.nan_detector.check(
-                result.loss,
-                result.grad_norm,
-                progress.step + 1,
-                data_position=functools.partial(data_position, session.data, session.config.train),
-            )
+            result, good = attempt_step(session, progress.step)  # run again on a fault
             if good:
                 _finish_good_step(session, result, progress)
             else:
@@ -193,6 +188,7 @@ def _skip_bad_step(session: TrainingSession, result: StepResult, progress: _Prog
     session.tracker.log_event(
         progress.step + 1,
         "nan_skip",
+        reason=detector.last_reason,
         loss=result.loss,
         grad_norm=result.grad_norm,
         attempt=detector.attempt,

@@ -18,30 +18,40 @@ logger = get_logger(__name__)
 _SHOWN_WINDOWS = 8
 
 
+def attempt_positions(data: DataPipeline, train: TrainConfig) -> tuple[int, int, int] | None:
+    """(epoch, start, stop): the positions of every rank's share of the data order that the
+    step just taken read; None when the loader keeps no position.
+
+    Read from the loader's own state (exact also with worker processes, which prefetch
+    ahead of the sampler). The position is the same on every rank.
+    """
+    if data.dataloader is None or data.sampler is None or data.dataset is None:
+        return None
+    sampler_state = sampler_state_of(data.dataloader.state_dict())
+    if not sampler_state:
+        return None
+    epoch, end = int(sampler_state["epoch"]), int(sampler_state["yielded"])
+    return epoch, max(end - train.batch_size * train.grad_accum_steps, 0), end
+
+
 def data_position(data: DataPipeline, train: TrainConfig) -> str:
     """Where the batches of the step just taken came from: epoch and dataset windows.
 
-    Read from the loader's own state (exact also with worker processes, which prefetch
-    ahead of the sampler). A window w of a prepared directory holds its tokens
-    ``[w * seq_len, w * seq_len + seq_len]``. Empty when the loader keeps no position.
+    A window w of a prepared directory holds its tokens ``[w * seq_len, w * seq_len +
+    seq_len]``; a window recorded as bad data shows as the stand-in read in its place.
+    Empty when the loader keeps no position.
     """
-    if data.dataloader is None or data.sampler is None or data.dataset is None:
+    positions = attempt_positions(data, train)
+    if positions is None:
         return ""
-    sampler_state = sampler_state_of(data.dataloader.state_dict())
-    if not sampler_state:
-        return ""
-    epoch, end = int(sampler_state["epoch"]), int(sampler_state["yielded"])
-    start = max(end - train.batch_size * train.grad_accum_steps, 0)
-    indices = data.sampler.rank_indices(epoch, start, end)
+    epoch, start, end = positions
+    names = {}
+    if isinstance(data.dataset, MixtureDataset):
+        sources = zip(data.dataset.names, data.dataset.datasets, strict=True)
+        names = {source.path: f"{name} ({source.path})" for name, source in sources}
     by_source: dict[str, list[int]] = {}
-    dataset = data.dataset
-    for index in indices:
-        if isinstance(dataset, MixtureDataset):
-            source, window = dataset.locate(index)
-            name = f"{dataset.names[source]} ({dataset.datasets[source].path})"
-            by_source.setdefault(name, []).append(window)
-        else:
-            by_source.setdefault(dataset.path, []).append(index)
+    for read in data.windows_read(epoch, start, end, [data.dp_rank]):
+        by_source.setdefault(names.get(read.path, read.path), []).append(read.window)
     parts = []
     for name, windows in by_source.items():
         shown = ", ".join(map(str, windows[:_SHOWN_WINDOWS]))

@@ -44,6 +44,22 @@ class BatchStream:
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._iterator_loader: Any = None  # the loader the live iterator came from
         self._wait_s = 0.0  # seconds spent in next_batch since the last take_wait_s
+        self._attempt: list[dict[str, torch.Tensor]] | None = None  # recorded micro-batches
+        self._replay: list[dict[str, torch.Tensor]] | None = None  # still to be read again
+
+    def record_attempt(self) -> None:
+        """Keep the micro-batches the next step body reads, so replay_attempt can feed the
+        same ones again (a faulty step run once more); they are held until end_attempt."""
+        self._attempt, self._replay = [], None
+
+    def replay_attempt(self) -> None:
+        """Make the next step body read the recorded micro-batches again, in the same order,
+        instead of drawing new ones: the data position does not move."""
+        self._replay, self._attempt = list(self._attempt or []), []
+
+    def end_attempt(self) -> None:
+        """Stop recording and drop the recorded micro-batches."""
+        self._attempt = self._replay = None
 
     def take_wait_s(self) -> float:
         """Seconds next_batch has waited for batches since the last call (a step's data
@@ -94,6 +110,22 @@ class BatchStream:
             stop_workers(iterator)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch: a replayed one while replay_attempt's are left, else the
+        loader's next."""
+        if self._replay is not None:
+            if not self._replay:
+                raise RuntimeError(
+                    "the step body read more micro-batches when run again than on its first "
+                    "try; a step body must read train.grad_accum_steps micro-batches a step"
+                )
+            batch = self._replay.pop(0)
+        else:
+            batch = self._timed_next_batch()
+        if self._attempt is not None:
+            self._attempt.append(batch)
+        return batch
+
+    def _timed_next_batch(self) -> dict[str, torch.Tensor]:
         started = time.perf_counter()
         try:
             return self._next_batch()

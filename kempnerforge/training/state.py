@@ -41,12 +41,16 @@ def restore_train_state(
     being rebuilt, so the next step draws exactly what the uninterrupted run drew.
     ``keep_live_position`` (a NaN rollback) leaves the data position and the NaN
     detector's counters as they are now, so the batches consumed since the checkpoint
-    are not replayed and the rollback count survives.
+    are not replayed and the rollback count survives; the loss-spike window is the
+    checkpoint's, the losses of the weights it goes back to.
     """
     if state.get("dataloader") and not keep_live_position:
         session.data.load_state_dict(state["dataloader"])
     if not keep_live_position:
         session.nan_detector.load_state_dict(state["nan_detector"])
+    else:
+        # The weights go back to the checkpoint's: so do the losses spikes are judged by.
+        session.nan_detector.load_spike_window(state["nan_detector"])
     phases = state.get("extra", {}).get("phases")
     if phases:
         session.phases.load_state_dict(phases)

@@ -45,6 +45,7 @@ FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
     "show hostnames") echo localhost ;;
     requeue*) echo "requeue $2" >> "$SLURM_FAKE_LOG" ;;
+    update*) echo "update $2 $3" >> "$SLURM_FAKE_LOG" ;;
     *) exit 1 ;;
 esac
 """
@@ -53,6 +54,7 @@ FAKE_TRAINER = """#!/bin/bash
 echo "rank $RANK local $LOCAL_RANK world $WORLD_SIZE master $MASTER_ADDR args $*" \
     >> "$SLURM_FAKE_LOG"
 rc_var=FAKE_RC_$RANK
+[[ -n ${FAKE_FAULT_HOST:-} ]] && echo "$FAKE_FAULT_HOST" >> "$KEMPNERFORGE_FAULT_HOSTS_FILE"
 exit "${!rc_var:-0}"
 """
 
@@ -137,6 +139,8 @@ def test_each_rank_gets_its_torchrun_environment_and_a_finished_run_exits_0(tmp_
         ((75, 75), 50, 75, False, "already restarted 50 times: not requeueing"),
         ((0, 3), 0, 3, False, "stopped on non-finite losses"),
         ((2, 0), 0, 2, False, "training failed with exit code 2"),
+        ((76, 76), 0, 0, True, "suspected hardware faults on gpu-7: requeueing job"),
+        ((76, 76), 50, 76, False, "already restarted 50 times: not requeueing"),
     ],
 )
 def test_the_highest_rank_exit_code_decides_requeue(
@@ -144,6 +148,10 @@ def test_the_highest_rank_exit_code_decides_requeue(
 ):
     env = {f"FAKE_RC_{rank}": str(code) for rank, code in enumerate(codes)}
     env["SLURM_RESTART_COUNT"] = str(restarts)
+    hosts = tmp_path / "fault-hosts"
+    env["KEMPNERFORGE_FAULT_HOSTS_FILE"] = str(hosts)
+    if 76 in codes:
+        env["FAKE_FAULT_HOST"] = "gpu-7.cluster.example"
     proc = start(tmp_path, "cfg.toml", fake_trainer=True, env_extra=env)
     out, _ = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == expected_rc, out
@@ -151,6 +159,9 @@ def test_the_highest_rank_exit_code_decides_requeue(
     job_id = out.split()[1]  # "job <id> restart 0 on ..."
     requeues = [line for line in fake_log(tmp_path) if line.startswith("requeue")]
     assert requeues == ([f"requeue {job_id}"] if requeued else [])
+    updates = [line for line in fake_log(tmp_path) if line.startswith("update")]
+    excluded = 76 in codes and requeued
+    assert updates == ([f"update JobId={job_id} ExcNodeList=gpu-7"] if excluded else [])
 
 
 def _descendants(pid: int) -> list[int]:

@@ -66,11 +66,12 @@ def test_state_dict_round_trip():
     assert restored.state_dict() == {
         "consecutive": 0,
         "total_skipped": 2,
-        "skipped": [[4, 1, "epoch 0: windows 3, 9 of d"], [4, 2, ""]],
+        "skipped": [[4, 1, "epoch 0: windows 3, 9 of d", "non_finite"], [4, 2, "", "non_finite"]],
         "rollbacks": 1,
         "lr_scale": 0.5,
+        "spikes": {"losses": []},
     }
-    assert all(type(v) in (int, float, list) for v in detector.state_dict().values())
+    assert all(type(v) in (int, float, list, dict) for v in detector.state_dict().values())
 
 
 def test_a_state_saved_with_step_ids_only_still_loads():
