@@ -131,11 +131,12 @@ class TrainConfig:
     """Loss-spike rule: no step is judged a spike until the window holds this many losses,
     so a run shorter than this never skips one; 0 means half of spike_window (64 by
     default), otherwise 2 to spike_window."""
-    attribute_faults: bool = False
+    attribute_faults: bool = True
     """Run a step whose loss or gradient norm is non-finite, or whose loss spikes, once more
     on the same weights and batches: a fault that repeats is the data's (its windows are
     recorded in <checkpoint dir>/bad_data.jsonl and never read again), one that does not is
-    the machine's (the clean re-run's update is kept). False skips such a step at once."""
+    the machine's (the clean re-run's update is kept). False skips such a step at once.
+    A good step pays only a copy of the random state."""
     max_hardware_faults: int = 3
     """With attribute_faults: after this many suspected hardware faults in one launch the
     run stops with exit code 76 (HARDWARE_FAULT) so the job can be moved to other nodes;

@@ -404,6 +404,7 @@ def test_a_nan_rollback_across_freeze_stages_restores_the_checkpoints_optimizer_
         "--train.loss_chunk_tokens=0",
         "--checkpoint.interval=4",
         "--train.nan_consecutive_max=2",
+        "--train.attribute_faults=false",  # two tries, not a try and its re-run
     )
     session = make_session(overrides)
     session.loss_fn = NaNOnCalls(session.loss_fn, {6, 7})  # both attempts at step 6

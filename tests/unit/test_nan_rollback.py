@@ -27,8 +27,12 @@ ROLLBACK = [
 
 def make_session(overrides):
     # PoisonedLoss replaces session.loss_fn, so the step takes the whole-logits path; the
-    # clean runs it is compared with bit for bit must take the same path.
-    config = load_config(None, [*overrides, "--train.loss_chunk_tokens=0"])
+    # clean runs it is compared with bit for bit must take the same path. The skip and
+    # rollback machinery is tested on its own: a faulty attempt is not run a second time
+    # (attribution re-runs it; tests/unit/test_attribution.py).
+    config = load_config(
+        None, [*overrides, "--train.loss_chunk_tokens=0", "--train.attribute_faults=false"]
+    )
     config.validate(1)
     return build_session(config, RuntimeContext())
 
@@ -220,7 +224,13 @@ def test_after_a_rollback_the_lr_keeps_the_phase_scale(tiny_overrides, tmp_path)
     phases.write_text("[[train.phases]]\nstart_step = 0\nlr_scale = 0.5\n")
     config = load_config(
         str(phases),
-        [*tiny_overrides, *ROLLBACK, "--scheduler.warmup_steps=0", "--train.loss_chunk_tokens=0"],
+        [
+            *tiny_overrides,
+            *ROLLBACK,
+            "--scheduler.warmup_steps=0",
+            "--train.loss_chunk_tokens=0",
+            "--train.attribute_faults=false",
+        ],
     )
     config.validate(1)
     session = build_session(config, RuntimeContext())
