@@ -281,6 +281,52 @@ def check_compile_ac(work: Path, dry_run: bool) -> Result:
     }
 
 
+CURVE_TOLERANCE = 0.05
+"""Largest mean absolute loss difference (nats) between FP8 and bf16 over the last
+quarter of the curve: about 1% of the loss there, and several times the spread of two
+bf16 runs that differ only in their kernels' order of summation."""
+
+
+def check_float8_curve(work: Path, dry_run: bool) -> Result:
+    """The 125M preset for 200 steps in bf16 and with train.float8 (eager, same seed and
+    data): the FP8 loss curve within CURVE_TOLERANCE of bf16's over its last quarter.
+    Where FP8 is refused (the CPU, an older GPU, no torchao) the refusal is the result."""
+    steps, preset, seq = (6, "debug", 64) if dry_run else (200, "125m", 1024)
+    config = str(REPO / "configs" / "model" / f"{preset}.toml")
+    common = [
+        *device_overrides(dry_run),
+        "--train.mixed_precision=bf16",
+        "--train.batch_size=8",
+        f"--train.seq_len={seq}",
+        "--checkpoint.interval=0",
+    ]
+    curves = {}
+    for name, extra in (("bf16", []), ("fp8", ["--train.float8=true"])):
+        done = kempnerforge(
+            "train", config, *common, *quiet_run(work / name, steps), *extra, timeout_s=400
+        )
+        refusal = [line for line in done.stderr.splitlines() if "train.float8 = " in line]
+        if done.returncode == 2 and refusal:
+            return {"status": "skipped", "reason": refusal[-1]}
+        if done.returncode != 0:
+            return failed(f"the {name} run failed", done)
+        curves[name] = [step_losses(work / name)[s] for s in range(1, steps + 1)]
+    tail = max(1, steps // 4)
+    gaps = [abs(a - b) for a, b in zip(curves["fp8"][-tail:], curves["bf16"][-tail:], strict=True)]
+    gap = sum(gaps) / tail
+    return {
+        "status": "pass" if gap <= CURVE_TOLERANCE else "fail",
+        "steps": steps,
+        "preset": preset,
+        "seq_len": seq,
+        "mean_abs_difference_last_quarter": gap,
+        "tolerance": CURVE_TOLERANCE,
+        "final_loss_bf16": curves["bf16"][-1],
+        "final_loss_fp8": curves["fp8"][-1],
+        "curves": {k: [round(x, 4) for x in v] for k, v in curves.items()},
+    }
+
+
 def check_pytest_gpu(work: Path, dry_run: bool) -> Result:
     """The `pytest -m gpu` set; on a machine without CUDA every test skips itself."""
     del dry_run
@@ -318,6 +364,7 @@ CHECKS: dict[str, Callable[[Path, bool], Result]] = {
     "checkpoint": check_checkpoint,
     "vlm": check_vlm,
     "compile_ac": check_compile_ac,
+    "float8_curve": check_float8_curve,
     "pytest_gpu": check_pytest_gpu,
 }
 
