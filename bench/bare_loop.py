@@ -45,6 +45,7 @@ class Block(nn.Module):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = a.n_heads, a.n_kv_heads
+        self.sdpa_gqa = getattr(a, "sdpa_gqa", False)
         self.head_dim = a.dim // a.n_heads
         self.attn_norm = RMSNorm(a.dim, a.norm_eps)
         self.wq = nn.Linear(a.dim, a.n_heads * self.head_dim, bias=False)
@@ -63,10 +64,11 @@ class Block(nn.Module):
         k = self.wk(h).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(h).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
+        if self.n_kv_heads != self.n_heads and not self.sdpa_gqa:
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        gqa = self.n_kv_heads != self.n_heads and self.sdpa_gqa
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         x = x + self.wo(att.transpose(1, 2).reshape(b, s, -1))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
@@ -79,6 +81,8 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.head = nn.Linear(a.dim, a.vocab, bias=False)
+        if getattr(a, "tie_embeddings", False):
+            self.head.weight = self.embed.weight
         head_dim = a.dim // a.n_heads
         freqs = 1.0 / a.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         angles = torch.outer(torch.arange(a.seq_len).float(), freqs)
@@ -95,8 +99,8 @@ class Llama(nn.Module):
         return self.head(self.norm(x))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's shape (what Llama reads), shared with bench/gpu/hand_loop.py."""
     p.add_argument("--vocab", type=int, default=259)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=4)
@@ -105,7 +109,16 @@ def main() -> None:
     p.add_argument("--ffn-hidden", type=int, default=768)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--norm-eps", type=float, default=1e-5)
+    p.add_argument("--tie-embeddings", action="store_true", help="the head reuses the embedding")
+    p.add_argument(
+        "--sdpa-gqa", action="store_true", help="grouped-query heads through SDPA, not copied"
+    )
     p.add_argument("--seq-len", type=int, default=256)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(p)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.95])

@@ -12,6 +12,9 @@ Prints one JSON line.
     python bench/mfu.py --preset debug --seq-len 256 --batch-size 8
     python bench/mfu.py --preset 1b --seq-len 2048 --batch-size 4 --compile --ac selective
     torchrun --standalone --nproc_per_node=8 bench/mfu.py --preset 7b --fused-optimizer
+    python bench/mfu.py --preset 1b --seq-len 4096 --batch-size 4 --compile --train.float8=true
+
+A config the job refuses (train.float8 on a CPU, say) is one line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import configure_logging
 from kempnerforge.distributed.runtime import (
     init_runtime,
@@ -38,6 +42,7 @@ from kempnerforge.distributed.runtime import (
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.model.transformer import flops_per_token
 from kempnerforge.training.build import build_session
+from kempnerforge.training.preflight import preflight
 from kempnerforge.training.session import TrainingSession
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +138,7 @@ def measure(args: argparse.Namespace, overrides: list[str], run_dir: str) -> dic
     config = load_config(preset_path(args.preset), settings)
     world_size = world_size_from_env()
     config.validate(world_size)
+    preflight(config)  # e.g. train.float8 where FP8 cannot run: one line, before any build
     runtime = init_runtime(config.distributed, config.train.device)
     try:
         session = build_session(config, runtime)
@@ -170,6 +176,7 @@ def measure(args: argparse.Namespace, overrides: list[str], run_dir: str) -> dic
         "threads_per_rank": torch.get_num_threads(),
         "precision": tc.precision_on(device.type),
         "compile": tc.compile,
+        "float8": tc.float8,
         "ac": config.distributed.activation_checkpointing,
         "optimizer": f"{config.optimizer.name}/{config.optimizer.implementation}",
         "params": config.model.num_params(),
@@ -194,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     configure_logging(rank_from_env())
     with tempfile.TemporaryDirectory(prefix="bench-mfu-") as run_dir:
-        result = measure(args, overrides, run_dir)
+        try:
+            result = measure(args, overrides, run_dir)
+        except ConfigError as error:
+            print(f"mfu.py: error: {error}", file=sys.stderr)
+            return 2
     if result is not None:
         print(json.dumps(result), flush=True)
     return 0

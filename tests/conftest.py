@@ -70,3 +70,17 @@ def log(caplog):
     yield caplog
     if stopped:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def package_logging():
+    """Put the kempnerforge logger back as it was after the CLI configured it."""
+    logger = logging.getLogger("kempnerforge")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    for handler in saved[0]:
+        logger.addHandler(handler)
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]

@@ -93,6 +93,14 @@ class TrainConfig:
     computes in fp32. 'auto' is bf16 on CUDA and fp32 on CPU."""
     compile: bool = False
     """Compile the model with torch.compile before training."""
+    float8: bool = False
+    """Run the Transformer blocks' linear layers (attention and dense or shared-expert
+    feed-forward projections) as FP8 matmuls with dynamic tensorwise scaling, through
+    torchao (the 'float8' extra); the weights, gradients and optimizer state stay fp32
+    and the rest of the model (embedding, head, norms, router, routed experts) computes
+    as before. Needs a CUDA GPU of compute capability 8.9 or newer (refused elsewhere),
+    model dims and train.seq_len that are multiples of 16, a text model and no tensor
+    parallelism. Pays off with train.compile = true. See docs/performance.md."""
     num_threads: int = 0
     """CPU intra-op threads for torch; 0 keeps torch's default; at most 65536."""
     allocator: str = "auto"

@@ -28,6 +28,7 @@ from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.resilience.spikes import LossSpikeRule
 from kempnerforge.training.family import FamilyModel, ModelSummary, family_of
+from kempnerforge.training.float8 import apply_float8
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.layout import RankModel, layout_of
@@ -85,6 +86,9 @@ def build_sharded_on_meta(
 def _build_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     with torch.device("meta"):
         rank_model = layout_of(config).build_on_meta(config, runtime)
+    if config.train.float8:
+        # Before parallelize_model: checkpointing, compile and FSDP wrap the FP8 modules.
+        apply_float8(rank_model.model, runtime.device, compiled=config.train.compile)
     roots = rank_model.stage_modules or None
     plan = ParallelPlan.of(config.distributed, config.train, runtime.device.type)
     parallelize_model(rank_model.model, runtime, plan, roots=roots)

@@ -1,7 +1,8 @@
 """Checks of a validated config that need the training layer, run before anything is written.
 
 JobConfig.validate knows the config alone. These also need what the config names (the
-optimizer and schedule registries, the hook classes) or the device (check_model_fits).
+optimizer and schedule registries, the hook classes) or the device (check_model_fits,
+check_float8).
 A launch that fails here has built nothing and written nothing, so the run directory's
 config.toml still holds the last launch that started.
 """
@@ -17,15 +18,18 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.optim.optimizer import OPTIMIZERS
 from kempnerforge.optim.scheduler import SCHEDULES
+from kempnerforge.training.float8 import check_float8
 from kempnerforge.training.hooks import hook_class
 
 
 def preflight(config: JobConfig) -> None:
-    """Raise the ConfigError the build would raise later for a bad name or hook."""
+    """Raise the ConfigError the build would raise later for a bad name or hook, or for
+    train.float8 where FP8 cannot run (the device, torchao, the dims)."""
     OPTIMIZERS.get(config.optimizer.name)
     SCHEDULES.get(config.scheduler.name)
     for path in config.train.hooks:
         hook_class(path)
+    check_float8(config)
 
 
 # fp32 weights and gradients plus two fp32 moments per parameter (AdamW; Lion and Muon

@@ -6,8 +6,9 @@ differing field falls in one of three kinds, and none is ever silent:
 - applied: the new value takes effect from the resumed step, with a warning naming the
   field and both values: learning rate, weight decay, betas, eps and the other optimizer
   hyperparameters, the MoE router loss weights and bias update rate, gradient clipping,
-  the schedule, max_steps, the NaN thresholds, the data sources (the sampler restarts
-  its epoch over changed data, and says so), and a VLM's freeze list and schedule, as
+  FP8 matmuls (train.float8), the schedule, max_steps, the NaN thresholds, the data
+  sources (the sampler restarts its epoch over changed data, and says so), and a VLM's
+  freeze list and schedule, as
   long as they give the freeze state the checkpoint recorded (vlm_freeze) at its step:
   only stages still to come may change;
 - operational: logged (info) and used: names, directories, intervals, logging, hooks,
@@ -65,6 +66,9 @@ APPLIED = (
     "train.spike_min_history",
     "train.attribute_faults",
     "train.max_hardware_faults",
+    # FP8 matmuls read and write the same fp32 weights and optimizer state: turning them
+    # on or off changes the arithmetic of the steps to come, not what the state means.
+    "train.float8",
     "scheduler.",
     "data.path",
     "data.eval_path",

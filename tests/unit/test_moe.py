@@ -3,7 +3,6 @@ expert compute, capacity drops, balancing, the step bookkeeping and the config r
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
@@ -809,20 +808,6 @@ def test_moe_layouts_that_fit_are_accepted() -> None:
     load_config(None, ["--model.num_experts=4", "--distributed.ep=2"]).validate(2)
     ep_in_shards = ["--model.num_experts=8", "--distributed.ep=2", "--distributed.dp_replicate=2"]
     load_config(None, ep_in_shards).validate(4)
-
-
-@pytest.fixture
-def package_logging():
-    """Put the kempnerforge logger back as it was after the CLI configured it."""
-    logger = logging.getLogger("kempnerforge")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    for handler in saved[0]:
-        logger.addHandler(handler)
-    logger.setLevel(saved[1])
-    logger.propagate = saved[2]
 
 
 def test_cli_reports_a_bad_moe_config_in_one_line_and_exits_2(capsys, package_logging) -> None:
