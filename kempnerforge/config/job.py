@@ -11,6 +11,7 @@ from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.eval import EvalConfig, missing_eval_data
+from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
@@ -115,6 +116,7 @@ class JobConfig:
             )
         self._validate_phases()
         self._validate_mixture_weights()
+        check_float8_config(self)
         # A vision-language job's sequence is its image tokens plus vlm.max_text_len
         # (checked in _validate_vlm); train.seq_len is not used by it.
         if train.seq_len > model.max_seq_len and not self.is_vlm:

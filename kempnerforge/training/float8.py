@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
@@ -24,9 +25,6 @@ logger = get_logger(__name__)
 
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability from which GPUs have FP8 tensor cores (Ada, Hopper, Blackwell)."""
-
-FP8_MULTIPLE = 16
-"""FP8 matmuls (torch._scaled_mm) need every dim of both operands to be a multiple of 16."""
 
 INSTALL_HINT = "install the float8 extra: pip install 'kempnerforge[float8]' (torchao)"
 
@@ -44,64 +42,6 @@ def check_float8(config: JobConfig) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
     check_float8_device(resolve_device(config.train.device, local_rank))
     check_torchao_installed()
-
-
-def check_float8_config(config: JobConfig) -> None:
-    """The rules of train.float8 that the config alone decides: a text model, no tensor
-    parallelism, and every dim an FP8 matmul sees a multiple of 16 (the field named)."""
-    if not config.train.float8:
-        return
-    if config.is_vlm:
-        raise ConfigError(
-            "train.float8",
-            True,
-            "false for a vision-language job ([vlm])",
-            "FP8 linear layers cover the text models, dense and MoE",
-        )
-    if config.distributed.tp > 1:
-        raise ConfigError(
-            "train.float8",
-            True,
-            f"false with distributed.tp = {config.distributed.tp}",
-            "tensor-parallel FP8 layers are not supported; shard with distributed.dp_shard",
-        )
-    for field, value, size, what in float8_dims(config):
-        if size % FP8_MULTIPLE:
-            raise ConfigError(
-                field,
-                value,
-                f"a value that makes {what} ({size}) a multiple of {FP8_MULTIPLE} with "
-                "train.float8 = true",
-                "FP8 matmuls need every dim of both operands to be a multiple of 16; or set "
-                "train.float8 = false",
-            )
-
-
-def float8_dims(config: JobConfig) -> list[tuple[str, object, int, str]]:
-    """(field, its value, the dim it sets, what that dim is) for every dim of an FP8
-    matmul: the inputs and outputs of the converted projections, and the tokens of a
-    micro-batch row, whose multiples are the inner dim of the weight gradient."""
-    m = config.model
-    dims: list[tuple[str, object, int, str]] = [
-        ("model.dim", m.dim, m.dim, "the model width"),
-        ("model.n_kv_heads", m.n_kv_heads, m.kv_heads * m.head_dim, "n_kv_heads * head_dim"),
-        ("train.seq_len", config.train.seq_len, config.train.seq_len, "the sequence length"),
-    ]
-    if any(not m.is_moe_layer(i) for i in range(m.n_layers)):
-        dims.append(
-            ("model.ffn_hidden_dim", m.ffn_hidden_dim, m.hidden_dim, "the feed-forward width")
-        )
-    if m.is_moe and m.moe_shared_experts:
-        shared = m.moe_shared_experts * m.expert_hidden_dim
-        dims.append(
-            (
-                "model.moe_expert_hidden_dim",
-                m.moe_expert_hidden_dim,
-                shared,
-                "moe_shared_experts * the expert width",
-            )
-        )
-    return dims
 
 
 def check_float8_device(device: torch.device) -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kempnerforge.cli import main
+from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.loader import config_to_dict, load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
@@ -19,7 +20,6 @@ from kempnerforge.model.transformer import build_model
 from kempnerforge.training.float8 import (
     apply_float8,
     check_float8,
-    check_float8_config,
     check_torchao_installed,
     convert_projections,
 )
