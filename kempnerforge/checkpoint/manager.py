@@ -29,6 +29,7 @@ import torch.distributed as dist
 from kempnerforge.checkpoint.choice import Candidates, choose, list_candidates
 from kempnerforge.checkpoint.coordination import Coordinator
 from kempnerforge.checkpoint.integrity import checkpoint_problems, share_problems
+from kempnerforge.checkpoint.publish import names_blocking_saves
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
     load_model_weights,
@@ -221,6 +222,16 @@ class CheckpointManager:
             return self._choose("auto")
         except CheckpointError:
             return None  # only broken checkpoints: nothing to return to
+
+    def names_blocking_saves(self, first_step: int, last_step: int) -> list[str]:
+        """What in the checkpoint directory would stop a save of a step after `first_step`
+        up to `last_step` (a link or file named ``step_<N>``, a directory named
+        ``latest``), as rank 0 found it; empty when nothing would. Collective: one listing
+        on rank 0 and one broadcast, so a launch can refuse before training, not at step N.
+        """
+        return self._coord.on_rank0(
+            lambda: names_blocking_saves(self.directory, first_step, last_step)
+        )
 
     def verify(self, path: str | os.PathLike[str]) -> list[str]:
         """What keeps `path` from being a complete checkpoint, as every rank agrees; empty
