@@ -120,6 +120,12 @@ class CheckpointManager:
         pending = self._saver.pending
         return None if pending is None else pending.step
 
+    @property
+    def failed_saves_in_a_row(self) -> int:
+        """Saves that failed (FailedSave) since the last committed one; the same on every
+        rank."""
+        return self._saver.failed_in_a_row
+
     def is_on_schedule(self, step: int) -> bool:
         """True when `step` is a positive multiple of checkpoint.interval (never if it is 0)."""
         return self.cfg.interval > 0 and step > 0 and step % self.cfg.interval == 0
@@ -152,8 +158,11 @@ class CheckpointManager:
         Sync mode commits before returning. Async mode first waits for and commits the
         save in flight (raising its failure), copies model and optimizer state, starts
         the write and returns: the path exists only once poll(), wait() or the next
-        save() has committed it. A write that fails raises CheckpointError naming the
-        directory; the previous checkpoint stays complete and ``latest`` stays on it.
+        save() has committed it. A write or commit that fails raises FailedSave (a
+        CheckpointError naming the directory, the step and why, a full disk named as such)
+        on every rank alike, after rank 0 has removed the partial ``step_<N>.tmp``; the
+        previous checkpoint stays complete and ``latest`` stays on it, so the caller may
+        go on and save again later.
         """
         return self._saver.save(
             step,

@@ -76,6 +76,14 @@ def remove_leftovers(directory: Path) -> None:
         shutil.rmtree(path)
 
 
+def discard_partial(directory: Path, tmp: Path) -> None:
+    """Delete what a failed save left in `tmp`, when it is a directory a save made and not
+    the copy ``latest`` names; a deletion that fails too is left to the next save's
+    cleanup (remove_leftovers)."""
+    if is_real_dir(tmp) and read_latest(directory) != tmp.name:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_names_free(directory: Path, step: int) -> None:
     """Raise CheckpointError when a name that saving `step` would replace is not ours.
 

@@ -34,6 +34,7 @@ from kempnerforge.training.mixture_metrics import dataset_metrics_row
 from kempnerforge.training.phases import PhaseState
 from kempnerforge.training.phasing import advance_phases
 from kempnerforge.training.rollback import data_position, roll_back_or_stop
+from kempnerforge.training.save_failures import tolerating_failed_saves
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
 from kempnerforge.training.steps import pipeline_step, text_step, vlm_step
@@ -321,12 +322,18 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
 
 
 def _save_if_due(session: TrainingSession, progress: _Progress) -> None:
-    """Commit a finished background save, and start a save when one is due."""
-    # Never blocks: the step's reduction (finish_step) already asked every rank whether
-    # its write is done, so this holds no collective.
-    session.checkpointer.poll()
-    if session.checkpointer.should_save(progress.step, session.config.train.max_steps):
-        _save_checkpoint(session, progress)
+    """Commit a finished background save, and start a save when one is due; a save that
+    fails is reported and training goes on (save_failures.py)."""
+    checkpointer = session.checkpointer
+    with tolerating_failed_saves(session):
+        # Never blocks: the step's reduction (finish_step) already asked every rank whether
+        # its write is done, so this holds no collective.
+        checkpointer.poll()
+    if checkpointer.should_save(progress.step, session.config.train.max_steps):
+        with tolerating_failed_saves(session):
+            checkpointer.wait()  # the save in flight fails on its own account, not this one's
+        with tolerating_failed_saves(session):
+            _save_checkpoint(session, progress)
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:
