@@ -66,7 +66,9 @@ class TrainConfig:
     """Directory for config.toml, metrics.jsonl and checkpoints/; empty means runs/<name>."""
     use_existing_dir: bool = False
     """Allow run_dir or checkpoint.dir to be an existing, non-empty directory that no run
-    wrote (by default such a directory is refused, so a typo never writes into it)."""
+    wrote (by default such a directory is refused, so a typo never writes into it). A
+    run_dir holding a config.toml, metrics.jsonl or config_history/ that no run wrote (it
+    has no .kempnerforge-run) is refused even so: the run would overwrite them."""
     batch_size: int = 8
     """Micro-batch size per data-parallel rank, in sequences; 1 to 2**31 - 1."""
     seq_len: int = 256
