@@ -84,14 +84,17 @@ def diagnose(error: BaseException, directory: Path, os_error: OSError | None = N
     torch's writer); otherwise the first OS error in `error`'s chain is used.
     """
     text = describe_failure(error)
-    os_error = os_error or _os_error_within(error)
+    # DCP hands every rank every rank's failure: only this rank's own writes are firsthand.
+    firsthand = os_error is not None
+    if os_error is None:
+        os_error = _os_error_within(error)
+        firsthand = os_error is not None and not isinstance(error, CheckpointException)
     if os_error is not None and os_error.strerror and os_error.strerror not in text:
         text += f" ({errno.errorcode.get(os_error.errno or 0, 'OSError')}: {os_error.strerror})"
     free = bytes_free(directory)
     full = os_error is not None and os_error.errno in FULL_DISK_ERRNOS
     if os_error is None and SHORT_WRITE in text and free is not None:
         full = free < NEARLY_FULL_BYTES
-    firsthand = os_error is not None
     if not full:
         return Diagnosis(text, None, firsthand)
     shown = "unknown" if free is None else f"{free}"
