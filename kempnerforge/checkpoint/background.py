@@ -54,6 +54,9 @@ class PendingSave:
     """Done when the files are durable; holds the write's exception if it failed."""
     started_s: float
     """time.monotonic() when save() was called."""
+    os_error: Callable[[], OSError | None] = lambda: None
+    """The OS error this rank's own file writes raised, once the write is done (its
+    report names a full disk, which DCP's message alone does not)."""
 
 
 class BackgroundWriter:

@@ -70,7 +70,14 @@ class _HashingStream:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
-        return self._raw.write(data)
+        try:
+            return self._raw.write(data)
+        except OSError as e:
+            self.os_error = e  # torch's writer reports it only as "unexpected pos"
+            raise
+
+    os_error: OSError | None = None
+    """The OS error a write through this stream raised (a full disk), if any."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
@@ -85,6 +92,9 @@ class HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, Checksum] = {}
+        self.os_error: OSError | None = None
+        """The first OS error a write of this file system raised, kept for the report: DCP
+        passes on only the message of torch's writer."""
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -93,7 +103,11 @@ class HashingFileSystem(FileSystem):
                 yield stream
                 return
             hashing = _HashingStream(stream)
-            yield hashing
+            try:
+                yield hashing
+            finally:
+                if hashing.os_error is not None and self.os_error is None:
+                    self.os_error = hashing.os_error
         self.sums[Path(path).name] = (hashing.crc, hashing.size)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
@@ -113,6 +127,11 @@ class ChecksummingWriter(FileSystemWriter):
     @property
     def sums(self) -> dict[str, Checksum]:
         return self._hashing.sums
+
+    @property
+    def os_error(self) -> OSError | None:
+        """The first OS error one of this rank's DCP file writes raised, if any."""
+        return self._hashing.os_error
 
 
 def checksums_text(sums: dict[str, Checksum]) -> bytes:

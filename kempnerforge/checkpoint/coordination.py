@@ -74,6 +74,31 @@ class Coordinator:
         dist.broadcast_object_list(shared, group=self.group, group_src=failed)
         return failed, shared[0]
 
+    def first_report(
+        self, report: Any | None, *, firsthand: bool = False
+    ) -> tuple[int, Any] | None:
+        """The rank whose `report` (not None: something failed there) every rank takes, and
+        that report; None when no rank has one. Collective: one all-reduce of an integer,
+        and one broadcast from that rank only when some rank has a report.
+
+        The lowest rank whose report is `firsthand` (it saw the failure itself, say the
+        OS error of its own write) wins over ranks that only heard of it, then the lowest
+        rank with any report.
+        """
+        if self.world_size == 1:
+            return None if report is None else (self.rank, report)
+        world = self.world_size
+        priority = 2 * world if report is None else (self.rank if firsthand else world + self.rank)
+        flag = torch.tensor([priority], dtype=torch.int64, device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        chosen = int(flag.item())
+        if chosen == 2 * world:
+            return None
+        source = chosen % world
+        shared: list[Any] = [report if source == self.rank else None]
+        dist.broadcast_object_list(shared, group=self.group, group_src=source)
+        return source, shared[0]
+
     def on_rank0(self, fn: Callable[[], _T]) -> _T:
         """Run `fn` on rank 0 only; every rank returns its result or raises its error."""
         if self.world_size == 1:

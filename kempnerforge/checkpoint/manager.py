@@ -29,6 +29,7 @@ import torch.distributed as dist
 from kempnerforge.checkpoint.choice import Candidates, choose, list_candidates
 from kempnerforge.checkpoint.coordination import Coordinator
 from kempnerforge.checkpoint.integrity import checkpoint_problems, share_problems
+from kempnerforge.checkpoint.publish import names_blocking_saves
 from kempnerforge.checkpoint.resume import (
     load_model_and_optimizer,
     load_model_weights,
@@ -119,6 +120,12 @@ class CheckpointManager:
         pending = self._saver.pending
         return None if pending is None else pending.step
 
+    @property
+    def failed_saves_in_a_row(self) -> int:
+        """Saves that failed (FailedSave) since the last committed one; the same on every
+        rank."""
+        return self._saver.failed_in_a_row
+
     def is_on_schedule(self, step: int) -> bool:
         """True when `step` is a positive multiple of checkpoint.interval (never if it is 0)."""
         return self.cfg.interval > 0 and step > 0 and step % self.cfg.interval == 0
@@ -151,8 +158,11 @@ class CheckpointManager:
         Sync mode commits before returning. Async mode first waits for and commits the
         save in flight (raising its failure), copies model and optimizer state, starts
         the write and returns: the path exists only once poll(), wait() or the next
-        save() has committed it. A write that fails raises CheckpointError naming the
-        directory; the previous checkpoint stays complete and ``latest`` stays on it.
+        save() has committed it. A write or commit that fails raises FailedSave (a
+        CheckpointError naming the directory, the step and why, a full disk named as such)
+        on every rank alike, after rank 0 has removed the partial ``step_<N>.tmp``; the
+        previous checkpoint stays complete and ``latest`` stays on it, so the caller may
+        go on and save again later.
         """
         return self._saver.save(
             step,
@@ -221,6 +231,16 @@ class CheckpointManager:
             return self._choose("auto")
         except CheckpointError:
             return None  # only broken checkpoints: nothing to return to
+
+    def names_blocking_saves(self, first_step: int, last_step: int) -> list[str]:
+        """What in the checkpoint directory would stop a save of a step after `first_step`
+        up to `last_step` (a link or file named ``step_<N>``, a directory named
+        ``latest``), as rank 0 found it; empty when nothing would. Collective: one listing
+        on rank 0 and one broadcast, so a launch can refuse before training, not at step N.
+        """
+        return self._coord.on_rank0(
+            lambda: names_blocking_saves(self.directory, first_step, last_step)
+        )
 
     def verify(self, path: str | os.PathLike[str]) -> list[str]:
         """What keeps `path` from being a complete checkpoint, as every rank agrees; empty

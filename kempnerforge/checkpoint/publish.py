@@ -8,6 +8,7 @@ a ``step_<N>.tmp`` nothing here renames or deletes.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,9 @@ from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
+
+STEP_NAME = re.compile(r"step_(\d+)(\.tmp|\.old)?")
+"""The names a save of step N renames, deletes or writes into (check_names_free)."""
 
 
 def publish(directory: Path, name: str) -> None:
@@ -72,6 +76,14 @@ def remove_leftovers(directory: Path) -> None:
         shutil.rmtree(path)
 
 
+def discard_partial(directory: Path, tmp: Path) -> None:
+    """Delete what a failed save left in `tmp`, when it is a directory a save made and not
+    the copy ``latest`` names; a deletion that fails too is left to the next save's
+    cleanup (remove_leftovers)."""
+    if is_real_dir(tmp) and read_latest(directory) != tmp.name:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_names_free(directory: Path, step: int) -> None:
     """Raise CheckpointError when a name that saving `step` would replace is not ours.
 
@@ -91,6 +103,29 @@ def check_names_free(directory: Path, step: int) -> None:
                 path,
                 f"is {foreign_kind(path)}, which saving step {step} would replace; move it away",
             )
+
+
+def names_blocking_saves(directory: Path, first_step: int, last_step: int) -> list[str]:
+    """What in `directory` would stop a save of any step after `first_step` up to
+    `last_step` (check_names_free's refusals, found before training instead of at that
+    step): a link or file named ``step_<N>`` (or its .tmp/.old copy) with N in that range,
+    and a directory named ``latest``. One listing of the directory; nothing is followed.
+    """
+    if not directory.is_dir():
+        return []
+    problems = []
+    pointer = directory / LATEST
+    if pointer.is_dir() and not pointer.is_symlink():
+        problems.append(f"{pointer} is a directory, where every save writes its pointer file")
+    for path in sorted(directory.iterdir()):
+        match = STEP_NAME.fullmatch(path.name)
+        if not match or is_real_dir(path) or not first_step < int(match.group(1)) <= last_step:
+            continue
+        what = foreign_kind(path)
+        if path.is_symlink():
+            what = f"a symbolic link to {os.readlink(path)}"
+        problems.append(f"{path} is {what}, which saving step {match.group(1)} would replace")
+    return problems
 
 
 def settle(directory: Path) -> None:

@@ -26,17 +26,14 @@ saves of that step or later; see ``background.fault_save_delay``.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -48,7 +45,7 @@ from kempnerforge.checkpoint.checksums import (
     write_checksums,
 )
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
-from kempnerforge.checkpoint.failures import FAILURES, describe_failure
+from kempnerforge.checkpoint.failures import FAILURES, Diagnosis, FailedSave, diagnose
 from kempnerforge.checkpoint.layout import (
     CHECKSUM_KIND,
     FORMAT_VERSION,
@@ -65,6 +62,7 @@ from kempnerforge.checkpoint.layout import (
 from kempnerforge.checkpoint.publish import (
     apply_retention,
     check_names_free,
+    discard_partial,
     publish,
     remove_leftovers,
     settle,
@@ -123,6 +121,8 @@ class CheckpointSaver:
         self.pending: PendingSave | None = None
         self.on_commit: CommitCallback | None = None
         self._write_vote: tuple[PendingSave, bool] | None = None
+        self.failed_in_a_row = 0
+        """Saves that failed since the last one committed."""
 
     @property
     def writing(self) -> bool:
@@ -151,7 +151,7 @@ class CheckpointSaver:
         state = self._coord.on_every_rank(
             lambda: build_train_state(step, scheduler.state_dict(), train_state)
         )
-        self._coord.on_rank0(lambda: self._prepare(tmp, step))
+        self._raise_failed(step, self._coord.on_rank0(lambda: self._prepare(tmp, step)))
         # get_state_dict initializes an optimizer that has never stepped by taking a
         # zero-LR step; undo that so saving at step 0 does not change the run.
         fresh = not optimizer.state
@@ -168,19 +168,19 @@ class CheckpointSaver:
         # thread, and nothing on this thread uses the side group while a write is in
         # flight (the failure report and the teardown barrier come after wait()), so no
         # group ever carries collectives from two threads at once.
-        with self._write_failures(step):
-            future = self._coord.on_every_rank(
-                lambda: self._write(
-                    {"model": model_sd, "optimizer": optim_sd},
-                    tmp,
-                    step,
-                    train_state_data,
-                )
+        writer = ChecksummingWriter(tmp)
+        future, error = None, None
+        try:
+            future = self._write(
+                {"model": model_sd, "optimizer": optim_sd}, writer, tmp, step, train_state_data
             )
+        except FAILURES as e:
+            error = e
+        self._agree_on_write(step, error, writer.os_error, background=False)
         marker = self._marker(step, int(state.get("tokens_seen", 0)), config_sha256)
         path = self.directory / name
         if future is not None:
-            self.pending = PendingSave(step, tmp, marker, future, started)
+            self.pending = PendingSave(step, tmp, marker, future, started, lambda: writer.os_error)
             if self.rank == 0:
                 logger.info(
                     "saving checkpoint %s in the background (%.2f s to stage)",
@@ -189,7 +189,7 @@ class CheckpointSaver:
                 )
             return str(path)
         fault_save_delay(step)
-        self._coord.on_rank0(lambda: self._commit(tmp, marker))
+        self._commit_or_fail(tmp, marker, background=False)
         elapsed = time.monotonic() - started
         if self.rank == 0:
             logger.info("saved checkpoint %s (%.2f s)", path, elapsed)
@@ -214,13 +214,13 @@ class CheckpointSaver:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
+        error = None
         try:
-            self._coord.on_every_rank(pending.future.result)
+            pending.future.result()
         except FAILURES as e:
-            # Free what the failed write left (a full disk needs the space back).
-            self._coord.on_rank0(lambda: shutil.rmtree(pending.tmp, ignore_errors=True))
-            raise self._save_failed(pending.step, e, background=True) from e
-        self._coord.on_rank0(lambda: self._commit(pending.tmp, pending.marker))
+            error = e
+        self._agree_on_write(pending.step, error, pending.os_error(), background=True)
+        self._commit_or_fail(pending.tmp, pending.marker, background=True)
         path = self.directory / f"step_{pending.step}"
         elapsed = time.monotonic() - pending.started_s
         if self.rank == 0:
@@ -229,6 +229,7 @@ class CheckpointSaver:
         return str(path)
 
     def _committed(self, step: int, path: str, elapsed: float) -> None:
+        self.failed_in_a_row = 0
         self.known_complete.add(Path(path))  # written whole by this run: retention trusts it
         if self.on_commit is not None:
             self.on_commit(step, path, elapsed)
@@ -245,11 +246,16 @@ class CheckpointSaver:
         }
 
     def _write(
-        self, state_dict: dict[str, Any], tmp: Path, step: int, train_state_data: bytes
+        self,
+        state_dict: dict[str, Any],
+        writer: ChecksummingWriter,
+        tmp: Path,
+        step: int,
+        train_state_data: bytes,
     ) -> Future[None] | None:
-        """Write the DCP files, then this rank's train state and checksums: now, returning
-        None, or in the background, returning the future of all three."""
-        writer = ChecksummingWriter(tmp)
+        """Write the DCP files through `writer`, then this rank's train state and
+        checksums: now, returning None, or in the background, returning the future of all
+        three."""
 
         def then() -> None:
             write_rank_files(tmp, self.rank, train_state_data, writer.sums)
@@ -280,46 +286,92 @@ class CheckpointSaver:
             self._side_group = new_gloo_group(self.process_group)
         return self._side_group if self.world_size > 1 else self.process_group
 
-    def _save_failed(self, step: int, error: BaseException, *, background: bool) -> CheckpointError:
+    def _agree_on_write(
+        self, step: int, error: BaseException | None, os_error: OSError | None, *, background: bool
+    ) -> None:
+        """Raise FailedSave on every rank when any rank's write of ``step_<step>`` failed,
+        with the report of the rank that saw the OS error itself (else the lowest failing
+        rank), after rank 0 has removed the partial ``step_<step>.tmp``. Collective: one
+        all-reduce; a broadcast and the cleanup only after a failure."""
+        local = None if error is None else diagnose(error, self.directory, os_error)
+        firsthand = local is not None and local.firsthand
+        agreed = self._coord.first_report(local, firsthand=firsthand)
+        if agreed is not None:
+            rank, diagnosis = agreed
+            self._raise_failed(step, diagnosis, rank=rank, background=background)
+
+    def _raise_failed(
+        self,
+        step: int,
+        diagnosis: Diagnosis | None,
+        *,
+        rank: int = 0,
+        background: bool = False,
+    ) -> None:
+        """Raise FailedSave for ``step_<step>`` when `diagnosis` (every rank's alike) says
+        the save failed: first rank 0 frees what it left (a full disk needs the space
+        back), then every rank raises the same report."""
+        if diagnosis is None:
+            return
+        tmp = self.directory / f"step_{step}.tmp"
+        self._coord.on_rank0(lambda: discard_partial(self.directory, tmp))
+        self.failed_in_a_row += 1
+        reason = diagnosis.reason
+        if self.world_size > 1 and "rank " not in reason:
+            reason = f"rank {rank}: {reason}"
         latest = read_latest(self.directory)
         kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
         what = "the background write of" if background else "writing"
-        tmp = self.directory / f"step_{step}.tmp"
-        return CheckpointError(
+        raise FailedSave(
             self.directory,
+            step,
             f"{what} checkpoint step_{step} into {tmp} failed, so it was not committed "
-            f"({describe_failure(error)}); {kept}",
+            f"({reason}); {kept}",
+            reason=reason,
+            bytes_free=diagnosis.bytes_free,
         )
 
-    @contextlib.contextmanager
-    def _write_failures(self, step: int) -> Iterator[None]:
-        """Turn an OS or DCP failure while writing ``step_<step>`` into a CheckpointError."""
+    def _prepare(self, tmp: Path, step: int) -> Diagnosis | None:
+        """Make ``step_<step>.tmp`` ready on rank 0; why not (an OS error), or None.
+
+        A name the save must not replace (a link, a file) raises CheckpointError instead:
+        that is no failed write but a directory to put right.
+        """
         try:
-            yield
-        except (OSError, CheckpointException) as e:
-            raise self._save_failed(step, e, background=False) from e
-
-    def _prepare(self, tmp: Path, step: int) -> None:
-        with self._write_failures(step):
             self.directory.mkdir(parents=True, exist_ok=True)
-        settle(self.directory)
-        with self._write_failures(step):
+            settle(self.directory)
             remove_leftovers(self.directory)
-            check_names_free(self.directory, step)
-            if tmp.exists():
-                raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
+        except OSError as e:
+            return diagnose(e, self.directory)
+        check_names_free(self.directory, step)
+        if tmp.exists():
+            raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
+        try:
             tmp.mkdir()
+        except OSError as e:
+            return diagnose(e, self.directory)
+        return None
 
-    def _commit(self, tmp: Path, marker: dict[str, Any]) -> None:
-        write_marker(tmp, marker)
-        fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
-        publish(self.directory, f"step_{marker['step']}")
+    def _commit_or_fail(self, tmp: Path, marker: dict[str, Any], *, background: bool) -> None:
+        """Commit on rank 0 (marker, rename, ``latest``, retention); a commit that an OS
+        error stopped before ``latest`` moved raises FailedSave on every rank."""
+        failure = self._coord.on_rank0(lambda: self._commit(tmp, marker))
+        self._raise_failed(marker["step"], failure, background=background)
+
+    def _commit(self, tmp: Path, marker: dict[str, Any]) -> Diagnosis | None:
+        try:
+            write_marker(tmp, marker)
+            fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
+            publish(self.directory, f"step_{marker['step']}")
+        except OSError as e:
+            return diagnose(e, self.directory)
         apply_retention(
             self.directory,
             keep_last_n=self.cfg.keep_last_n,
             keep_every=self.cfg.keep_every,
             is_complete=self._counts_as_complete,
         )
+        return None
 
     def _counts_as_complete(self, path: Path) -> bool:
         """For retention: a checkpoint this run wrote or verified, or else one with a

@@ -37,7 +37,8 @@ def train_epilog() -> str:
         f"braces, quotes or spaces for the shell). Sections: {always}, and the optional "
         f"{optional}. Every field, its default and its meaning: docs/config.md "
         "(or python -m kempnerforge.config.reference). Exit codes: 0 finished, 1 failed, "
-        "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue)."
+        "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue), 77 a step "
+        "hung (stacks in <run_dir>/hangs/; requeue)."
     )
 
 
@@ -116,6 +117,7 @@ def _train_under(
     )
     from kempnerforge.launch.allocator import describe_allocator
     from kempnerforge.resilience.agreement import agreed_stop
+    from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.preflight import preflight
@@ -160,7 +162,10 @@ def _train_under(
                 return exit_codes.PREEMPTED
             if runtime.is_main:
                 record_config(config, started)
-            with session.tracker:
+            watchdog = HangWatchdog(
+                config.train.hang_timeout_s, config.run_dir, runtime.rank, on_exit=_record_exit_code
+            )
+            with watchdog, session.tracker:
                 step, tokens_seen = apply_resume(session, plan)
                 step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
             ended_together = True

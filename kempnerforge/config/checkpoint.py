@@ -42,9 +42,17 @@ class CheckpointConfig:
     """Also keep every checkpoint whose step is a multiple of this (in optimizer steps),
     whatever keep_last_n says; 0 marks none; at most 2**62 - 1."""
 
+    max_failed_saves: int = 3
+    """A save on the schedule that fails (full disk, I/O error, permission) is logged as a
+    checkpoint_failed event and training goes on, 'latest' unchanged; after this many
+    failed saves in a row the run stops with exit code 1. 1 stops at the first failure.
+    A save a stop needs (a stop signal, the end of the run) that fails always stops the
+    run. At least 1, at most 2**62 - 1."""
+
     def __post_init__(self) -> None:
         for name in ("interval", "keep_last_n", "keep_every"):
             check_at_least(f"checkpoint.{name}", getattr(self, name), 0, MAX_STEPS)
+        check_at_least("checkpoint.max_failed_saves", self.max_failed_saves, 1, MAX_STEPS)
         check_choice("checkpoint.async_mode", self.async_mode, ASYNC_MODES)
         if not self.resume_from:
             raise ConfigError(

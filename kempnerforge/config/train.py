@@ -26,6 +26,8 @@ RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 RUN_NAME_RULE = "1 to 128 of [A-Za-z0-9._-], not starting with '.' or '-'"
 MAX_THREADS = 65536
 """More intra-op threads than any machine has cores."""
+MAX_HANG_TIMEOUT_S = 1e7
+"""About four months: longer than any step, so any larger value is a typo."""
 
 
 @dataclass
@@ -64,7 +66,9 @@ class TrainConfig:
     """Directory for config.toml, metrics.jsonl and checkpoints/; empty means runs/<name>."""
     use_existing_dir: bool = False
     """Allow run_dir or checkpoint.dir to be an existing, non-empty directory that no run
-    wrote (by default such a directory is refused, so a typo never writes into it)."""
+    wrote (by default such a directory is refused, so a typo never writes into it). A
+    run_dir holding a config.toml, metrics.jsonl or config_history/ that no run wrote (it
+    has no .kempnerforge-run) is refused even so: the run would overwrite them."""
     batch_size: int = 8
     """Micro-batch size per data-parallel rank, in sequences; 1 to 2**31 - 1."""
     seq_len: int = 256
@@ -157,6 +161,13 @@ class TrainConfig:
     """At the end of a run, greedily continue this prompt and print it; empty disables it."""
     sample_tokens: int = 120
     """Number of tokens generated for the end-of-run sample; 0 to 2**31 - 1."""
+    hang_timeout_s: float = 0.0
+    """Hang watchdog, in seconds: a training step running longer than this writes every
+    thread's stack to <run_dir>/hangs/ and ends the run with exit code 77 (requeue). 0
+    derives the limit from measured times: 30 minutes for the first two steps, then 10
+    times the slowest step so far, at least 5 minutes; evals and checkpoint saves and
+    loads get limits of their own by the same rule (also when this is set). A negative
+    value turns the watchdog off. At most 1e7."""
 
     def precision_on(self, device_type: str) -> str:
         """'bf16' or 'fp32': mixed_precision on a device of ``device_type`` ('cuda', 'cpu'),
@@ -191,6 +202,7 @@ class TrainConfig:
         check_at_least("train.spike_min_history", self.spike_min_history, 0)
         check_at_least("train.max_hardware_faults", self.max_hardware_faults, 0, MAX_STEPS)
         check_at_least("train.sample_tokens", self.sample_tokens, 0, MAX_SIZE)
+        check_in_range("train.hang_timeout_s", self.hang_timeout_s, -1e7, MAX_HANG_TIMEOUT_S)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
         if not self.allocator.startswith("/"):

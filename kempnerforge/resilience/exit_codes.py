@@ -6,6 +6,7 @@ A batch script typically does::
     case $? in
         0)  echo "finished" ;;
         75) scontrol requeue "$SLURM_JOB_ID" ;;   # PREEMPTED: saved, run me again
+        77) scontrol requeue "$SLURM_JOB_ID" ;;   # HANG: resume from the last checkpoint
         *)  echo "failed: read the log before resubmitting"; exit 1 ;;
     esac
 
@@ -22,6 +23,12 @@ NAN_ABORT (3)
     train.nan_consecutive_max steps in a row had a non-finite loss or gradient norm.
     The last checkpoint predates the divergence; lower the learning rate or change data
     before resuming. Requeueing unchanged repeats the divergence.
+HANG (77)
+    A training step, an eval or a checkpoint save or load ran past its limit
+    (train.hang_timeout_s): every rank that could wrote its threads' stacks to
+    run_dir/hangs/rank<R>-<host>.txt and exited. A hang is most often a lost node, a
+    stuck GPU or network, gone on a fresh allocation: requeue, and the run resumes from
+    its last checkpoint; read the stacks when it happens again.
 INTERRUPTED (130)
     Ctrl-C outside training (prepare-data, eval): nothing was left half-written.
 PREEMPTED (75, EX_TEMPFAIL from sysexits.h)
@@ -53,6 +60,8 @@ PREEMPTED = 75
 """Saved after a stop signal (EX_TEMPFAIL): requeue and it resumes where it stopped."""
 HARDWARE_FAULT = 76
 """Too many faults that a re-run did not repeat: requeue on other nodes."""
+HANG = 77
+"""A step (or its collective) hung: stacks in run_dir/hangs/; requeue, it resumes."""
 INTERRUPTED = 130
 """Interrupted (Ctrl-C) outside a training run, which would have saved and exited 75."""
 

@@ -24,6 +24,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.model.moe import add_router_losses, finish_router_step
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
+from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
 from kempnerforge.training.attribution import attempt_step
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.family import family_of
@@ -35,6 +36,7 @@ from kempnerforge.training.mixture_metrics import dataset_metrics_row
 from kempnerforge.training.phases import PhaseState
 from kempnerforge.training.phasing import advance_phases
 from kempnerforge.training.rollback import roll_back_or_stop
+from kempnerforge.training.save_failures import tolerating_failed_saves
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
 from kempnerforge.training.steps import pipeline_step, text_step, vlm_step
@@ -129,12 +131,8 @@ def run_training_loop(
     _start(session, step)
     try:
         while progress.step < max_steps and not _stop_agreed(session):
-            session.tracker.start_step()
-            result, good = attempt_step(session, progress.step)  # run again on a fault
-            if good:
-                _finish_good_step(session, result, progress)
-            else:
-                _skip_bad_step(session, result, progress)
+            with watch(STEP, progress.step + 1):  # the hang watchdog's limit (hang.py)
+                _train_step(session, progress)
         _finish(session, progress)
     except BaseException:
         _drain_after_failure(session.checkpointer)
@@ -143,12 +141,23 @@ def run_training_loop(
         if session.profiler is not None:
             session.profiler.stop()
     # Drain the pending save first: teardown must not race a background write.
-    session.checkpointer.wait()
+    with watch(CHECKPOINT, progress.step):
+        session.checkpointer.wait()
     # The run's position is recorded; its loader workers go now, not whenever the session
     # is collected. Training again on this session continues at the same batch.
     session.batches.reset()
     session.hooks.on_train_end(progress.step, progress.tokens_seen)
     return progress.step, progress.tokens_seen
+
+
+def _train_step(session: TrainingSession, progress: _Progress) -> None:
+    """One attempt at the next step: the step body, then its update or its skip."""
+    session.tracker.start_step()
+    result, good = attempt_step(session, progress.step)  # run again on a fault
+    if good:
+        _finish_good_step(session, result, progress)
+    else:
+        _skip_bad_step(session, result, progress)
 
 
 def _start(session: TrainingSession, step: int) -> None:
@@ -196,7 +205,8 @@ def _skip_bad_step(session: TrainingSession, result: StepResult, progress: _Prog
         data=detector.last_data_position,
     )
     if detector.exhausted:
-        progress.step, progress.tokens_seen = roll_back_or_stop(session, progress.step)
+        with watch(CHECKPOINT, progress.step):
+            progress.step, progress.tokens_seen = roll_back_or_stop(session, progress.step)
         progress.last_saved = progress.step
 
 
@@ -309,7 +319,7 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
         return
     if layout_of(config).forward_refusal is not None:
         return
-    with optimizer_eval_mode(session.optimizer):
+    with watch(EVAL, step), optimizer_eval_mode(session.optimizer):
         metrics = evaluate(session.model, session.data, config, session.runtime)
     if metrics:
         session.tracker.log_eval(step, metrics)
@@ -317,12 +327,18 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
 
 
 def _save_if_due(session: TrainingSession, progress: _Progress) -> None:
-    """Commit a finished background save, and start a save when one is due."""
-    # Never blocks: the step's reduction (finish_step) already asked every rank whether
-    # its write is done, so this holds no collective.
-    session.checkpointer.poll()
-    if session.checkpointer.should_save(progress.step, session.config.train.max_steps):
-        _save_checkpoint(session, progress)
+    """Commit a finished background save, and start a save when one is due; a save that
+    fails is reported and training goes on (save_failures.py)."""
+    checkpointer = session.checkpointer
+    with tolerating_failed_saves(session):
+        # Never blocks: the step's reduction (finish_step) already asked every rank whether
+        # its write is done, so this holds no collective.
+        checkpointer.poll()
+    if checkpointer.should_save(progress.step, session.config.train.max_steps):
+        with tolerating_failed_saves(session), watch(CHECKPOINT, progress.step):
+            checkpointer.wait()  # the save in flight fails on its own account, not this one's
+        with tolerating_failed_saves(session):
+            _save_checkpoint(session, progress)
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:
@@ -358,7 +374,7 @@ def _save_checkpoint(session: TrainingSession, progress: _Progress) -> None:
     )
     # Schedule-free optimizers save their averaged point (a no-op for the others); the
     # save stages its copy before returning, so leaving the context right after is safe.
-    with optimizer_eval_mode(session.optimizer):
+    with watch(CHECKPOINT, step), optimizer_eval_mode(session.optimizer):
         path = session.checkpointer.save(
             step,
             model=session.model,

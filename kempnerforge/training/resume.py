@@ -64,10 +64,43 @@ def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePla
     """The checkpoint this launch resumes from and how, or None to start at step 0.
 
     Reads markers and train-state files only. Raises ConfigError for a config change the
-    checkpoint refuses and for a checkpoint past train.max_steps (one exactly at it has
-    nothing left to train: the caller says so), and CheckpointError for a named
-    checkpoint that is broken.
+    checkpoint refuses, for a checkpoint past train.max_steps (one exactly at it has
+    nothing left to train: the caller says so), and for a link or file in the checkpoint
+    directory where this run may have to save (see check_save_names); CheckpointError
+    for a named checkpoint that is broken.
     """
+    plan = _choose_plan(config, checkpointer)
+    first_step = plan.step if plan is not None and plan.mode != WEIGHTS else 0
+    check_save_names(checkpointer, first_step, config.train.max_steps)
+    return plan
+
+
+def check_save_names(checkpointer: CheckpointManager, first_step: int, max_steps: int) -> None:
+    """Refuse, before anything is built, a checkpoint directory where a save this run may
+    make (any step after `first_step` up to `max_steps`: on schedule, at the end, or at a
+    stop signal) would meet a link or file it must not replace.
+
+    A ``step_<N>`` linked into the checkpoint directory (to start from another run's
+    checkpoint) is never followed, so without this check the run would train N steps and
+    then stop at the save of step N with those steps lost. ConfigError naming
+    checkpoint.dir, the entry, and what to do instead.
+    """
+    problems = checkpointer.names_blocking_saves(first_step, max_steps)
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    raise ConfigError(
+        "checkpoint.dir",
+        str(checkpointer.directory),
+        "only checkpoints this run saves under the step_<N> names it may save",
+        f"{problems[0]}{more}, and this run may save any step from {first_step + 1} to "
+        f"{max_steps}; a run never follows or replaces a link or file among its "
+        "checkpoints: move it away, and to start from another run's checkpoint set "
+        "checkpoint.resume_from to its path instead",
+    )
+
+
+def _choose_plan(config: JobConfig, checkpointer: CheckpointManager) -> ResumePlan | None:
     cfg = config.checkpoint
     own = checkpointer.newest_complete_path()
     if cfg.resume_from == "none":

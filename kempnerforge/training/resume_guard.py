@@ -96,6 +96,7 @@ OPERATIONAL = (
     "train.compile",
     "train.deterministic",
     "train.loss_chunk_tokens",
+    "train.hang_timeout_s",
     "data.num_workers",
     "data.cache_dir",
     "vlm.eval_data",

@@ -1,14 +1,21 @@
 """The directories a run writes into: which it may take, its locks, and its config history.
 
-A run writes only into its run directory (config.toml, config_history/, metrics.jsonl,
-.lock) and its checkpoint directory (step_<N>/, latest, .lock). Before it writes anything
-it checks that each is new, empty, or already one of its kind, and it locks both, so
-two runs can share neither even when only their checkpoint.dir is the same.
+A run writes only into its run directory (.kempnerforge-run, config.toml, config_history/,
+metrics.jsonl, hangs/, .lock) and its checkpoint directory (step_<N>/, latest, .lock).
+Before it writes anything it checks that each is new, empty, or already one of its kind,
+and it locks both, so two runs can share neither even when only their checkpoint.dir is
+the same.
+
+A run directory is one of ours only when it holds the marker ``.kempnerforge-run``, which
+a run writes when it claims the directory: file names such as config.toml or
+metrics.jsonl are common in project folders, and a run must never take such a folder for
+a previous run and overwrite them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
@@ -17,62 +24,129 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from kempnerforge.checkpoint.layout import is_real_dir, read_latest, read_marker, step_dirs
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.config.run_config import RUN_CONFIG_FILE
 from kempnerforge.core.errors import ConfigError, PeerSetupError
 from kempnerforge.core.logging import get_logger
+from kempnerforge.core.metrics_file import METRICS_FILE
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.run_lock import LOCK_NAME, RunLock
 
 logger = get_logger(__name__)
 
 CONFIG_HISTORY = "config_history"
-_RUN_DIR_ENTRIES = {RUN_CONFIG_FILE, CONFIG_HISTORY, "metrics.jsonl", LOCK_NAME, "checkpoints"}
+RUN_MARKER = ".kempnerforge-run"
+"""Written by a run into the run directory it claims (JSON: format_version, name, created)."""
+MARKER_FORMAT = 1
+_RUN_FILES = (RUN_CONFIG_FILE, METRICS_FILE, CONFIG_HISTORY)
+"""What a run writes that a directory of someone else's may hold under the same name."""
 _CHECKPOINT_ENTRY = re.compile(r"latest|\.lock|step_\d+(\.(tmp|old|trash))?")
 
 
-def _foreign_entries(path: Path, is_ours: re.Pattern[str] | set[str]) -> list[str]:
-    """Names in an existing directory that a run of ours would not have written."""
+def _foreign_entries(path: Path, is_ours: re.Pattern[str]) -> list[str]:
+    """Names in an existing checkpoint directory that a run of ours would not have written."""
     if not path.is_dir():
         return []
     names = sorted(os.listdir(path))
-    if isinstance(is_ours, set):
-        ours = [n for n in names if n in is_ours]
-    else:
-        ours = [n for n in names if is_ours.fullmatch(n)]
-    # A directory holding any of our entries is one of ours: a run or a checkpoint
-    # directory resumed later may also hold the user's notes, which we leave alone.
+    ours = [n for n in names if is_ours.fullmatch(n)]
+    # A directory holding any of our entries is one of ours: a checkpoint directory
+    # resumed later may also hold the user's notes, which we leave alone.
     return [] if ours else names
 
 
 def check_directories(config: JobConfig) -> None:
     """Refuse a run directory or checkpoint directory that exists, is not empty and is
-    not one a run wrote, unless train.use_existing_dir; ConfigError naming the field."""
+    not one a run wrote, unless train.use_existing_dir; ConfigError naming the field.
+
+    A run directory is a previous run's when it holds RUN_MARKER, or when an earlier
+    version made it (no marker, but metrics.jsonl and a complete checkpoint: see
+    _is_earlier_run). Even with train.use_existing_dir, a directory holding a
+    config.toml, metrics.jsonl or config_history/ that no run made is refused, as the run
+    would overwrite them.
+    """
+    run_field = "train.run_dir" if config.train.run_dir else "train.name"
+    _check_run_dir(run_field, config)
     if config.train.use_existing_dir:
         return
-    checks = [
-        (
-            "train.run_dir" if config.train.run_dir else "train.name",
+    path = Path(config.checkpoint_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            "checkpoint.dir", config.checkpoint_dir, "a directory", "a file of that name exists"
+        )
+    foreign = _foreign_entries(path, _CHECKPOINT_ENTRY)
+    if foreign:
+        raise _foreign_error("checkpoint.dir", config.checkpoint_dir, foreign)
+
+
+def _foreign_error(field: str, directory: str, foreign: list[str]) -> ConfigError:
+    shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    return ConfigError(
+        field,
+        directory,
+        "a new or empty directory, or one a previous run wrote",
+        f"it already holds {len(foreign)} other entries ({shown}); choose another "
+        "directory, or set train.use_existing_dir=true to write into it anyway",
+    )
+
+
+def _check_run_dir(field: str, config: JobConfig) -> None:
+    path = Path(config.run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(field, config.run_dir, "a directory", "a file of that name exists")
+    names = sorted(n for n in os.listdir(path) if n != LOCK_NAME) if path.is_dir() else []
+    if not names or RUN_MARKER in names or _is_earlier_run(path, config):
+        return
+    lookalikes = [n for n in names if n in _RUN_FILES]
+    if lookalikes:
+        raise ConfigError(
+            field,
             config.run_dir,
-            _RUN_DIR_ENTRIES,
-        ),
-        ("checkpoint.dir", config.checkpoint_dir, _CHECKPOINT_ENTRY),
-    ]
-    for field, directory, ours in checks:
-        path = Path(directory)
-        if path.exists() and not path.is_dir():
-            raise ConfigError(field, directory, "a directory", "a file of that name exists")
-        foreign = _foreign_entries(path, ours)
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise ConfigError(
-                field,
-                directory,
-                "a new or empty directory, or one a previous run wrote",
-                f"it already holds {len(foreign)} other entries ({shown}); choose another "
-                "directory, or set train.use_existing_dir=true to write into it anyway",
-            )
+            f"a new or empty directory, or one a run made (it holds {RUN_MARKER})",
+            f"it holds {', '.join(lookalikes)} but no {RUN_MARKER}, so no run wrote "
+            f"{'them' if len(lookalikes) > 1 else 'it'}, and a run would overwrite "
+            f"{'them' if len(lookalikes) > 1 else 'it'} (train.use_existing_dir too): choose "
+            "another directory or move them away (to continue a run of an earlier version "
+            f"that wrote them, create an empty {RUN_MARKER} there)",
+        )
+    if not config.train.use_existing_dir:
+        raise _foreign_error(field, config.run_dir, names)
+
+
+def _is_earlier_run(path: Path, config: JobConfig) -> bool:
+    """Whether `path`, without a marker, is a run an earlier version made: it holds
+    metrics.jsonl and the checkpoint directory holds a checkpoint with a valid completion
+    marker (the one ``latest`` names, else the newest that has one: one small read each).
+    Such a run resumes; the launch then marks the directory (mark_run_dir)."""
+    if not (path / METRICS_FILE).is_file():
+        return False
+    checkpoints = Path(config.checkpoint_dir)
+    latest = read_latest(checkpoints)
+    candidates = [checkpoints / latest] if latest else []
+    candidates += [p for _, p in step_dirs(checkpoints)]
+    found = next((p for p in candidates if is_real_dir(p) and read_marker(p)), None)
+    if found is not None:
+        logger.info(
+            "taking %s for a run of an earlier version (no %s; it holds %s and %s): marking it",
+            path,
+            RUN_MARKER,
+            METRICS_FILE,
+            found,
+        )
+    return found is not None
+
+
+def mark_run_dir(config: JobConfig) -> None:
+    """Write RUN_MARKER into the run directory, unless it is there: from now on the
+    directory is known to be a run's. Rank 0, after the checks and the locks."""
+    marker = Path(config.run_dir) / RUN_MARKER
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    text = {"format_version": MARKER_FORMAT, "name": config.train.name, "created": created}
+    _write_atomic(marker, json.dumps(text) + "\n")
 
 
 @contextlib.contextmanager
@@ -102,6 +176,7 @@ def rank0_workspace(config: JobConfig, runtime: RuntimeContext) -> Iterator[None
             try:
                 check_directories(config)
                 stack.enter_context(locked_directories(config))
+                mark_run_dir(config)
             except Exception as e:
                 failure = e
         if runtime.is_distributed:

@@ -118,12 +118,14 @@ def test_async_saves_at_world_size_two_commit_load_and_agree_on_failure(tmp_path
     root = tmp_path / "ckpt"
     ranks = run_distributed(_async_saves, 2, str(root))
     tmp = root / "step_8.tmp"
+    errors = [r["error"] for r in ranks]
+    free = errors[0].split("the disk is full: ")[1].split()[0]
     expected = (
         f"{root}: the background write of checkpoint step_8 into {tmp} failed, so it was "
-        "not committed (rank 1: OSError: [Errno 28] No space left on device); "
-        "'latest' still names step_6"
+        f"not committed (the disk is full: {free} bytes free on the file system of {root} "
+        "(rank 1: OSError: [Errno 28] No space left on device)); 'latest' still names step_6"
     )
-    assert [r["error"] for r in ranks] == [expected, expected]
+    assert errors == [expected, expected]  # the same report on every rank
     assert _names(CheckpointManager(CheckpointConfig(), str(root))) == ["latest", "step_6"]
     manager = CheckpointManager(CheckpointConfig(), str(root))
     fresh = _build(seed=3)

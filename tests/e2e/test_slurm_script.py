@@ -137,6 +137,8 @@ def test_each_rank_gets_its_torchrun_environment_and_a_finished_run_exits_0(tmp_
     [
         ((75, 75), 0, 0, True, "saved after a stop signal: requeueing job"),
         ((75, 75), 50, 75, False, "already restarted 50 times: not requeueing"),
+        ((77, 1), 0, 0, True, "hung: requeueing job"),
+        ((1, 77), 50, 77, False, "hung, but already restarted 50 times: not requeueing"),
         ((0, 3), 0, 3, False, "stopped on non-finite losses"),
         ((2, 0), 0, 2, False, "training failed with exit code 2"),
         ((76, 76), 0, 0, True, "suspected hardware faults on gpu-7: requeueing job"),

@@ -178,10 +178,13 @@ def test_a_failed_background_write_raises_naming_the_directory(tmp_path, disk_fu
         else:
             _poll_until_committed(manager)
     assert error.value.path == str(manager.directory)
+    free = error.value.bytes_free
+    assert isinstance(free, int) and free > 0  # the disk is full for the writer only
     assert str(error.value) == (
         f"{manager.directory}: the background write of checkpoint step_6 into "
         f"{manager.directory / 'step_6.tmp'} failed, so it was not committed "
-        "(rank 0: OSError: [Errno 28] No space left on device); 'latest' still names step_3"
+        f"(the disk is full: {free} bytes free on the file system of {manager.directory} "
+        "(rank 0: OSError: [Errno 28] No space left on device)); 'latest' still names step_3"
     )
     assert manager.pending_step is None
     manager.wait()  # raised once, then cleared
@@ -197,11 +200,14 @@ def test_a_failed_sync_write_raises_naming_the_directory(tmp_path, disk_full):
     with pytest.raises(CheckpointError) as error:
         _save(manager, 6)
     assert error.value.path == str(manager.directory)
+    free = error.value.bytes_free
     assert str(error.value) == (
         f"{manager.directory}: writing checkpoint step_6 into "
         f"{manager.directory / 'step_6.tmp'} failed, so it was not committed "
-        "(rank 0: OSError: [Errno 28] No space left on device); 'latest' still names step_3"
+        f"(the disk is full: {free} bytes free on the file system of {manager.directory} "
+        "(rank 0: OSError: [Errno 28] No space left on device)); 'latest' still names step_3"
     )
+    assert _names(manager) == ["latest", "step_3"]  # the partial step_6.tmp is gone
     assert _latest(manager) == "step_3" and manager.is_complete(manager.directory / "step_3")
     assert manager.find_resume_path() == str(manager.directory / "step_3")
 

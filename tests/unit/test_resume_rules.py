@@ -84,6 +84,45 @@ def test_resume_from_none_starts_over_and_says_what_it_ignores(tiny_overrides, l
     assert "starting at step 0 although" in log.text
 
 
+# --- a link among the run's checkpoints is decided at start-up --------------------------
+
+
+def _linked_start(tiny_overrides, tmp_path, *extra):
+    """A new run whose checkpoint directory links in another run's step_2."""
+    source = train(tiny_overrides + ["--train.max_steps=2"])
+    target = source.checkpointer.find_resume_path()
+    directory = tmp_path / "linked" / "checkpoints"
+    directory.mkdir(parents=True)
+    link = directory / "step_2"
+    link.symlink_to(target, target_is_directory=True)
+    overrides = without_run_dir(tiny_overrides) + [f"--train.run_dir={tmp_path / 'linked'}"]
+    return session_for([*overrides, "--train.max_steps=4", *extra]), link, target
+
+
+def test_a_linked_step_the_run_would_save_is_refused_before_training(tiny_overrides, tmp_path):
+    session, link, target = _linked_start(tiny_overrides, tmp_path)
+    with pytest.raises(ConfigError) as error:
+        plan_resume(session.config, session.checkpointer)
+    assert str(error.value) == (
+        f"checkpoint.dir = '{link.parent}': expected only checkpoints this run saves under "
+        f"the step_<N> names it may save ({link} is a symbolic link to {target}, which "
+        "saving step 2 would replace, and this run may save any step from 1 to 4; a run "
+        "never follows or replaces a link or file among its checkpoints: move it away, and "
+        "to start from another run's checkpoint set checkpoint.resume_from to its path "
+        "instead)"
+    )
+    assert error.value.field == "checkpoint.dir"
+
+
+def test_a_linked_step_named_in_resume_from_is_where_the_run_starts(tiny_overrides, tmp_path):
+    session, link, _ = _linked_start(tiny_overrides, tmp_path, "--checkpoint.resume_from=step_2")
+    with session.tracker:
+        step, tokens = resume_session(session)
+        assert step == 2  # loaded through the link: the run never saves step 2 again
+        assert run_training_loop(session, step=step, tokens_seen=tokens)[0] == 4
+    assert link.is_symlink() and (link.parent / "step_4").is_dir()
+
+
 # --- changed settings: applied, or refused naming the field -----------------------------
 
 

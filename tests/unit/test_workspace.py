@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import pytest
 
+from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.run_config import RUN_CONFIG_FILE as CONFIG_FILE
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.run_lock import RunLockError
+from kempnerforge.training.build import build_checkpointer
 from kempnerforge.training.workspace import (
     CONFIG_HISTORY,
+    RUN_MARKER,
     check_directories,
     locked_directories,
+    rank0_workspace,
     record_config,
 )
+from tests.unit.test_checkpoint import _save
 
 
 def config_for(tmp_path, *overrides):
@@ -43,11 +51,75 @@ def test_a_directory_of_other_files_is_refused_naming_the_field(tmp_path):
 
 
 def test_a_run_directory_a_previous_run_wrote_is_taken(tmp_path):
+    config = config_for(tmp_path)
+    with rank0_workspace(config, RuntimeContext()):  # claims it: writes the marker
+        record_config(config)
+    run = tmp_path / "run"
+    marker = json.loads((run / RUN_MARKER).read_text())
+    assert marker["format_version"] == 1 and marker["name"] == "debug"
+    (run / "notes.txt").write_text("mine")
+    check_directories(config_for(tmp_path))
+
+
+@pytest.mark.parametrize("use_existing_dir", [False, True])
+def test_a_project_folder_with_its_own_config_and_metrics_is_never_taken_for_a_run(
+    tmp_path, use_existing_dir
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG_FILE).write_text("[project]\nname = 'mine'\n")
+    (run / "metrics.jsonl").write_text('{"accuracy": 0.9}\n')
+    config = config_for(tmp_path, f"--train.use_existing_dir={str(use_existing_dir).lower()}")
+    with pytest.raises(ConfigError) as info:
+        check_directories(config)
+    assert str(info.value) == (
+        f"train.run_dir = '{run}': expected a new or empty directory, or one a run made (it "
+        f"holds .kempnerforge-run) (it holds {CONFIG_FILE}, metrics.jsonl but no "
+        ".kempnerforge-run, so no run wrote them, and a run would overwrite them "
+        "(train.use_existing_dir too): choose another directory or move them away (to "
+        "continue a run of an earlier version that wrote them, create an empty "
+        ".kempnerforge-run there))"
+    )
+    with pytest.raises(ConfigError):
+        rank0_workspace(config, RuntimeContext()).__enter__()
+    assert sorted(p.name for p in run.iterdir()) == [CONFIG_FILE, "metrics.jsonl"]
+    assert (run / CONFIG_FILE).read_text() == "[project]\nname = 'mine'\n"
+
+
+def test_use_existing_dir_takes_a_folder_of_other_files_and_marks_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    config = config_for(tmp_path, "--train.use_existing_dir=true")
+    with rank0_workspace(config, RuntimeContext()):
+        pass
+    assert (run / RUN_MARKER).is_file() and (run / "notes.txt").read_text() == "mine"
+    check_directories(config_for(tmp_path))  # now a run's, without use_existing_dir
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_a_run_an_earlier_version_made_is_taken_when_it_has_a_complete_checkpoint(
+    tmp_path, complete
+):
+    # What an earlier version left: no marker, its config, metrics and checkpoints.
     run = tmp_path / "run"
     run.mkdir()
     (run / CONFIG_FILE).write_text("")
-    (run / "notes.txt").write_text("mine")
-    check_directories(config_for(tmp_path))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    manager = CheckpointManager(CheckpointConfig(), str(run / "checkpoints"))
+    _save(manager, 2)
+    if not complete:
+        (run / "checkpoints" / "step_2" / "complete.json").unlink()
+    config = config_for(tmp_path)
+    if not complete:
+        with pytest.raises(ConfigError, match="but no .kempnerforge-run, so no run wrote them"):
+            check_directories(config)
+        return
+    with rank0_workspace(config, RuntimeContext()):
+        pass
+    assert (run / RUN_MARKER).is_file()  # marked now: the next launch needs no guess
+    checkpointer = build_checkpointer(config, RuntimeContext())
+    assert checkpointer.newest_complete_path() == str(run / "checkpoints" / "step_2")
 
 
 def test_a_checkpoint_dir_of_other_files_is_refused(tmp_path):

@@ -1,0 +1,71 @@
+"""Hooks that make real faults happen inside a run, for the fault-tolerance tests.
+
+Hooks are built with no arguments, so each reads its settings from the environment, which
+run_distributed hands to every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+from kempnerforge.training.hooks import StepContext, TrainingHook
+
+FSIZE_RANK_ENV = "KF_TEST_FSIZE_RANK"
+FSIZE_FROM_ENV = "KF_TEST_FSIZE_LIMIT_AT"
+FSIZE_UNTIL_ENV = "KF_TEST_FSIZE_LIFT_AT"
+FSIZE_LIMIT_BYTES = 48 * 1024
+"""Larger than anything a rank writes but its checkpoint files (the tiny model's DCP shard
+and optimizer moments are larger); metrics and logs stay far below it."""
+
+SLEEP_RANK_ENV = "KF_TEST_SLEEP_RANK"
+SLEEP_AT_ENV = "KF_TEST_SLEEP_AT"
+
+
+def _steps(name: str) -> set[int]:
+    return {int(s) for s in os.environ.get(name, "").split(",") if s}
+
+
+class FileSizeLimit(TrainingHook):
+    """On rank $KF_TEST_FSIZE_RANK, after the steps in $KF_TEST_FSIZE_LIMIT_AT, limit the
+    size of any file this process writes (RLIMIT_FSIZE), so a save's writes fail with a
+    real EFBIG; after the steps in $KF_TEST_FSIZE_LIFT_AT, lift the limit again.
+
+    on_step_end runs before the loop saves that step, so the save of a limited step fails.
+    """
+
+    def __init__(self) -> None:
+        self.active = os.environ.get("RANK", "0") == os.environ.get(FSIZE_RANK_ENV)
+        self.limit_at, self.lift_at = _steps(FSIZE_FROM_ENV), _steps(FSIZE_UNTIL_ENV)
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        if not self.active:
+            return
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if ctx.step in self.limit_at:
+            # A write past the limit then fails with EFBIG instead of killing the process.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT_BYTES, hard))
+        elif ctx.step in self.lift_at:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+
+
+def sleep_through_the_collective(seconds: float) -> None:
+    """Sleep, as a rank stuck outside the step's collectives would (the name is what its
+    stack dump shows)."""
+    time.sleep(seconds)
+
+
+class SleepOnOneRank(TrainingHook):
+    """On rank $KF_TEST_SLEEP_RANK, at the end of step $KF_TEST_SLEEP_AT, sleep an hour:
+    the other ranks wait for it in the next step's first collective."""
+
+    def __init__(self) -> None:
+        self.active = os.environ.get("RANK", "0") == os.environ.get(SLEEP_RANK_ENV)
+        self.at = _steps(SLEEP_AT_ENV)
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        if self.active and ctx.step in self.at:
+            sleep_through_the_collective(3600)
