@@ -231,10 +231,23 @@ def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
 
 def _plain_block_plan() -> dict[str, ParallelStyle]:
     """Projections sharded, activations replicated in and out of each sublayer (the norms
-    too, as replicated DTensors)."""
+    too, as replicated DTensors).
+
+    Each sublayer turns its input into one Replicate DTensor that its column-wise
+    projections share: their input gradients then add up as partial sums, and the
+    backward reduces them once per sublayer (2 all-reduces per block). Left to the
+    projections, each would wrap the plain input itself and reduce its own gradient
+    (5 per block).
+    """
+    whole = Replicate()
     return {
         "attention_norm": ReplicatedParallel(),
         "ffn_norm": ReplicatedParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(whole, None, None, None),
+            desired_input_layouts=(whole, None, None, None),
+        ),
+        "feed_forward": PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(whole,)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
