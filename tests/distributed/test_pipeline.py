@@ -24,7 +24,7 @@ from tests.support.tiny import TINY_MODEL
 
 SEED = 11
 NUM_MICRO, BATCH, SEQ, VOCAB = 4, 2, 16, 64
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 
 
 def _config(schedule: str, dp_shard: int = 1) -> JobConfig:
@@ -79,7 +79,7 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
     (the first also infers the stages' shapes); return what to compare."""
     dc = config.distributed
     runtime = init_runtime(dc, "cpu")
-    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
+    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank, v_shaped=dc.v_shaped)
     ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
     with torch.device("meta"):
         model, stage_modules = build_stage_model(config.model, stage_ids, ranges)
@@ -115,7 +115,7 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
 
 
 def _every_schedule(rank: int, world_size: int) -> dict[str, dict[str, object]]:
-    """All three schedules on one spawned group: the process start-up dominates the cost."""
+    """Every schedule on one spawned group: the process start-up dominates the cost."""
     return {s: _pipeline_steps(_config(s), fsdp=False) for s in SCHEDULES}
 
 
