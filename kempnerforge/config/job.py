@@ -15,6 +15,7 @@ from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
+from kempnerforge.config.pipeline_schedule import check_pipeline_schedule
 from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.config.scheduler import SchedulerConfig
 from kempnerforge.config.train import TrainConfig
@@ -306,6 +307,7 @@ class JobConfig:
                 "the pipeline's micro-batches are the step's micro-batches; each stage "
                 "needs whole rounds of them",
             )
+        check_pipeline_schedule(dist, train)
 
     def _validate_experts(self, dp_shard: int) -> None:
         """MoE against the layout: expert parallelism splits the experts over data-parallel

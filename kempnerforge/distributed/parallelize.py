@@ -80,7 +80,10 @@ def parallelize_model(
     tensor-parallel block fails in backward in this PyTorch version.
     """
     if runtime.tp_size > 1:
-        apply_tp(model, runtime.device_mesh["tp"])
+        # Pipeline stages pass plain tensors, also on a rank that holds both the embedding
+        # and the head (a V-shaped schedule's rank 0): judge by the stages, not the model.
+        sequence_parallel = None if roots is None else all(_has_both_ends(r) for r in roots)
+        apply_tp(model, runtime.device_mesh["tp"], sequence_parallel=sequence_parallel)
     if runtime.mesh_size("ep") > 1:
         apply_ep(model, runtime.expert_mesh["ep"])
     set_router_groups(model, runtime)
