@@ -239,6 +239,7 @@ class JobConfig:
                         "distributed.dp_shard (FSDP) to spread a VLM over devices",
                     )
         self._validate_pipeline()
+        check_pipeline_schedule(dist, train, dist.resolved_dp(world_size))
         self._validate_experts(shape["dp_shard"])
         if self.optimizer.name == "muon" and (shape["dp_shard"] > 1 or dist.tp > 1):
             raise ConfigError(
@@ -307,7 +308,6 @@ class JobConfig:
                 "the pipeline's micro-batches are the step's micro-batches; each stage "
                 "needs whole rounds of them",
             )
-        check_pipeline_schedule(dist, train)
 
     def _validate_experts(self, dp_shard: int) -> None:
         """MoE against the layout: expert parallelism splits the experts over data-parallel

@@ -165,6 +165,19 @@ def test_interleaved_ranks_hold_alternate_layers(every_schedule):
 
 
 @pytest.mark.distributed
+def test_v_shaped_ranks_hold_a_stage_on_the_way_down_and_one_on_the_way_back(every_schedule):
+    for schedule in ("zbv", "dualpipev"):
+        names = [set(r[schedule]["steps"][0]["grads"]) for r in every_schedule]
+        layers = [
+            sorted({n.split(".")[1] for n in rank if n.startswith("layers.")}) for rank in names
+        ]
+        assert layers == [["0", "3"], ["1", "2"]]
+        # Rank 0 holds the first and the last stage: the embedding, the head and the loss.
+        assert {"tok_embeddings.weight", "output.weight"} <= names[0]
+        assert [r[schedule]["is_last"] for r in every_schedule] == [True, False]
+
+
+@pytest.mark.distributed
 def test_pipeline_with_fsdp_matches_one_process():
     results = run_distributed(_fsdp_1f1b, 4)
     _assert_matches_one_process(results, _config("1f1b", dp_shard=2), dp=2)

@@ -96,6 +96,19 @@ def test_train_fields_a_schedule_cannot_run_are_refused(overrides, message):
     assert str(info.value).startswith(message)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+def test_zero_bubble_schedules_are_refused_with_data_parallelism(schedule):
+    overrides = [f"--distributed.pp_schedule={schedule}", "--train.grad_accum_steps=4"]
+    config = load_config(None, [*PIPELINE, *overrides])
+    with pytest.raises(ConfigError) as info:
+        config.validate(4)  # dp_shard = -1 takes the 2 ranks pp leaves
+    assert str(info.value).startswith(
+        f"distributed.pp_schedule = {schedule!r}: expected 'gpipe', '1f1b' or "
+        "'interleaved_1f1b' with data parallelism (dp_replicate * dp_shard = 2)"
+    )
+    load_config(None, [*PIPELINE, *overrides, "--distributed.tp=2"]).validate(4)
+
+
 def test_schedules_accept_what_they_can_run():
     for schedule, accum in (("dualpipev", 4), ("zbv", 2), ("interleaved_zb", 2)):
         overrides = [f"--distributed.pp_schedule={schedule}", f"--train.grad_accum_steps={accum}"]
