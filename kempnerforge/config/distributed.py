@@ -16,7 +16,16 @@ from kempnerforge.core.errors import ConfigError
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh's dimension names, outermost (slowest-varying rank) first."""
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+LOOP_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+"""Schedules that run 2 or more stages per pipeline rank, placed in a loop: rank r holds
+stages r, r + pp, r + 2 * pp, ..."""
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules that run exactly 2 stages per pipeline rank, placed in a V: rank r holds
+stages r and 2 * pp - 1 - r, so rank 0 holds the first and the last stage."""
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+"""Schedules that split each backward into its input and its weight gradients, and run
+the weight part where a rank would otherwise wait."""
 AC_MODES = ("none", "full", "selective")
 
 
@@ -38,11 +47,13 @@ class DistributedConfig:
     pp: int = 1
     """Pipeline-parallel degree (processes along the pipeline); 1 to 2**31 - 1."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b'. The micro-batches of a
-    step are train.grad_accum_steps."""
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved_1f1b', or a zero-bubble one:
+    'interleaved_zb', 'zbv' or 'dualpipev' (docs/distributed.md says when each pays).
+    The micro-batches of a step are train.grad_accum_steps."""
     pp_stages_per_rank: int = 0
     """Pipeline stages each pipeline rank holds; 0 means 1, or 2 for 'interleaved_1f1b'
-    (which needs at least 2). 0 to 64."""
+    and 'interleaved_zb' (which need at least 2) and for 'zbv' and 'dualpipev' (which
+    need exactly 2). 0 to 64."""
     pp_split_points: list[int] = field(default_factory=list)
     """Layer indices where pipeline stages 1, 2, ... begin (pp * stages per rank - 1 of
     them, increasing); empty splits the layers evenly."""
@@ -70,20 +81,7 @@ class DistributedConfig:
         check_positive("distributed.ep", self.ep, MAX_SIZE)
         check_choice("distributed.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         check_at_least("distributed.pp_stages_per_rank", self.pp_stages_per_rank, 0, 64)
-        if self.pp_schedule == "interleaved_1f1b" and self.pp_stages_per_rank == 1:
-            raise ConfigError(
-                "distributed.pp_stages_per_rank",
-                1,
-                "0 or at least 2 with pp_schedule = 'interleaved_1f1b'",
-                "an interleaved schedule runs several stages on each rank",
-            )
-        if self.pp_schedule != "interleaved_1f1b" and self.pp_stages_per_rank > 1:
-            raise ConfigError(
-                "distributed.pp_stages_per_rank",
-                self.pp_stages_per_rank,
-                f"0 or 1 with pp_schedule = {self.pp_schedule!r}",
-                "use pp_schedule = 'interleaved_1f1b' for several stages per rank",
-            )
+        self._check_stages_per_rank()
         for i, point in enumerate(self.pp_split_points):
             check_positive(f"distributed.pp_split_points[{i}]", point, MAX_SIZE)
         for i, (a, b) in enumerate(
@@ -102,12 +100,44 @@ class DistributedConfig:
         check_positive("distributed.timeout_s", self.timeout_s, MAX_TIMEOUT_S)
         check_choice("distributed.backend", self.backend, ("auto", "gloo", "nccl"))
 
+    def _check_stages_per_rank(self) -> None:
+        """pp_stages_per_rank against what pp_schedule can run."""
+        schedule, per_rank = self.pp_schedule, self.pp_stages_per_rank
+        if schedule in LOOP_SCHEDULES and per_rank == 1:
+            raise ConfigError(
+                "distributed.pp_stages_per_rank",
+                1,
+                f"0 or at least 2 with pp_schedule = {schedule!r}",
+                "an interleaved schedule runs several stages on each rank",
+            )
+        if schedule in V_SCHEDULES and per_rank not in (0, 2):
+            raise ConfigError(
+                "distributed.pp_stages_per_rank",
+                per_rank,
+                f"0 or 2 with pp_schedule = {schedule!r}",
+                "a V-shaped schedule runs exactly two stages on each rank",
+            )
+        if schedule not in (*LOOP_SCHEDULES, *V_SCHEDULES) and per_rank > 1:
+            raise ConfigError(
+                "distributed.pp_stages_per_rank",
+                per_rank,
+                f"0 or 1 with pp_schedule = {schedule!r}",
+                "use pp_schedule = 'interleaved_1f1b' or 'interleaved_zb' for several "
+                "stages per rank",
+            )
+
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages per pipeline rank, 0 resolved."""
         if self.pp_stages_per_rank:
             return self.pp_stages_per_rank
-        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
+        return 2 if self.pp_schedule in (*LOOP_SCHEDULES, *V_SCHEDULES) else 1
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether pp_schedule places a rank's two stages in a V (V_SCHEDULES) rather
+        than in a loop."""
+        return self.pp_schedule in V_SCHEDULES
 
     @property
     def num_stages(self) -> int:

@@ -15,6 +15,7 @@ from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
+from kempnerforge.config.pipeline_schedule import check_pipeline_schedule
 from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.config.scheduler import SchedulerConfig
 from kempnerforge.config.train import TrainConfig
@@ -238,6 +239,7 @@ class JobConfig:
                         "distributed.dp_shard (FSDP) to spread a VLM over devices",
                     )
         self._validate_pipeline()
+        check_pipeline_schedule(dist, train, dist.resolved_dp(world_size))
         self._validate_experts(shape["dp_shard"])
         if self.optimizer.name == "muon" and (shape["dp_shard"] > 1 or dist.tp > 1):
             raise ConfigError(

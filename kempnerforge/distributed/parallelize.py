@@ -80,7 +80,10 @@ def parallelize_model(
     tensor-parallel block fails in backward in this PyTorch version.
     """
     if runtime.tp_size > 1:
-        apply_tp(model, runtime.device_mesh["tp"])
+        # Pipeline stages pass plain tensors, also on a rank that holds both the embedding
+        # and the head (a V-shaped schedule's rank 0): judge by the stages, not the model.
+        sequence_parallel = None if roots is None else all(_has_both_ends(r) for r in roots)
+        apply_tp(model, runtime.device_mesh["tp"], sequence_parallel=sequence_parallel)
     if runtime.mesh_size("ep") > 1:
         apply_ep(model, runtime.expert_mesh["ep"])
     set_router_groups(model, runtime)
@@ -231,10 +234,23 @@ def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
 
 def _plain_block_plan() -> dict[str, ParallelStyle]:
     """Projections sharded, activations replicated in and out of each sublayer (the norms
-    too, as replicated DTensors)."""
+    too, as replicated DTensors).
+
+    Each sublayer turns its input into one Replicate DTensor that its column-wise
+    projections share: their input gradients then add up as partial sums, and the
+    backward reduces them once per sublayer (2 all-reduces per block). Left to the
+    projections, each would wrap the plain input itself and reduce its own gradient
+    (5 per block).
+    """
+    whole = Replicate()
     return {
         "attention_norm": ReplicatedParallel(),
         "ffn_norm": ReplicatedParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(whole, None, None, None),
+            desired_input_layouts=(whole, None, None, None),
+        ),
+        "feed_forward": PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(whole,)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),

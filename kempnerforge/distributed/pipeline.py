@@ -14,16 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.distributed.schedules import build_schedule
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.transformer import Transformer
 
@@ -58,12 +54,23 @@ def stage_layer_ranges(
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds, in loop order: pp_rank, pp_rank + pp_size,
-    ... (the stage-to-rank mapping torch's interleaved schedules assume). Stage 0 is always
-    on pipeline rank 0 and the last stage on rank pp_size - 1."""
+def stages_of_rank(
+    pp_rank: int, pp_size: int, stages_per_rank: int, *, v_shaped: bool = False
+) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, in stage order.
+
+    In loop order (default): pp_rank, pp_rank + pp_size, ... (the stage-to-rank mapping
+    torch's interleaved schedules assume); stage 0 is on pipeline rank 0 and the last
+    stage on rank pp_size - 1. ``v_shaped`` (the V schedules, two stages per rank):
+    pp_rank and 2 * pp_size - 1 - pp_rank, so rank 0 holds both the first and the last
+    stage and each rank's two stages pass activations down and back up the V.
+    """
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pipeline rank {pp_rank} outside [0, {pp_size})")
+    if v_shaped:
+        if stages_per_rank != 2:
+            raise ValueError(f"a V placement holds 2 stages per rank, not {stages_per_rank}")
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
@@ -267,15 +274,7 @@ def build_pipeline(
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
     loss = _ScaledLoss(loss_fn)
-    if distributed.pp_schedule == "interleaved_1f1b":
-        schedule = ScheduleInterleaved1F1B(
-            stages, num_microbatches, loss_fn=loss, scale_grads=False
-        )
-    else:
-        single = ScheduleGPipe if distributed.pp_schedule == "gpipe" else Schedule1F1B
-        if len(stages) != 1:
-            raise ValueError(f"pp_schedule {distributed.pp_schedule!r} runs one stage per rank")
-        schedule = single(stages[0], num_microbatches, loss_fn=loss, scale_grads=False)
+    schedule = build_schedule(distributed.pp_schedule, stages, num_microbatches, loss)
     return PipelineBundle(
         stage=stages[0],
         schedule=schedule,

@@ -63,7 +63,7 @@ def build_stages(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     """The layers of the stages this pipeline rank holds (distributed.stages_per_rank),
     split at distributed.pp_split_points or evenly."""
     dc = config.distributed
-    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
+    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank, v_shaped=dc.v_shaped)
     ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
     model, stages = build_stage_model(config.model, stage_ids, ranges)
     return RankModel(model, stage_ids, list(stages))

@@ -24,7 +24,7 @@ from tests.support.tiny import TINY_MODEL
 
 SEED = 11
 NUM_MICRO, BATCH, SEQ, VOCAB = 4, 2, 16, 64
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 
 
 def _config(schedule: str, dp_shard: int = 1) -> JobConfig:
@@ -79,7 +79,7 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
     (the first also infers the stages' shapes); return what to compare."""
     dc = config.distributed
     runtime = init_runtime(dc, "cpu")
-    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank)
+    stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank, v_shaped=dc.v_shaped)
     ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
     with torch.device("meta"):
         model, stage_modules = build_stage_model(config.model, stage_ids, ranges)
@@ -115,7 +115,7 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
 
 
 def _every_schedule(rank: int, world_size: int) -> dict[str, dict[str, object]]:
-    """All three schedules on one spawned group: the process start-up dominates the cost."""
+    """Every schedule on one spawned group: the process start-up dominates the cost."""
     return {s: _pipeline_steps(_config(s), fsdp=False) for s in SCHEDULES}
 
 
@@ -162,6 +162,19 @@ def test_interleaved_ranks_hold_alternate_layers(every_schedule):
     layers = [sorted({n.split(".")[1] for n in rank if n.startswith("layers.")}) for rank in names]
     assert layers == [["0", "2"], ["1", "3"]]
     assert "tok_embeddings.weight" in names[0] and "output.weight" in names[1]
+
+
+@pytest.mark.distributed
+def test_v_shaped_ranks_hold_a_stage_on_the_way_down_and_one_on_the_way_back(every_schedule):
+    for schedule in ("zbv", "dualpipev"):
+        names = [set(r[schedule]["steps"][0]["grads"]) for r in every_schedule]
+        layers = [
+            sorted({n.split(".")[1] for n in rank if n.startswith("layers.")}) for rank in names
+        ]
+        assert layers == [["0", "3"], ["1", "2"]]
+        # Rank 0 holds the first and the last stage: the embedding, the head and the loss.
+        assert {"tok_embeddings.weight", "output.weight"} <= names[0]
+        assert [r[schedule]["is_last"] for r in every_schedule] == [True, False]
 
 
 @pytest.mark.distributed
