@@ -74,8 +74,9 @@ def grouped_swiglu(
 
     Row i belongs to the expert whose block of ``counts`` covers it. Under autocast the
     weights are cast to the autocast dtype, as nn.Linear would be. 'auto' takes
-    ``torch._grouped_mm`` where it runs for this device, dtype and shape, else a batched
-    matmul over rows padded to the largest group (one host read of the counts).
+    ``torch._grouped_mm`` where it runs for this device, dtype and shape (grouped_mm_runs),
+    else a batched matmul over rows padded to the largest group (one host read of the
+    counts).
     """
     if rows.shape[0] == 0:
         # No row here (a rank whose experts got no token): the weights still join the
@@ -120,19 +121,44 @@ def _compute_dtype(rows: torch.Tensor) -> torch.dtype:
 
 
 def _auto_method(rows: torch.Tensor, weight: torch.Tensor) -> str:
-    """'grouped_mm' where this PyTorch runs it: on CPU, or bf16 on a CUDA device of compute
-    capability 9.0 or later; every inner dimension a multiple of 16 bytes."""
+    """'grouped_mm' where this PyTorch runs it (grouped_mm_runs), else 'padded_bmm'."""
     if not hasattr(torch, "_grouped_mm"):
         return "padded_bmm"
-    aligned = all((size * rows.element_size()) % 16 == 0 for size in weight.shape[1:])
-    if not aligned:
-        return "padded_bmm"
-    if rows.device.type == "cpu":
+    capability = None
+    if rows.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(rows.device)
+    inner = tuple(weight.shape[1:])
+    if grouped_mm_runs(rows.device.type, capability, rows.dtype, inner):
         return "grouped_mm"
-    if rows.device.type == "cuda" and rows.dtype == torch.bfloat16:
-        major, _ = torch.cuda.get_device_capability(rows.device)
-        return "grouped_mm" if major >= 9 else "padded_bmm"
     return "padded_bmm"
+
+
+GROUPED_MM_MIN_CAPABILITY = (8, 0)
+"""The CUDA compute capability from which torch.nn.functional.grouped_mm documents bf16
+grouped matmuls. Devices of 9.0 and 10.x take torch's fused kernel; 8.x devices (A100)
+take torch's own per-group matmuls, which still compute only the routed rows, unlike the
+padded path whose cost grows with the largest group."""
+
+
+def grouped_mm_runs(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    inner_dims: tuple[int, ...],
+) -> bool:
+    """Whether torch._grouped_mm takes rows of ``dtype`` on this device, following torch's
+    rule: any dtype on CPU; bf16 on a CUDA device of capability 8.0 or later (the
+    documented condition and the compiler's shape rule); and on every device each inner
+    dimension (``inner_dims``, the weights' shape after the expert dimension) a multiple
+    of 16 bytes, the alignment its stride checks ask for."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any((size * itemsize) % 16 for size in inner_dims):
+        return False
+    if device_type == "cpu":
+        return True
+    if device_type != "cuda" or capability is None:
+        return False
+    return dtype == torch.bfloat16 and tuple(capability) >= GROUPED_MM_MIN_CAPABILITY
 
 
 class _ScaleGrad(torch.autograd.Function):
