@@ -14,8 +14,9 @@ are any. Two routers:
 
 Both routers compute in fp32 whatever the autocast, and both report a z-loss. The layer
 keeps its last forward's losses and counts (``last``) for add_router_losses and the metrics;
-it never reads a value to the host unless a capacity factor or expert parallelism needs
-the group sizes.
+it reads nothing to the host with the grouped matmul on one rank, capacity factor or not;
+expert parallelism reads the split sizes (one read per exchange), and the padded expert
+compute reads the largest group.
 """
 
 from __future__ import annotations
@@ -194,14 +195,14 @@ class MoEFeedForward(nn.Module):
     ) -> torch.Tensor:
         """Sort the kept assignments by expert, run the experts, weight and sum per token.
 
-        ``load`` is the routed count per expert, which is the kept count when dropless."""
+        ``load`` is the routed count per expert, which is the kept count when dropless.
+        Dropped assignments sort last, under a virtual expert E, outside every expert's
+        group: the experts give them zero rows (no host read), and the token exchange
+        does not send them (its one read of the split sizes says how many it sent)."""
         k, experts = self.top_k, self.num_experts
-        # Dropped assignments sort last, under a virtual expert E, and are cut off.
         key = flat_ids if keep is None else torch.where(keep.reshape(-1), flat_ids, experts)
         order = torch.argsort(key, stable=True)
         counts = load if keep is None else _expert_counts(key, experts)
-        if keep is not None:
-            order = order[: int(counts.sum())]  # a host read: how many were kept
         # One copy of each token per slot, then a permutation: every index is taken once,
         # so backward never adds into one row from two places (no atomics, same bits on
         # every run), unlike gathering tokens[order // k].
@@ -211,6 +212,7 @@ class MoEFeedForward(nn.Module):
         else:
             local_rows, local_counts, plan = dispatch_tokens(rows, counts, self.ep_group)
             out_rows = combine_tokens(self.experts(local_rows, local_counts), plan)
+            order = order[: out_rows.shape[0]]  # the sent (kept) rows, known from the plan
         gates = routing.gates.reshape(-1)[order]
         weighted = (out_rows.float() * gates[:, None]).to(out_rows.dtype)
         # Each assignment has its own row, so this scatter never adds: deterministic on
