@@ -311,7 +311,7 @@ class JobConfig:
 
     def _validate_experts(self, dp_shard: int) -> None:
         """MoE against the layout: expert parallelism splits the experts over data-parallel
-        shard ranks; pipeline and tensor parallelism do not carry MoE layers."""
+        shard ranks (of each pipeline stage); tensor parallelism does not split experts."""
         dist, model = self.distributed, self.model
         if not model.is_moe:
             if dist.ep > 1:
@@ -322,14 +322,6 @@ class JobConfig:
                     "expert parallelism splits the experts of MoE layers",
                 )
             return
-        if dist.pp > 1:
-            raise ConfigError(
-                "distributed.pp",
-                dist.pp,
-                "1 with an MoE model (model.num_experts > 0)",
-                "the router losses and the expert loads that balance the experts are not "
-                "carried between pipeline stages; use distributed.ep and dp_shard instead",
-            )
         if dist.tp > 1:
             raise ConfigError(
                 "distributed.tp",

@@ -39,7 +39,7 @@ class RuntimeContext:
     dp_mesh: Any = None
     """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D DeviceMesh."""
     expert_mesh: Any = None
-    """With expert parallelism (distributed.ep > 1): the data-parallel ranks as a mesh of
+    """With expert parallelism (distributed.ep > 1): the ranks as a mesh of ``pp``,
     ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group into
     the ranks that hold different experts and ``efsdp`` counts the ranks holding the same
     ones (FSDP shards the expert weights over them). None otherwise."""
@@ -104,19 +104,20 @@ def build_mesh(
 def build_expert_mesh(
     cfg: DistributedConfig, world_size: int, device: torch.device
 ) -> DeviceMesh | None:
-    """The data-parallel ranks as (``dp_replicate``, ``efsdp``, ``ep``); None when
-    distributed.ep is 1.
+    """The ranks as (``pp``, ``dp_replicate``, ``efsdp``, ``ep``); None when
+    distributed.ep is 1. Callers take the data-parallel dimensions by name.
 
-    Collective over the world. Expert parallelism runs without pipeline and tensor
-    parallelism (JobConfig.validate), so the world is the data-parallel ranks, and rank r
-    sits at the same place here as in the job's mesh: its ``ep`` peers are consecutive
-    ranks of one dp_shard group.
+    Collective over the world. Expert parallelism runs without tensor parallelism
+    (JobConfig.validate), so the world is the pipeline stages times the data-parallel
+    ranks, and rank r sits at the same place here as in the job's mesh: its ``ep`` peers
+    are consecutive ranks of one dp_shard group of one stage.
     """
     if cfg.ep == 1:
         return None
     shard = cfg.resolved_dp_shard(world_size)
-    shape = (cfg.dp_replicate, shard // cfg.ep, cfg.ep)
-    return init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    shape = (cfg.pp, cfg.dp_replicate, shard // cfg.ep, cfg.ep)
+    names = ("pp", "dp_replicate", "efsdp", "ep")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def world_size_from_env() -> int:

@@ -72,10 +72,13 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """SwiGLU of each row through its expert: rows (N, dim) sorted by expert, counts (E,).
 
-    Row i belongs to the expert whose block of ``counts`` covers it. Under autocast the
+    Row i belongs to the expert whose block of ``counts`` covers it; rows past the last
+    block (counts summing to less than N: assignments a capacity limit dropped) belong to
+    no expert, and their outputs are zero, with no gradient. Under autocast the
     weights are cast to the autocast dtype, as nn.Linear would be. 'auto' takes
-    ``torch._grouped_mm`` where it runs for this device, dtype and shape, else a batched
-    matmul over rows padded to the largest group (one host read of the counts).
+    ``torch._grouped_mm`` where it runs for this device, dtype and shape (grouped_mm_runs),
+    else a batched matmul over rows padded to the largest group (one host read of the
+    counts). The grouped matmul reads nothing to the host.
     """
     if rows.shape[0] == 0:
         # No row here (a rank whose experts got no token): the weights still join the
@@ -86,14 +89,23 @@ def grouped_swiglu(
     method = compute if compute != "auto" else _auto_method(rows, w1)
     if method == "grouped_mm":
         offsets = torch.cumsum(counts, 0).to(torch.int32)
+        # Rows past the last group (dropped by a capacity limit) are zeroed on the way in
+        # and out: the kernel leaves their outputs unwritten, and where() passes no
+        # gradient to them, so no host read is needed to cut them off.
+        grouped = (torch.arange(rows.shape[0], device=rows.device) < offsets[-1])[:, None]
+        rows = torch.where(grouped, rows, 0)
         gate = _grouped_mm(rows, w1, offsets)
         hidden = F.silu(gate) * _grouped_mm(rows, w3, offsets)
-        return _grouped_mm(hidden, w2, offsets)
+        return torch.where(grouped, _grouped_mm(hidden, w2, offsets), 0)
+    if method not in ("padded_bmm", "looped"):
+        raise ValueError(f"expert compute: one of {EXPERT_COMPUTE}, not {compute!r}")
     if method == "padded_bmm":
-        return _padded_swiglu(rows, counts, w1, w3, w2)
-    if method == "looped":
-        return looped_swiglu(rows, counts, w1, w3, w2)
-    raise ValueError(f"expert compute: one of {EXPERT_COMPUTE}, not {compute!r}")
+        grouped_rows, width = (int(v) for v in torch.stack([counts.sum(), counts.max()]).tolist())
+        out = _padded_swiglu(rows[:grouped_rows], counts, w1, w3, w2, width)
+    else:
+        grouped_rows = int(counts.sum())
+        out = looped_swiglu(rows[:grouped_rows], counts, w1, w3, w2)
+    return F.pad(out, (0, 0, 0, rows.shape[0] - grouped_rows))
 
 
 def looped_swiglu(
@@ -120,19 +132,44 @@ def _compute_dtype(rows: torch.Tensor) -> torch.dtype:
 
 
 def _auto_method(rows: torch.Tensor, weight: torch.Tensor) -> str:
-    """'grouped_mm' where this PyTorch runs it: on CPU, or bf16 on a CUDA device of compute
-    capability 9.0 or later; every inner dimension a multiple of 16 bytes."""
+    """'grouped_mm' where this PyTorch runs it (grouped_mm_runs), else 'padded_bmm'."""
     if not hasattr(torch, "_grouped_mm"):
         return "padded_bmm"
-    aligned = all((size * rows.element_size()) % 16 == 0 for size in weight.shape[1:])
-    if not aligned:
-        return "padded_bmm"
-    if rows.device.type == "cpu":
+    capability = None
+    if rows.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(rows.device)
+    inner = tuple(weight.shape[1:])
+    if grouped_mm_runs(rows.device.type, capability, rows.dtype, inner):
         return "grouped_mm"
-    if rows.device.type == "cuda" and rows.dtype == torch.bfloat16:
-        major, _ = torch.cuda.get_device_capability(rows.device)
-        return "grouped_mm" if major >= 9 else "padded_bmm"
     return "padded_bmm"
+
+
+GROUPED_MM_MIN_CAPABILITY = (8, 0)
+"""The CUDA compute capability from which torch.nn.functional.grouped_mm documents bf16
+grouped matmuls. Devices of 9.0 and 10.x take torch's fused kernel; 8.x devices (A100)
+take torch's own per-group matmuls, which still compute only the routed rows, unlike the
+padded path whose cost grows with the largest group."""
+
+
+def grouped_mm_runs(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    inner_dims: tuple[int, ...],
+) -> bool:
+    """Whether torch._grouped_mm takes rows of ``dtype`` on this device, following torch's
+    rule: any dtype on CPU; bf16 on a CUDA device of capability 8.0 or later (the
+    documented condition and the compiler's shape rule); and on every device each inner
+    dimension (``inner_dims``, the weights' shape after the expert dimension) a multiple
+    of 16 bytes, the alignment its stride checks ask for."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any((size * itemsize) % 16 for size in inner_dims):
+        return False
+    if device_type == "cpu":
+        return True
+    if device_type != "cuda" or capability is None:
+        return False
+    return dtype == torch.bfloat16 and tuple(capability) >= GROUPED_MM_MIN_CAPABILITY
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -186,15 +223,15 @@ def _padded_swiglu(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
+    width: int,
 ) -> torch.Tensor:
-    """Rows scattered into an (E, largest group, dim) block, three batched matmuls, rows
-    gathered back. Padding rows are zeros, whose SwiGLU is zero, so they add nothing to
-    any gradient."""
+    """Rows scattered into an (E, width, dim) block, ``width`` the largest group, three
+    batched matmuls, rows gathered back. Padding rows are zeros, whose SwiGLU is zero, so
+    they add nothing to any gradient."""
     experts = counts.shape[0]
     expert_of_row = torch.repeat_interleave(torch.arange(experts, device=rows.device), counts)
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(rows.shape[0], device=rows.device) - starts[expert_of_row]
-    width = int(counts.max())
     padded = rows.new_zeros(experts, width, rows.shape[1])
     padded = padded.index_put((expert_of_row, slot), rows)
     hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)

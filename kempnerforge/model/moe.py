@@ -14,13 +14,15 @@ are any. Two routers:
 
 Both routers compute in fp32 whatever the autocast, and both report a z-loss. The layer
 keeps its last forward's losses and counts (``last``) for add_router_losses and the metrics;
-it never reads a value to the host unless a capacity factor or expert parallelism needs
-the group sizes.
+it reads nothing to the host with the grouped matmul on one rank, capacity factor or not;
+expert parallelism reads the split sizes (one read per exchange), and the padded expert
+compute reads the largest group.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -193,14 +195,14 @@ class MoEFeedForward(nn.Module):
     ) -> torch.Tensor:
         """Sort the kept assignments by expert, run the experts, weight and sum per token.
 
-        ``load`` is the routed count per expert, which is the kept count when dropless."""
+        ``load`` is the routed count per expert, which is the kept count when dropless.
+        Dropped assignments sort last, under a virtual expert E, outside every expert's
+        group: the experts give them zero rows (no host read), and the token exchange
+        does not send them (its one read of the split sizes says how many it sent)."""
         k, experts = self.top_k, self.num_experts
-        # Dropped assignments sort last, under a virtual expert E, and are cut off.
         key = flat_ids if keep is None else torch.where(keep.reshape(-1), flat_ids, experts)
         order = torch.argsort(key, stable=True)
         counts = load if keep is None else _expert_counts(key, experts)
-        if keep is not None:
-            order = order[: int(counts.sum())]  # a host read: how many were kept
         # One copy of each token per slot, then a permutation: every index is taken once,
         # so backward never adds into one row from two places (no atomics, same bits on
         # every run), unlike gathering tokens[order // k].
@@ -210,6 +212,7 @@ class MoEFeedForward(nn.Module):
         else:
             local_rows, local_counts, plan = dispatch_tokens(rows, counts, self.ep_group)
             out_rows = combine_tokens(self.experts(local_rows, local_counts), plan)
+            order = order[: out_rows.shape[0]]  # the sent (kept) rows, known from the plan
         gates = routing.gates.reshape(-1)[order]
         weighted = (out_rows.float() * gates[:, None]).to(out_rows.dtype)
         # Each assignment has its own row, so this scatter never adds: deterministic on
@@ -324,24 +327,27 @@ def begin_router_step(model: nn.Module, step: int) -> None:
 def record_router_stats(model: nn.Module) -> None:
     """Add each layer's last forward (one micro-batch) to the step's totals, on the device."""
     for layer in moe_layers(model):
-        last = layer.last
-        if last is None:
-            continue
-        one = torch.ones((), dtype=torch.float64, device=last.load.device)
-        values = StepTotals(
-            load=last.load.detach().double(),
-            aux_loss=last.aux_loss.detach().double(),
-            z_loss=last.z_loss.detach().double(),
-            dropped=last.dropped.double(),
-            assignments=last.load.sum().double(),
-            micro_batches=one,
-        )
-        totals = layer.totals
-        if totals is None:
-            layer.totals = values
-            continue
-        for name in values.__dataclass_fields__:
-            setattr(totals, name, getattr(totals, name) + getattr(values, name))
+        if layer.last is not None:
+            add_to_step_totals(layer, layer.last)
+
+
+def add_to_step_totals(layer: MoEFeedForward, stats: RouterStats) -> None:
+    """Add one micro-batch's ``stats`` of ``layer`` to its step totals, detached."""
+    one = torch.ones((), dtype=torch.float64, device=stats.load.device)
+    values = StepTotals(
+        load=stats.load.detach().double(),
+        aux_loss=stats.aux_loss.detach().double(),
+        z_loss=stats.z_loss.detach().double(),
+        dropped=stats.dropped.double(),
+        assignments=stats.load.sum().double(),
+        micro_batches=one,
+    )
+    totals = layer.totals
+    if totals is None:
+        layer.totals = values
+        return
+    for name in values.__dataclass_fields__:
+        setattr(totals, name, getattr(totals, name) + getattr(values, name))
 
 
 def bias_rate_factor(schedule: str, step: int, max_steps: int) -> float:
@@ -360,6 +366,7 @@ def finish_router_step(
     *,
     max_steps: int,
     with_metrics: bool,
+    stage_group: dist.ProcessGroup | None = None,
 ) -> dict[str, object] | None:
     """After a good optimizer step: nudge the sigmoid routers' biases, and on log steps
     return the step's router metrics.
@@ -369,7 +376,10 @@ def finish_router_step(
     rate * sign(mean load - expert load): towards more tokens for an underused expert.
     Metrics: moe/aux_loss and moe/z_loss (summed over layers, mean over micro-batches and
     ranks), moe/load (tokens per expert, per layer, the whole step), moe/imbalance (max
-    over mean load, worst layer) and moe/dropped_share.
+    over mean load, worst layer) and moe/dropped_share. Under pipeline parallelism
+    (``stage_group``, the pipeline group) each rank holds some of the layers: the biases
+    move from its own layers' loads, and on log steps the layers' rows are summed over
+    the stages in one more collective, so every rank reports every layer.
     """
     layers = [layer for layer in moe_layers(model) if layer.totals is not None]
     nudge = cfg.moe_router == "sigmoid" and cfg.moe_bias_update_rate > 0
@@ -393,7 +403,32 @@ def finish_router_step(
             update_expert_bias(layer.router, load, rate)
     if not with_metrics:
         return None
+    if stage_group is not None:
+        totals = _sum_over_stages(model, totals, cfg, stage_group)
     return _metrics_row(totals.tolist(), experts)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _sum_over_stages(
+    model: nn.Module, rows: torch.Tensor, cfg: ModelConfig, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Every MoE layer's row, from this pipeline rank's rows (one per layer with totals,
+    in order), placed by the layer's position among the whole model's MoE layers (found
+    from its name, ``layers.5.feed_forward``) and summed over the pipeline group: each
+    layer lives on one stage. One all-reduce of (MoE layers, E + 5) values."""
+    held = [layer for layer in moe_layers(model) if layer.totals is not None]
+    index_of = {id(m): name for name, m in model.named_modules()}
+    ordinals = []
+    for layer in held:
+        found = _LAYER_INDEX.search(index_of[id(layer)] + ".")
+        assert found is not None, f"MoE layer {index_of[id(layer)]} is not under layers.N"
+        ordinals.append(sum(cfg.is_moe_layer(i) for i in range(int(found.group(1)))))
+    table = rows.new_zeros(cfg.num_moe_layers, rows.shape[1])
+    table[torch.tensor(ordinals, device=rows.device)] = rows
+    dist.all_reduce(table, group=group)
+    return table
 
 
 @torch.no_grad()

@@ -43,14 +43,15 @@ def dispatch_tokens(
     """Send every row to the rank that owns its expert; return the rows this rank must run.
 
     ``rows`` (N, D) are token copies sorted by global expert id and ``counts`` (E,) int64,
-    on ``rows``' device, says how many rows each expert gets (summing to N). The result is
+    on ``rows``' device, says how many rows each expert gets; rows past their sum (dropped
+    by a capacity limit) are not sent. The result is
     ``(local_rows, local_counts, plan)``: ``local_rows`` (M, D) sorted by local expert (for
     local expert 0, the rows from source rank 0, then from rank 1, ...; then local expert 1),
     ``local_counts`` (E / ep,) rows per local expert, and the plan for combine_tokens.
 
     A collective over ``group``: every rank of it must call this with the same E. The split
     sizes are read to the host once (all-to-all needs them as Python ints), this function's
-    one host sync. Counts that do not sum to N raise ValueError only after the counts were
+    one host sync. Counts that sum to more than N raise ValueError only after the counts were
     exchanged, so peers with correct counts wait in the next collective until it times out.
     With ``group`` None or of size 1 nothing is exchanged: ``rows`` and ``counts`` come back
     unchanged.
@@ -73,9 +74,10 @@ def dispatch_tokens(
         [send_counts.view(ep, num_local).sum(1), recv_counts.view(ep, num_local).sum(1)]
     )
     send_splits, recv_splits = per_peer.tolist()
-    if sum(send_splits) != rows.shape[0]:
+    if sum(send_splits) > rows.shape[0]:
         raise ValueError(f"counts sum to {sum(send_splits)} rows but rows has {rows.shape[0]}")
-    received = _exchange(rows.contiguous(), recv_splits, send_splits, group)
+    sent = rows[: sum(send_splits)]
+    received = _exchange(sent.contiguous(), recv_splits, send_splits, group)
     local_position = _local_positions(recv_counts.view(ep, num_local), sum(recv_splits))
     # order[j]: the received row that goes to local position j (the inverse permutation).
     order = torch.empty_like(local_position)

@@ -22,6 +22,7 @@ from kempnerforge.distributed.pipeline import (
     stages_of_rank,
 )
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.model.router_stage import attach_stage_router_hooks
 from kempnerforge.training.family import FamilyModel, StepFn, family_of
 from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.loss import LossFn
@@ -79,9 +80,12 @@ def no_schedule(
 def build_stage_schedule(
     rank_model: RankModel, runtime: RuntimeContext, config: JobConfig, loss_fn: LossFn
 ) -> PipelineBundle:
-    """The distributed.pp_schedule over this rank's stages (build_pipeline)."""
+    """The distributed.pp_schedule over this rank's stages (build_pipeline); an MoE
+    stage's forward records its routers' loads and carries their losses into its backward
+    (model/router_stage.py)."""
     # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
     setattr(rank_model.model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
+    attach_stage_router_hooks(rank_model.stage_modules, config.model, config.train.grad_accum_steps)
     return build_pipeline(
         rank_model.stage_modules,
         rank_model.stage_ids,

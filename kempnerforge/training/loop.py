@@ -261,8 +261,8 @@ def _update_weights(
 
 def _finish_router_step(session: TrainingSession, step: int) -> dict[str, object] | None:
     """An MoE model's routers after the update: the sigmoid routers' balancing step, from
-    this step's load over every rank, and on log steps their metrics row (model/moe.py;
-    nothing for a model without MoE layers)."""
+    this step's load over every rank, and on log steps their metrics row, every pipeline
+    stage's layers included (model/moe.py; nothing for a model without MoE layers)."""
     config = session.config
     return finish_router_step(
         session.model,
@@ -270,6 +270,7 @@ def _finish_router_step(session: TrainingSession, step: int) -> dict[str, object
         session.runtime.group("dp"),
         max_steps=config.train.max_steps,
         with_metrics=session.tracker.logs_step(step),
+        stage_group=session.runtime.group("pp"),
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
 from kempnerforge.model.moe import begin_router_step
+from kempnerforge.model.router_stage import record_stage_router_stats
 from kempnerforge.training.accumulate import accumulate, finish_step, step_tokens
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.loss import TokenCrossEntropy
@@ -119,19 +120,21 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     numbers as one process. The stage holding the head reduces its loss over the
     data-parallel and pipeline groups in finish_step, so every rank of every stage reports
     it; the gradient norm covers all stages, so a NaN anywhere skips the step everywhere.
-    step is unused: MoE (the only step-dependent branch) is rejected with PP in
-    JobConfig.validate.
+    An MoE model's stages add their router terms to their own backward and record their
+    loads (model/router_stage.py); ``step`` goes to the routers as in text_step.
     """
     bundle = session.pipeline
     if bundle is None:
         raise RuntimeError("pipeline_step needs session.pipeline (distributed.pp > 1)")
     runtime, tc = session.runtime, session.config.train
+    begin_router_step(session.model, step)
     micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
     tokens = step_tokens(runtime, micro_batches)
     inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(runtime.device)
     labels = torch.cat([b["labels"] for b in micro_batches]).to(runtime.device)
     with training_autocast(tc, runtime.device):
         loss_sums = bundle.run(inputs, labels, tokens.scale)
+    record_stage_router_stats([stage.submod for stage in bundle.stages], bundle.num_microbatches)
     loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=runtime.device)
     loss, grad_norm, _ = finish_step(session, loss_sum, tokens)
     return StepResult(loss=loss, grad_norm=grad_norm)

@@ -85,6 +85,29 @@ def test_expert_parallel_moe_layouts_match_one_process(tmp_path, builtin_cache):
         assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
 
 
+def test_moe_pipeline_layouts_match_one_process(tmp_path, builtin_cache):
+    """MoE split into pipeline stages, alone and with the experts of each stage split over
+    its 2 shard ranks (4 processes)."""
+    layouts = ["pp=2", "pp=2,dp_shard=2,ep=2"]
+    proc = check_parallel(
+        "--layouts",
+        *layouts,
+        "--steps",
+        "3",
+        "--model.moe_expert_hidden_dim=32",
+        cwd=tmp_path,
+        cache=builtin_cache,
+        config=DEBUG_MOE,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert sorted(rows) == sorted(layouts)
+    worlds = {"pp=2": "2", "pp=2,dp_shard=2,ep=2": "4"}
+    for layout, world, loss_diff, norm_diff, result in rows.values():
+        assert (world, result) == (worlds[layout], "PASS"), layout
+        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+
+
 def test_failing_layout_is_reported_with_its_error_and_exit_1(tmp_path, builtin_cache):
     runs = tmp_path / "runs"
     proc = check_parallel(

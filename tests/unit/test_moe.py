@@ -779,22 +779,12 @@ def test_moe_field_ranges_are_checked_on_a_dense_model_but_not_top_k_against_exp
         ),
         (["--distributed.ep=2"], 2, "distributed.ep = 2: expected 1 for a dense model"),
         (
-            [
-                "--model.num_experts=4",
-                "--distributed.pp=2",
-                "--data.document_masking=false",
-                "--train.grad_accum_steps=2",
-            ],
-            2,
-            "distributed.pp = 2: expected 1 with an MoE model (model.num_experts > 0)",
-        ),
-        (
             ["--model.num_experts=4", "--distributed.tp=2"],
             2,
             "distributed.tp = 2: expected 1 with an MoE model (model.num_experts > 0)",
         ),
     ],
-    ids=["ep_not_dividing_experts", "ep_dense", "moe_pp", "moe_tp"],
+    ids=["ep_not_dividing_experts", "ep_dense", "moe_tp"],
 )
 def test_moe_layout_rules(overrides: list[str], world_size: int, message: str) -> None:
     config = load_config(None, overrides)
@@ -808,6 +798,9 @@ def test_moe_layouts_that_fit_are_accepted() -> None:
     load_config(None, ["--model.num_experts=4", "--distributed.ep=2"]).validate(2)
     ep_in_shards = ["--model.num_experts=8", "--distributed.ep=2", "--distributed.dp_replicate=2"]
     load_config(None, ep_in_shards).validate(4)
+    pipeline = ["--distributed.pp=2", "--data.document_masking=false", "--train.grad_accum_steps=2"]
+    load_config(None, ["--model.num_experts=4", *pipeline]).validate(2)
+    load_config(None, ["--model.num_experts=4", "--distributed.ep=2", *pipeline]).validate(4)
 
 
 def test_cli_reports_a_bad_moe_config_in_one_line_and_exits_2(capsys, package_logging) -> None:
