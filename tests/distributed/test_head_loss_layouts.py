@@ -105,6 +105,16 @@ def test_the_chunked_loss_trains_like_one_process_with_per_dataset_losses(
     _assert_matches(ranks, reference)
 
 
+def test_the_last_stage_of_a_tensor_parallel_pipeline_trains_like_one_process(
+    base, mixture, reference, tmp_path
+) -> None:
+    """pp 2 x tp 2: the last stage's loss is vocabulary-parallel over plain (replicated)
+    tensor parallelism, chunked, with the z-loss and per-dataset losses."""
+    overrides = [*base, f"--train.run_dir={tmp_path / 'four'}", *PP, "--distributed.tp=2"]
+    ranks = run_distributed(train_on_ranks, 4, overrides, {"config_path": mixture}, timeout_s=240.0)
+    _assert_matches(ranks, reference)
+
+
 def _head_calls(rank: int, world_size: int, overrides: list[str], config_path: str) -> int:
     """Calls of the head module's forward (whole, gathered logits) in one training step."""
     config = load_config(config_path, overrides)
