@@ -232,14 +232,15 @@ def main() -> None:
     # Payloads, estimated from the computed shards: FSDP gathers bf16 parameters in the
     # forward and again in the backward, reduce-scatters fp32 gradients and all-reduces the
     # fp32 shard over the replicas; sequence-parallel TP moves four b x s x d bf16
-    # activations per block forward and four backward, and the head gathers the logits.
+    # activations per block forward and four backward, and the vocabulary-parallel loss
+    # all-reduces three fp32 per token (row maximum, sum of exponentials, target logit).
     for label, volume in (
         ("`dp_shard` bytes per micro-batch (all-gathers in)", lambda c, m: 2 * 2 * dp_params(c)),
         ("`dp_shard` bytes per step (gradient reduce-scatter in)", lambda c, m: 4 * dp_params(c)),
         ("`dp_replicate` bytes per step (all-reduce)", lambda c, m: 4 * local(c)),
         (
-            "`tp` bytes per micro-batch (activations, logits)",
-            lambda c, m: 2 * SEQ_LEN * (8 * m.dim * layers_of(c, m) + m.vocab_size),
+            "`tp` bytes per micro-batch (activations, loss)",
+            lambda c, m: 2 * SEQ_LEN * 8 * m.dim * layers_of(c, m) + 12 * SEQ_LEN,
         ),
     ):
         row(label, [gib(volume(c, models[c[0]])) for c in columns], "estimated from the shards")

@@ -20,10 +20,12 @@ from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.distributed.schedules import build_schedule
+from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.transformer import Transformer
+from kempnerforge.model.vocab_parallel_loss import head_loss
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | HeadLoss]
 
 
 def stage_layer_ranges(
@@ -112,16 +114,24 @@ class StageModule(nn.Module):
         self.output: nn.Linear | None = model.output if is_last else None
         """Output head (last stage only): returns logits instead of hidden states."""
         self.rope = _RopeTables(model)
+        self.loss_spec: HeadLossSpec | None = None
+        """How the last stage computes the loss from the labels it is given (set by
+        build_pipeline); None: it returns logits for the schedule's loss function."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         """Token ids (batch, seq) on the first stage, hidden states (batch, seq, dim) on the
-        others; returns logits on the last stage and hidden states on the others."""
+        others; returns hidden states, except on the last stage: logits, or with ``labels``
+        and a loss_spec the HeadLoss computed chunk by chunk without whole logits (inside
+        this forward, where FSDP has gathered the head's weight), as a plain tuple, the
+        output type torch's pipelining stages handle. Other stages ignore ``labels``."""
         cos, sin = self.rope(x.shape[1])
         h = x if self.tok_embeddings is None else self.tok_embeddings(x)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is None or self.output is None:
             return h
+        if labels is not None and self.loss_spec is not None:
+            return tuple(head_loss(self.norm(h), self.output, labels, self.loss_spec))
         return self.output(self.norm(h))
 
 
@@ -155,22 +165,29 @@ def build_stage_model(
 
 
 class _ScaledLoss:
-    """The schedule's loss: ``loss_fn(logits, labels) * scale``, keeping each unscaled value.
+    """The schedule's loss: the summed loss times ``scale``, keeping each unscaled value.
 
-    The scale is set per step (the step's token normalisation); the unscaled values are
-    what the step reports. The first step also calls it once for torch's shape inference,
-    so a step's values are the last num_microbatches calls.
+    The last stage's output is its HeadLoss (computed inside the stage) or logits, given to
+    ``loss_fn``; a HeadLoss from either also leaves its per-token losses. The scale is set
+    per step (the step's token normalisation); the unscaled values are what the step
+    reports. The first step also calls it once for torch's shape inference, so a step's
+    values are the last num_microbatches calls.
     """
 
     def __init__(self, loss_fn: LossFn) -> None:
         self.loss_fn = loss_fn
         self.scale: torch.Tensor | float | None = None
         self.values: list[torch.Tensor] = []
+        self.token_losses: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(logits, labels)
-        self.values.append(loss.detach())
-        return loss if self.scale is None else loss * self.scale
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        # A tuple is the last stage's own HeadLoss (StageModule.forward), else logits.
+        result = HeadLoss(*output) if isinstance(output, tuple) else self.loss_fn(output, labels)
+        if isinstance(result, HeadLoss):
+            self.token_losses.append(result.token_losses)
+            result = result.loss_sum
+        self.values.append(result.detach())
+        return result if self.scale is None else result * self.scale
 
 
 @dataclass
@@ -202,6 +219,11 @@ class PipelineBundle:
     """Micro-batches per step: the whole-step batch is split into this many along dim 0."""
     loss: _ScaledLoss | None = None
     """The schedule's loss function (set by build_pipeline)."""
+    head_loss: bool = False
+    """Whether the last stage computes the loss itself from the labels (a loss_spec)."""
+    token_losses: list[torch.Tensor] = field(default_factory=list)
+    """After run, on the last stage: each micro-batch's per-token losses (batch, seq) when
+    the loss gives them (a HeadLoss); [] otherwise."""
 
     @property
     def is_first(self) -> bool:
@@ -234,17 +256,23 @@ class PipelineBundle:
         assert self.loss is not None, "PipelineBundle.run needs build_pipeline's loss"
         self.loss.scale = loss_scale
         self.loss.values.clear()
+        self.loss.token_losses.clear()
+        # The labels reach the last stage's forward too when it computes the loss itself
+        # (keyword arguments go to every stage of this rank; the others ignore them).
+        extra = {"labels": labels} if self.head_loss and self.is_last else {}
         # Outputs are not kept: the losses are all the step needs.
         if self.is_first and self.is_last:
-            self.schedule.step(inputs, target=labels, return_outputs=False)
+            self.schedule.step(inputs, target=labels, return_outputs=False, **extra)
         elif self.is_first:
             self.schedule.step(inputs, return_outputs=False)
         elif self.is_last:
-            self.schedule.step(target=labels, return_outputs=False)
+            self.schedule.step(target=labels, return_outputs=False, **extra)
         else:
             self.schedule.step(return_outputs=False)
-        values = self.loss.values[-self.num_microbatches :] if self.is_last else []
-        self.loss.values = []
+        last = self.num_microbatches
+        values = self.loss.values[-last:] if self.is_last else []
+        self.token_losses = self.loss.token_losses[-last:] if self.is_last else []
+        self.loss.values, self.loss.token_losses = [], []
         return values
 
 
@@ -256,6 +284,7 @@ def build_pipeline(
     loss_fn: LossFn,
     *,
     num_microbatches: int,
+    loss_spec: HeadLossSpec | None = None,
 ) -> PipelineBundle:
     """Wrap this rank's stage modules in pipeline stages and build the configured schedule.
 
@@ -264,9 +293,14 @@ def build_pipeline(
     after the step's last backward). The schedule is ``distributed.pp_schedule`` over
     ``num_microbatches`` micro-batches (the trainer's train.grad_accum_steps) with
     ``scale_grads=False``: ``loss_fn`` (summed loss of one micro-batch, as build_loss_fn
-    gives) is scaled by ``run``'s loss_scale.
+    gives) is scaled by ``run``'s loss_scale. With ``loss_spec`` the last stage computes the
+    loss itself from the labels, chunked over tokens (and over the vocabulary under tensor
+    parallelism), and ``loss_fn`` is not called.
     """
     num_stages = distributed.num_stages
+    for module in stage_modules:
+        if isinstance(module, StageModule):
+            module.loss_spec = loss_spec
     group = runtime.group("pp")
     # Typed loosely: the schedules take a list of torch's private stage base class.
     stages: list[Any] = [
@@ -286,4 +320,5 @@ def build_pipeline(
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         loss=loss,
+        head_loss=loss_spec is not None,
     )

@@ -9,8 +9,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 """Label of a position that has no target. The model layer cannot import data/, so the value
@@ -66,27 +64,6 @@ def logits_head_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: 
     return HeadLoss(per_token.sum(), per_token.detach())
 
 
-def head_loss(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, spec: HeadLossSpec
-) -> HeadLoss:
-    """The loss of ``head`` on ``hidden`` against ``labels``: chunked, or from whole logits
-    when the head's weight is a DTensor.
-
-    A tensor-parallel head is split over the vocabulary and gathers whole logits itself,
-    so it keeps that path (same result). Call it inside the model's forward: under FSDP the
-    head's weight is a whole (unsharded) tensor only there.
-    """
-    if isinstance(head.weight, DTensor):
-        return logits_head_loss(head(hidden), labels, spec.z_loss_weight)
-    return linear_cross_entropy(
-        hidden,
-        head.weight,
-        labels,
-        chunk_tokens=spec.chunk_tokens,
-        z_loss_weight=spec.z_loss_weight,
-    )
-
-
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -105,20 +82,20 @@ def linear_cross_entropy(
     w.r.t. ``weight`` is accumulated in fp32 over the chunks. ``hidden`` is (..., dim),
     ``weight`` (vocab, dim) and ``labels`` hidden's shape without the last dimension.
     """
-    dtype = _compute_dtype(hidden, weight)
+    dtype = compute_dtype(hidden, weight)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss_sum, per_token = _LinearCrossEntropy.apply(
             hidden, weight, labels, chunk_tokens, z_loss_weight, dtype
         )
         return HeadLoss(loss_sum, per_token)
-    with _no_autocast(hidden.device.type):
+    with no_autocast(hidden.device.type):
         loss_sum, per_token, _, _ = _chunked(
             hidden, weight, labels, chunk_tokens, z_loss_weight, dtype, (False, False)
         )
     return HeadLoss(loss_sum, per_token)
 
 
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The matmul dtype nn.Linear would use here: the autocast dtype when autocast is on."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -126,7 +103,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     # The dtypes are chosen explicitly below; autocast would cast the fp32 softmax math.
     return torch.autocast(device_type, enabled=False)
 
@@ -145,7 +122,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        with _no_autocast(hidden.device.type):
+        with no_autocast(hidden.device.type):
             loss_sum, per_token, grad_hidden, grad_weight = _chunked(
                 hidden, weight, labels, chunk_tokens, z_loss_weight, dtype, needs
             )

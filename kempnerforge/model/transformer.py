@@ -10,11 +10,12 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_causal_mask
-from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, head_loss
+from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.vocab_parallel_loss import head_loss
 from kempnerforge.model.weight_init import copy_full_tensor as copy_full_tensor  # re-exported
 from kempnerforge.model.weight_init import fill_parameter, parameter_seed
 

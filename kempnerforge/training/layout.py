@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -23,9 +24,10 @@ from kempnerforge.distributed.pipeline import (
 )
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.router_stage import attach_stage_router_hooks
+from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, logits_head_loss
 from kempnerforge.training.family import FamilyModel, StepFn, family_of
 from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
-from kempnerforge.training.loss import LossFn
+from kempnerforge.training.loss import LossFn, TokenCrossEntropy
 from kempnerforge.training.steps import pipeline_step
 
 
@@ -80,19 +82,32 @@ def no_schedule(
 def build_stage_schedule(
     rank_model: RankModel, runtime: RuntimeContext, config: JobConfig, loss_fn: LossFn
 ) -> PipelineBundle:
-    """The distributed.pp_schedule over this rank's stages (build_pipeline); an MoE
-    stage's forward records its routers' loads and carries their losses into its backward
-    (model/router_stage.py)."""
+    """The distributed.pp_schedule over this rank's stages (build_pipeline).
+
+    The built-in loss is computed by the last stage itself with train.loss_chunk_tokens > 0
+    (no whole logits, as text_step's model does); with 0 it comes from the whole logits,
+    per token, so mixture steps get their per-dataset losses either way. Any other loss
+    function gets the logits. An MoE stage's forward records its routers' loads and
+    carries their losses into its backward (model/router_stage.py).
+    """
     # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
     setattr(rank_model.model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
     attach_stage_router_hooks(rank_model.stage_modules, config.model, config.train.grad_accum_steps)
+    tc = config.train
+    spec: HeadLossSpec | None = None
+    stage_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | HeadLoss] = loss_fn
+    if isinstance(loss_fn, TokenCrossEntropy):
+        stage_loss = partial(logits_head_loss, z_loss_weight=tc.z_loss_weight)
+        if tc.loss_chunk_tokens > 0:
+            spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
     return build_pipeline(
         rank_model.stage_modules,
         rank_model.stage_ids,
         runtime,
         config.distributed,
-        loss_fn,
-        num_microbatches=config.train.grad_accum_steps,
+        stage_loss,
+        num_microbatches=tc.grad_accum_steps,
+        loss_spec=spec,
     )
 
 

@@ -26,23 +26,28 @@ class DatasetSums:
         self.token_counts = torch.zeros(len(names), dtype=torch.int64, device=device)
 
     @torch.no_grad()
-    def add(self, token_losses: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+    def add(self, token_losses: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch: ``token_losses`` (batch, seq) is its objective per
-        position, 0 where the label is ignored (HeadLoss.token_losses)."""
+        position, 0 where the label is ignored (HeadLoss.token_losses); None counts the
+        tokens only (a pipeline stage without the head)."""
         labels, source = batch["labels"], batch["dataset_idx"]
         supervised = labels != IGNORE_INDEX
-        self.loss_sums.index_add_(0, source, token_losses.detach().sum(1).double())
+        if token_losses is not None:
+            self.loss_sums.index_add_(0, source, token_losses.detach().sum(1).double())
         self.loss_counts.index_add_(0, source, supervised.sum(1))
         self.token_counts.index_add_(0, source, torch.full_like(source, labels.shape[1]))
 
     def finish(
-        self, group: dist.ProcessGroup | None
+        self, group: dist.ProcessGroup | None, loss_group: dist.ProcessGroup | None = None
     ) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
         """(token counts, loss sums, supervised-token counts) by name, summed over ``group``
-        (the data-parallel ranks; None in a single process)."""
+        (the data-parallel ranks; None in a single process). The loss sums are also summed
+        over ``loss_group``: the pipeline ranks, of which only the last stage's holds them."""
         if group is not None:
             for tensor in (self.loss_sums, self.loss_counts, self.token_counts):
                 dist.all_reduce(tensor, group=group)
+        if loss_group is not None:
+            dist.all_reduce(self.loss_sums, group=loss_group)
         sums = self.loss_sums.tolist()
         counts = self.loss_counts.tolist()
         tokens = self.token_counts.tolist()

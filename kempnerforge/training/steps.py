@@ -43,12 +43,7 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             b if needs_document_mask(b.get("doc_ids")) else _without(b, "doc_ids")
             for b in micro_batches
         ]
-    names = getattr(session.data, "dataset_names", [])
-    per_dataset = (
-        DatasetSums(names, session.runtime.device)
-        if names and "dataset_idx" in micro_batches[0]
-        else None
-    )
+    per_dataset = _dataset_sums(session, micro_batches)
     spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
     # The model computes the loss only when it is the built-in one (a replaced
     # session.loss_fn gets the logits).
@@ -69,13 +64,32 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
 
     loss, grad_norm, _ = accumulate(session, micro_batches, micro_loss)
     result = StepResult(loss=loss, grad_norm=grad_norm)
-    if per_dataset is not None:
-        (
-            result.dataset_token_counts,
-            result.dataset_loss_sums,
-            result.dataset_loss_counts,
-        ) = per_dataset.finish(session.runtime.group("dp"))
+    _report_dataset_sums(session, result, per_dataset)
     return result
+
+
+def _dataset_sums(
+    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]]
+) -> DatasetSums | None:
+    """Per-dataset sums for a mixture's step (batches carry ``dataset_idx``), else None."""
+    names = getattr(session.data, "dataset_names", [])
+    if names and "dataset_idx" in micro_batches[0]:
+        return DatasetSums(names, session.runtime.device)
+    return None
+
+
+def _report_dataset_sums(
+    session: TrainingSession, result: StepResult, per_dataset: DatasetSums | None
+) -> None:
+    """Reduce the step's per-dataset sums (losses also over the pipeline) into ``result``."""
+    if per_dataset is None:
+        return
+    runtime = session.runtime
+    (
+        result.dataset_token_counts,
+        result.dataset_loss_sums,
+        result.dataset_loss_counts,
+    ) = per_dataset.finish(runtime.group("dp"), runtime.group("pp"))
 
 
 def _without(batch: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
@@ -122,6 +136,9 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     it; the gradient norm covers all stages, so a NaN anywhere skips the step everywhere.
     An MoE model's stages add their router terms to their own backward and record their
     loads (model/router_stage.py); ``step`` goes to the routers as in text_step.
+    With train.loss_chunk_tokens > 0 the last stage computes the loss itself, chunked, never
+    holding whole logits (distributed/pipeline.py). A mixture's per-dataset sums take the
+    last stage's per-token losses, summed over the pipeline group with the loss.
     """
     bundle = session.pipeline
     if bundle is None:
@@ -132,9 +149,19 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     tokens = step_tokens(runtime, micro_batches)
     inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(runtime.device)
     labels = torch.cat([b["labels"] for b in micro_batches]).to(runtime.device)
+    per_dataset = _dataset_sums(session, micro_batches)
     with training_autocast(tc, runtime.device):
         loss_sums = bundle.run(inputs, labels, tokens.scale)
     record_stage_router_stats([stage.submod for stage in bundle.stages], bundle.num_microbatches)
+    if per_dataset is not None:
+        # Only the last stage has per-token losses; every stage counts the tokens.
+        token_losses: list[torch.Tensor | None] = list(bundle.token_losses)
+        token_losses += [None] * (len(micro_batches) - len(token_losses))
+        for batch, losses in zip(micro_batches, token_losses, strict=True):
+            sources = {k: batch[k].to(runtime.device) for k in ("labels", "dataset_idx")}
+            per_dataset.add(losses, sources)
     loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=runtime.device)
     loss, grad_norm, _ = finish_step(session, loss_sum, tokens)
-    return StepResult(loss=loss, grad_norm=grad_norm)
+    result = StepResult(loss=loss, grad_norm=grad_norm)
+    _report_dataset_sums(session, result, per_dataset)
+    return result

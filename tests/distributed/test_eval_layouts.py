@@ -82,6 +82,14 @@ def test_two_ranks_evaluate_the_windows_one_process_does(
     assert report["metrics"]["eval_loss"] == pytest.approx(logged["eval_loss"], abs=LOSS_TOL)
 
 
+def test_tensor_parallel_ranks_evaluate_like_one_process(base, one_process, tmp_path):
+    """The eval loss under tp comes from the vocabulary-parallel chunked loss (no grad)."""
+    layout = ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4"]
+    logged = _train(base, tmp_path / "run", 2, *layout)
+    assert logged["eval_tokens"] == one_process["eval_tokens"]
+    assert logged["eval_loss"] == pytest.approx(one_process["eval_loss"], abs=LOSS_TOL)
+
+
 def test_ranks_that_do_not_divide_the_eval_batch_evaluate_it_once(base, tmp_path):
     # 3 sequences per eval step on 2 ranks: shares of 2 and 1, the short one padded with a
     # window that counts nothing, so one process finds the same tokens and loss.

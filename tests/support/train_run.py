@@ -18,20 +18,32 @@ from kempnerforge.training.resume import apply_resume, plan_resume
 
 
 def train_steps(
-    overrides: list[str], *, record_batches: bool = False, stop_after: int | None = None
+    overrides: list[str],
+    *,
+    record_batches: bool = False,
+    stop_after: int | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Train with ``overrides`` (resuming as the config says); record every step body call.
 
     ``losses``/``grad_norms`` hold each step's StepResult in order (skipped steps
-    included), ``batches`` the input_ids of each micro-batch this rank drew (when
+    included), ``dataset_losses`` its per-dataset mean losses (a mixture's; {} otherwise),
+    ``batches`` the input_ids of each micro-batch this rank drew (when
     ``record_batches``), ``step``/``tokens_seen`` the loop's final counters. ``stop_after``
-    requests a stop (as a signal would) after that many step calls.
+    requests a stop (as a signal would) after that many step calls. ``config_path`` is a
+    TOML file the overrides apply to (a mixture's [[data.datasets]]).
     """
-    config = load_config(None, overrides)
+    config = load_config(config_path, overrides)
     config.validate(world_size_from_env())
     runtime = init_runtime(config.distributed, "cpu")
     session = build_session(config, runtime)
-    record: dict[str, Any] = {"losses": [], "grad_norms": [], "batches": [], "rank": runtime.rank}
+    record: dict[str, Any] = {
+        "losses": [],
+        "grad_norms": [],
+        "dataset_losses": [],
+        "batches": [],
+        "rank": runtime.rank,
+    }
     _record_steps(session, record, stop_after)
     if record_batches:
         _record_batches(session, record["batches"])
@@ -51,6 +63,8 @@ def _record_steps(session: TrainingSession, record: dict[str, Any], stop_after: 
         result = inner(s, step)
         record["losses"].append(result.loss)
         record["grad_norms"].append(result.grad_norm)
+        sums, counts = result.dataset_loss_sums or {}, result.dataset_loss_counts or {}
+        record["dataset_losses"].append({k: sums[k] / counts[k] for k in counts if counts[k]})
         if stop_after is not None and len(record["losses"]) == stop_after:
             s.shutdown_handler.request("test stop")
         return result

@@ -1,0 +1,247 @@
+"""The fused head + cross-entropy in every layout: head_loss picks the single-rank chunked loss
+(model/head_loss.py) or, for a head split over the vocabulary (tensor parallelism), the
+vocabulary-parallel one here: each rank computes only its vocabulary shard's logits, one
+token chunk at a time, and the log-sum-exp and the target logit are reduced over the
+tensor-parallel group."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from kempnerforge.model.head_loss import (
+    IGNORE_INDEX,
+    HeadLoss,
+    HeadLossSpec,
+    compute_dtype,
+    linear_cross_entropy,
+    logits_head_loss,
+    no_autocast,
+)
+
+
+def head_loss(
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, spec: HeadLossSpec
+) -> HeadLoss:
+    """The loss of ``head`` on ``hidden`` against ``labels``, chunked over tokens: on one
+    rank, or over the vocabulary shards when tensor parallelism split the head.
+
+    Call it inside the model's forward: under FSDP the head's weight is whole (unsharded
+    over the data-parallel ranks) only there. A DTensor weight split some other way falls
+    back to the head's own output (whole logits), as a plain head and loss would compute.
+    """
+    weight = head.weight
+    if is_vocab_sharded(weight):
+        return vocab_parallel_head_loss(
+            hidden,
+            cast(DTensor, weight),
+            labels,
+            chunk_tokens=spec.chunk_tokens,
+            z_loss_weight=spec.z_loss_weight,
+        )
+    if isinstance(weight, DTensor):
+        return logits_head_loss(head(hidden), labels, spec.z_loss_weight)
+    return linear_cross_entropy(
+        hidden, weight, labels, chunk_tokens=spec.chunk_tokens, z_loss_weight=spec.z_loss_weight
+    )
+
+
+def is_vocab_sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (vocab, dim) is a DTensor split by vocabulary rows over a 1-D mesh,
+    as tensor parallelism leaves the head's weight (FSDP, if any, has gathered its own axis
+    inside the forward)."""
+    return (
+        isinstance(weight, DTensor)
+        and weight.device_mesh.ndim == 1
+        and tuple(weight.placements) == (Shard(0),)
+    )
+
+
+def shard_rows(num_rows: int, num_shards: int, index: int) -> tuple[int, int]:
+    """(first row, row count) of shard ``index`` when ``num_rows`` split as DTensor's Shard
+    does: ceil(num_rows / num_shards) rows each, the last ones short or empty."""
+    per_shard = -(-num_rows // num_shards)
+    first = min(index * per_shard, num_rows)
+    return first, min(per_shard, num_rows - first)
+
+
+def vocab_parallel_head_loss(
+    hidden: torch.Tensor,
+    weight: DTensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    z_loss_weight: float,
+) -> HeadLoss:
+    """Cross-entropy (plus z-loss) of ``hidden @ weight.T`` against ``labels`` without whole
+    logits on any rank.
+
+    ``weight`` is the head's weight split by vocabulary rows over the tensor-parallel mesh
+    (is_vocab_sharded). ``hidden`` is the final norm's output: a DTensor split along the
+    sequence (sequence parallelism), gathered here as the head's own input would be, or a
+    plain tensor replicated on every rank (plain tensor parallelism). The tokens are
+    walked in chunks of ``chunk_tokens`` (0 or less: one chunk); per chunk each rank holds
+    (chunk, vocab / tp) logits and takes two all-reduces over the group, of 1 and 2 floats
+    per token. Every rank returns the same loss and per-token losses; the gradient of its
+    weight shard stays local, and that of ``hidden`` is a partial sum that autograd reduces
+    over the group (reduce-scatter back onto the sequence shard, or all-reduce).
+    Collective over the tensor-parallel group: every rank must call it with the same
+    chunking.
+    """
+    mesh = weight.device_mesh
+    whole_hidden = _replicated_local(hidden, mesh)
+    local_weight = weight.to_local()
+    first, count = shard_rows(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    assert local_weight.shape[0] == count, "the head's vocabulary shard is not DTensor's split"
+    shard = _Shard(mesh.get_group(), first, chunk_tokens, z_loss_weight)
+    dtype = compute_dtype(whole_hidden, local_weight)
+    if torch.is_grad_enabled() and (whole_hidden.requires_grad or local_weight.requires_grad):
+        loss_sum, per_token = _VocabParallelCrossEntropy.apply(
+            whole_hidden, local_weight, labels, shard, dtype
+        )
+        return HeadLoss(loss_sum, per_token)
+    with no_autocast(whole_hidden.device.type):
+        loss_sum, per_token, _, _ = _chunked(
+            whole_hidden, local_weight, labels, shard, dtype, (False, False)
+        )
+    return HeadLoss(loss_sum, per_token)
+
+
+def _replicated_local(hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``hidden`` whole on this rank, as a plain tensor whose gradient is taken as a partial
+    sum over ``mesh``: autograd reduces it to the input's own layout."""
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    return hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+class _Shard:
+    """What a rank's chunks need besides tensors: the group, its vocabulary offset, the
+    chunking and the z-loss weight."""
+
+    def __init__(self, group: Any, first: int, chunk_tokens: int, z_loss_weight: float) -> None:
+        self.group = group
+        self.first = first
+        self.chunk_tokens = chunk_tokens
+        self.z_loss_weight = z_loss_weight
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward computes loss and local gradients chunk by chunk; backward scales them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        shard: _Shard,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
+        with no_autocast(hidden.device.type):
+            loss_sum, per_token, grad_hidden, grad_weight = _chunked(
+                hidden, weight, labels, shard, dtype, needs
+            )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(per_token)
+        return loss_sum, per_token
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_tokens: Any) -> tuple[Any, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # Out of place: the stored gradients must survive a backward with retain_graph.
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * grad_loss).to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    shard: _Shard,
+    dtype: torch.dtype,
+    needs: tuple[bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss sum, per-token losses, partial grad of hidden or None, grad of the weight shard
+    or None), chunk by chunk. Autocast must be off: every dtype here is explicit."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = labels.reshape(-1)
+    num_tokens = flat.shape[0]
+    step = shard.chunk_tokens if shard.chunk_tokens > 0 else max(num_tokens, 1)
+    h, w = flat.to(dtype), weight.to(dtype)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    per_token = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(flat) if needs[0] else None
+    grad_weight: torch.Tensor | None = None
+    if needs[1]:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for start in range(0, num_tokens, step):
+        end = min(start + step, num_tokens)
+        h_chunk = h[start:end]
+        losses, dlogits = _chunk_loss(h_chunk @ w.t(), targets[start:end], shard, any(needs))
+        per_token[start:end] = losses
+        loss_sum += losses.sum()
+        if dlogits is None:
+            continue
+        dlogits = dlogits.to(dtype)
+        if grad_hidden is not None:
+            grad_hidden[start:end] = dlogits @ w
+        if grad_weight is not None:
+            grad_weight += dlogits.t() @ h_chunk  # the chunk's product, summed in fp32
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.view(hidden.shape)
+    return loss_sum, per_token.view(labels.shape), grad_hidden, grad_weight
+
+
+def _chunk_loss(
+    logits: torch.Tensor, targets: torch.Tensor, shard: _Shard, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token losses of one chunk from this rank's logits (chunk, vocab shard), and
+    d(their sum)/d(these logits).
+
+    The peak is all-reduced (max) first, then the shard's sum of exponentials and its
+    target logit (zero unless the target is in this shard) are all-reduced (sum) together;
+    every rank then holds the whole row's log-sum-exp. The gradient is the shard's slice of
+    softmax * (1 + 2 * z * logsumexp) minus the one-hot target, zero on ignored rows.
+    """
+    logits = logits.float()
+    supervised = targets != IGNORE_INDEX
+    local = targets - shard.first
+    owned = supervised & (local >= 0) & (local < logits.shape[1])
+    safe = torch.where(owned, local, 0).unsqueeze(1)
+    if logits.shape[1]:
+        target_logits = torch.where(owned, logits.gather(1, safe).squeeze(1), 0.0)
+        peak = logits.amax(dim=1)
+    else:  # an empty shard (tp does not divide a small vocabulary)
+        target_logits = torch.zeros(logits.shape[0], device=logits.device)
+        peak = torch.full_like(target_logits, -torch.inf)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=shard.group)
+    peak = torch.where(peak.isinf(), 0.0, peak)  # as torch.logsumexp: no inf - inf
+    exp = logits.sub_(peak.unsqueeze(1)).exp_()
+    sums = torch.stack([exp.sum(dim=1), target_logits])
+    dist.all_reduce(sums, group=shard.group)
+    total, target_logits = sums[0], sums[1]
+    lse = peak + total.log()
+    losses = lse - target_logits
+    z_loss_weight = shard.z_loss_weight
+    if z_loss_weight:
+        losses = losses + z_loss_weight * lse.square()
+    losses = torch.where(supervised, losses, 0.0)
+    if not with_grad:
+        return losses, None
+    scale = supervised / total  # softmax = exp / total; ignored rows get no gradient
+    if z_loss_weight:
+        scale = scale * (1.0 + (2.0 * z_loss_weight) * lse)
+    probs = exp.mul_(scale.unsqueeze(1))
+    probs.scatter_add_(1, safe, -owned.to(probs.dtype).unsqueeze(1))
+    return losses, probs

@@ -1,0 +1,120 @@
+"""The vocabulary-parallel head loss on real gloo ranks against the single-rank loss of whole
+logits: loss, per-token losses and gradients, for a sequence-split and a replicated input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from kempnerforge.model.head_loss import IGNORE_INDEX, HeadLossSpec, logits_head_loss
+from kempnerforge.model.vocab_parallel_loss import head_loss, is_vocab_sharded, shard_rows
+from tests.support.dist import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+B, S, D, V = 2, 6, 8, 11  # 11 rows over 2 ranks: shards of 6 and 5
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B, S, D, generator=gen)
+    weight = torch.randn(V, D, generator=gen)
+    labels = torch.randint(0, V, (B, S), generator=gen)
+    labels[0, :2] = IGNORE_INDEX
+    labels[1, 3] = V - 1  # a target in the last (short) shard
+    return hidden, weight, labels
+
+
+def _reference(z_loss_weight: float) -> dict[str, torch.Tensor]:
+    hidden, weight, labels = _inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    loss = logits_head_loss(hidden @ weight.t(), labels, z_loss_weight)
+    loss.loss_sum.backward()
+    assert hidden.grad is not None and weight.grad is not None
+    return {
+        "loss": loss.loss_sum.detach(),
+        "tokens": loss.token_losses,
+        "grad_hidden": hidden.grad,
+        "grad_weight": weight.grad,
+    }
+
+
+def _vocab_parallel(rank: int, world_size: int, layout: str, spec: HeadLossSpec) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    hidden, weight, labels = _inputs()
+    head = nn.Linear(D, V, bias=False)
+    head.weight = nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+    assert is_vocab_sharded(head.weight)
+    if layout == "sequence":
+        first, count = shard_rows(S, world_size, rank)
+        leaf = hidden[:, first : first + count].clone().requires_grad_()
+        given: torch.Tensor = DTensor.from_local(leaf, mesh, [Shard(1)], run_check=False)
+    else:
+        leaf = hidden.clone().requires_grad_()
+        given = leaf
+    loss = head_loss(given, head, labels, spec)
+    loss.loss_sum.backward()
+    assert leaf.grad is not None and head.weight.grad is not None
+    grad_weight = head.weight.grad
+    assert isinstance(grad_weight, DTensor)
+    return {
+        "loss": loss.loss_sum.detach(),
+        "tokens": loss.token_losses,
+        "grad_hidden": leaf.grad,
+        "grad_weight": grad_weight.full_tensor(),
+    }
+
+
+@pytest.mark.parametrize("layout", ["sequence", "replicated"])
+@pytest.mark.parametrize(("chunk_tokens", "z_loss_weight"), [(5, 1e-2), (0, 0.0)])
+def test_the_vocabulary_parallel_loss_equals_the_loss_of_whole_logits(
+    layout, chunk_tokens, z_loss_weight
+) -> None:
+    spec = HeadLossSpec(chunk_tokens, z_loss_weight)
+    ranks = run_distributed(_vocab_parallel, 2, layout, spec)
+    want = _reference(z_loss_weight)
+    for rank, got in enumerate(ranks):
+        # Every rank holds the whole loss, bit for bit the same as its peer's.
+        assert torch.equal(got["loss"], ranks[0]["loss"])
+        torch.testing.assert_close(got["loss"], want["loss"], **TOL)
+        torch.testing.assert_close(got["tokens"], want["tokens"], **TOL)
+        torch.testing.assert_close(got["grad_weight"], want["grad_weight"], **TOL)
+        grad_hidden = want["grad_hidden"]
+        if layout == "sequence":
+            first, count = shard_rows(S, 2, rank)
+            grad_hidden = grad_hidden[:, first : first + count]
+        torch.testing.assert_close(got["grad_hidden"], grad_hidden, **TOL)
+
+
+def _no_grad(rank: int, world_size: int) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    hidden, weight, labels = _inputs()
+    head = nn.Linear(D, V, bias=False)
+    head.weight = nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+    with torch.no_grad():
+        loss = head_loss(hidden, head, labels, HeadLossSpec(4, 0.0))
+    return {"loss": loss.loss_sum, "grad_fn": loss.loss_sum.grad_fn is None}
+
+
+def test_without_grad_the_vocabulary_parallel_loss_builds_no_graph() -> None:
+    ranks = run_distributed(_no_grad, 2)
+    want = _reference(0.0)
+    for got in ranks:
+        assert got["grad_fn"]
+        torch.testing.assert_close(got["loss"], want["loss"], **TOL)
+
+
+def test_shard_rows_split_as_dtensor_does() -> None:
+    for rows, shards in [(11, 2), (10, 4), (5, 4), (256, 3)]:
+        pieces = torch.arange(rows).chunk(shards)  # DTensor's Shard splits as chunk does
+        for index in range(shards):
+            first, count = shard_rows(rows, shards, index)
+            piece = pieces[index] if index < len(pieces) else torch.empty(0)
+            assert count == piece.numel()
+            if count:
+                assert first == int(piece[0])
