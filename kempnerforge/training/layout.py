@@ -23,8 +23,8 @@ from kempnerforge.distributed.pipeline import (
     stages_of_rank,
 )
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.model.router_stage import attach_stage_router_hooks
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, logits_head_loss
+from kempnerforge.model.router_stage import attach_stage_router_hooks
 from kempnerforge.training.family import FamilyModel, StepFn, family_of
 from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.loss import LossFn, TokenCrossEntropy
