@@ -119,7 +119,8 @@ def _train_under(
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.preflight import preflight
-    from kempnerforge.training.resume import apply_resume, plan_resume
+    from kempnerforge.training.replica_groups import resume_or_join
+    from kempnerforge.training.resume import plan_resume
     from kempnerforge.training.sample import print_sample
     from kempnerforge.training.workspace import rank0_workspace, record_config
 
@@ -161,7 +162,7 @@ def _train_under(
             if runtime.is_main:
                 record_config(config, started)
             with session.tracker:
-                step, tokens_seen = apply_resume(session, plan)
+                step, tokens_seen = resume_or_join(session, plan)
                 step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
             ended_together = True
             if shutdown.requested:

@@ -57,7 +57,7 @@ class FaultToleranceConfig:
             raise ConfigError(
                 "fault_tolerance.replica_group",
                 self.replica_group,
-                f"-1 or 0 to fault_tolerance.num_replica_groups - 1 = {self.num_replica_groups - 1}",
+                f"-1, or 0 to {self.num_replica_groups - 1} (num_replica_groups - 1)",
             )
         for name in ("quorum_timeout_s", "timeout_s"):
             check_positive(f"fault_tolerance.{name}", getattr(self, name))

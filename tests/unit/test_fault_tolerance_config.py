@@ -39,7 +39,7 @@ def test_each_group_has_its_own_run_directory_and_shares_the_checkpoints(monkeyp
         ),
         (
             ["--fault_tolerance.num_replica_groups=2", "--fault_tolerance.replica_group=2"],
-            "fault_tolerance.replica_group = 2: expected -1 or 0 to",
+            "fault_tolerance.replica_group = 2: expected -1, or 0 to 1",
         ),
         (["--fault_tolerance.timeout_s=0"], "fault_tolerance.timeout_s = 0"),
     ],
