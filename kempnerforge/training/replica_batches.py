@@ -4,6 +4,7 @@ dataset, and the data position that only committed steps advance."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch.utils.data import default_collate
@@ -11,6 +12,27 @@ from torch.utils.data import default_collate
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.step_slots import StepSlots, assigned_slots
 from kempnerforge.training.session import BatchStream
+
+
+class SamplerPosition:
+    """Stands in for the training loader of a replica group: its state is the sampler's.
+
+    The loader is never iterated (reads are synchronous), and a loader's own state goes
+    stale once a state was loaded into it; this one always reports the sampler's
+    position, in the shape a loader state has (so any run can resume from it) and loads
+    nothing of its own (DataPipeline.load_state_dict restores the sampler itself).
+    """
+
+    num_workers = 0
+
+    def __init__(self, sampler: Any) -> None:
+        self._sampler = sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"_sampler_iter_state": {"sampler_state": self._sampler.state_dict()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state  # the sampler holds the position, restored by load_loader_state
 
 
 class ReplicaBatches(BatchStream):
@@ -36,6 +58,7 @@ class ReplicaBatches(BatchStream):
             positions_per_epoch=sampler.samples_per_rank * sampler.dp_size,
         )
         self.slots.check(getattr(dataset, "path", "the training data"))
+        pipeline.dataloader = SamplerPosition(sampler)  # type: ignore[assignment]
         self.assignment: list[int] = []
         """The slots of the step being attempted (set from its quorum by assign)."""
 
