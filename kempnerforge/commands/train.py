@@ -117,9 +117,8 @@ def _train_under(
     from kempnerforge.launch.allocator import describe_allocator
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.training.build import build_checkpointer, build_session
-    from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.preflight import preflight
-    from kempnerforge.training.replica_groups import resume_or_join
+    from kempnerforge.training.replica_groups import resume_or_join, run_replica_training
     from kempnerforge.training.resume import plan_resume
     from kempnerforge.training.sample import print_sample
     from kempnerforge.training.workspace import rank0_workspace, record_config
@@ -163,7 +162,9 @@ def _train_under(
                 record_config(config, started)
             with session.tracker:
                 step, tokens_seen = resume_or_join(session, plan)
-                step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+                step, tokens_seen = run_replica_training(
+                    session, step=step, tokens_seen=tokens_seen
+                )
             ended_together = True
             if shutdown.requested:
                 return exit_codes.PREEMPTED

@@ -28,6 +28,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.checkpoint.rng import capture_rng_state
 from kempnerforge.core.logging import get_logger
 from kempnerforge.training.hooks import StepContext, TrainingHook
+from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.replica_batches import ReplicaBatches
 from kempnerforge.training.resume import ResumePlan, apply_resume
 from kempnerforge.training.session import Replicas, StepResult, TrainingSession
@@ -39,9 +40,17 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-class ReplicaFellBehind(RuntimeError):
-    """A running group found itself behind its peers' step: it exits, and its launcher
-    restarts it, to rejoin with their live state (a relaunched group takes it at start-up)."""
+class ReplicaRejoined(Exception):
+    """A running group took its peers' live state: the loop restarts at their position.
+
+    Raised right after the quorum in which the group healed, before the step's forward,
+    and caught by run_replica_training, which re-enters the loop at ``position``; the
+    step's attempt then goes on in the same quorum, so the peers wait only for that.
+    """
+
+    def __init__(self, position: tuple[int, int]) -> None:
+        super().__init__(f"continuing at step {position[0]} with the replica groups' state")
+        self.position = position
 
 
 class GroupCheckpointManager(CheckpointManager):
@@ -108,8 +117,10 @@ class ReplicaGroup(TrainingHook):
         ft = config.fault_tolerance
         self.session = session
         self.group_id = ft.group_id()
-        self.position = (0, 0)
-        """(step, tokens_seen) of the loop after its last optimizer step."""
+        self._loop_position = (0, 0)
+        """(step, tokens_seen) of the state this group holds: the loop's after its last
+        optimizer step, or a peer's just taken."""
+        self._moved = False  # a peer's state was taken mid-run: the loop must follow
         self._healed = False
         self._running = False
         self._quorum_open = False
@@ -129,9 +140,25 @@ class ReplicaGroup(TrainingHook):
     # --- The quorum and the commit ------------------------------------------------------
 
     def begin_attempt(self) -> list[int]:
-        """Join the step's quorum (unless start-up already did) and take this group's slots."""
+        """Join the step's quorum (unless start-up already did) and take this group's slots.
+
+        A running group that took a peer's live state in this quorum raises
+        ReplicaRejoined: the loop re-enters at the peers' step and continues this attempt
+        (the quorum stays open), so the loop's counters always match the state.
+        """
         if not self._quorum_open:
             self.manager.start_quorum()
+            if self._moved:
+                self._moved, self._quorum_open = False, True
+                step = self._loop_position[0]
+                logger.warning(
+                    "replica group %d fell behind its peers and took their live state: "
+                    "continuing at step %d",
+                    self.group_id,
+                    step,
+                )
+                self.session.tracker.log_event(step, "replica_rejoined", group=self.group_id)
+                raise ReplicaRejoined(self._loop_position)
         self._quorum_open = False
         rank = self.manager.participating_rank()
         participants = self.manager.num_participants()
@@ -196,7 +223,7 @@ class ReplicaGroup(TrainingHook):
         self.manager.start_quorum()
         self._quorum_open = True
         if self._healed:
-            step, tokens_seen = self.position
+            step, tokens_seen = self._loop_position
             logger.info(
                 "replica group %d joined at step %d with a peer's live state (not read from disk)",
                 self.group_id,
@@ -204,7 +231,7 @@ class ReplicaGroup(TrainingHook):
             )
         else:
             step, tokens_seen = apply_resume(self.session, plan)
-            self.position = (step, tokens_seen)
+            self._loop_position = (step, tokens_seen)
             data_step = self.batches.data_step
             self.manager.load_state_dict({"step": data_step, "batches_committed": 0})
             logger.info(
@@ -227,7 +254,7 @@ class ReplicaGroup(TrainingHook):
         from kempnerforge.distributed.live_state import model_state, optimizer_state
 
         session = self.session
-        step, tokens_seen = self.position
+        step, tokens_seen = self._loop_position
         train_state = capture_train_state(
             session.data,
             session.nan_detector,
@@ -244,26 +271,22 @@ class ReplicaGroup(TrainingHook):
         }
 
     def _load_live(self, state: dict[str, Any]) -> None:
-        """Take a peer's _live_state. A group that is already training refuses: it exits
-        to rejoin (ReplicaFellBehind), since its loop's counters cannot be moved here."""
+        """Take a peer's _live_state: at start-up the loop starts from it; mid-run (the
+        group fell behind) the loop re-enters at it (begin_attempt)."""
         from kempnerforge.distributed.live_state import load_model_state, load_optimizer_state
 
-        if self._running:
-            raise ReplicaFellBehind(
-                f"replica group {self.group_id} fell behind its peers at step "
-                f"{self.position[0]}; restart it to rejoin with their live state"
-            )
         session = self.session
         load_model_state(session.model, state["model"])
         load_optimizer_state(session.optimizer, state["optimizer"])
         session.scheduler.load_state_dict(state["scheduler"])
-        self.position = restore_train_state(session, state["train_state"])
+        self._loop_position = restore_train_state(session, state["train_state"])
+        self._moved = self._running
         self._healed = True
 
     # --- Hook events --------------------------------------------------------------------
 
     def on_step_end(self, ctx: StepContext) -> None:
-        self.position = (ctx.step, ctx.tokens_seen)
+        self._loop_position = (ctx.step, ctx.tokens_seen)
 
     def on_train_end(self, step: int, tokens_seen: int) -> None:
         self.manager.shutdown(wait=False)
@@ -285,6 +308,18 @@ class ReplicaStep:
                 return result
             session.optimizer.zero_grad(set_to_none=True)
             session.batches.take_wait_s()
+
+
+def run_replica_training(
+    session: TrainingSession, *, step: int = 0, tokens_seen: int = 0
+) -> tuple[int, int]:
+    """run_training_loop, re-entered at the replica groups' position whenever this group
+    takes their live state mid-run (ReplicaRejoined); the loop itself without them."""
+    while True:
+        try:
+            return run_training_loop(session, step=step, tokens_seen=tokens_seen)
+        except ReplicaRejoined as moved:
+            step, tokens_seen = moved.position
 
 
 def resume_or_join(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:

@@ -112,9 +112,10 @@ def kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def losses(run_dir: pathlib.Path) -> dict[int, float]:
-    """Each logged step's loss (the last row of a step logged twice, after a restart)."""
-    return {r["step"]: r["loss"] for r in train_rows(run_dir)}
+def losses(run_dir: pathlib.Path, *, live: bool = False) -> dict[int, float]:
+    """Each logged step's loss (the last row of a step logged twice, after a restart);
+    ``live``: of a run still going."""
+    return {r["step"]: r["loss"] for r in train_rows(run_dir, live=live)}
 
 
 def replica_steps(run_dir: pathlib.Path) -> list[dict[str, Any]]:
