@@ -4,6 +4,7 @@ against the uninterrupted run's."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import signal
 
@@ -13,6 +14,7 @@ import pytest
 from tests.support.data_files import write_token_dir
 from tests.support.metrics_rows import read_rows
 from tests.support.replica_groups import (
+    child_pids,
     finish,
     free_port,
     group_args,
@@ -67,7 +69,8 @@ def _assert_same_losses(run: dict[int, float], reference: dict[int, float]) -> N
 
 
 def _assert_each_window_once(job: pathlib.Path, survivor: int, groups: tuple[int, ...]) -> None:
-    """The survivor committed data steps 0..MAX_STEPS-1 once each, in order; every group
+    """The survivor committed every data step from its first to MAX_STEPS-1 once, in order
+    (from 0 when it started first); every group
     read the slots its quorum gave it (slot k to participant k % n), and no two groups of
     one quorum read the same slot.
 
@@ -75,7 +78,7 @@ def _assert_each_window_once(job: pathlib.Path, survivor: int, groups: tuple[int
     every slot, and the other, starting from the same state, computes the same step.)
     """
     timeline = [e["data_step"] for e in replica_steps(job / f"replica_{survivor}")]
-    assert timeline == list(range(MAX_STEPS))
+    assert timeline == list(range(timeline[0], MAX_STEPS))  # from its first quorum on
     ranks: dict[int, list[int]] = {}
     for g in groups:
         for event in replica_steps(job / f"replica_{g}"):
@@ -178,4 +181,37 @@ def test_a_stalled_group_falls_behind_and_catches_up_with_its_peers_state(
     ]
     assert rejoined, logs[1].read_text()[-3000:]
     assert MAX_STEPS in behind  # it caught up and trained to the end
+    _assert_each_window_once(tmp_path, 0, (0, 1))
+
+
+def test_a_group_of_two_fsdp_processes_losing_one_rejoins_rank_by_rank(
+    tmp_path, data, uninterrupted
+):
+    """Groups of two processes (FSDP inside each): one rank of group 1 is killed, its
+    torchrun ends the group, and the relaunched group takes each rank's shards from the
+    same rank of group 0. The global batch is the same as the one-process groups' (batch
+    size 2 per rank), so the losses match the uninterrupted run's."""
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    args = group_args(
+        tmp_path, data, port, f"--train.max_steps={MAX_STEPS}", "--train.batch_size=2"
+    )
+    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    groups = [start_group(g, args, logs[g], processes=2) for g in (0, 1)]
+    try:
+        wait_for_step(tmp_path / "replica_1", 2, groups[1])
+        os.kill(child_pids(groups[1].pid)[-1], signal.SIGKILL)  # its rank 1
+        groups[1].wait()
+        groups[1] = start_group(1, args, logs[1], processes=2)
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.kill()
+    survivor = losses(tmp_path / "replica_0")
+    assert max(survivor) == MAX_STEPS
+    _assert_same_losses(survivor, uninterrupted)
+    _assert_same_losses(losses(tmp_path / "replica_1"), uninterrupted)
+    assert "with a peer's live state (not read from disk)" in logs[1].read_text()  # rank 0 logs
     _assert_each_window_once(tmp_path, 0, (0, 1))

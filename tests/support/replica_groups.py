@@ -75,12 +75,21 @@ def group_args(job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: 
     ]
 
 
-def start_group(group: int, args: list[str], log: pathlib.Path) -> subprocess.Popen:
-    """`kempnerforge train` as replica group ``group``; its output goes to ``log``."""
+def start_group(
+    group: int, args: list[str], log: pathlib.Path, processes: int = 1
+) -> subprocess.Popen:
+    """`kempnerforge train` as replica group ``group`` (under torchrun for several
+    ``processes``); its output goes to ``log``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KEMPNERFORGE_REPLICA_GROUP": str(group)}
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+            "--max_restarts=0",
+        ]  # fmt: skip
     with open(log, "a") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "kempnerforge", "train", *args],
+            [*launcher, "-m", "kempnerforge", "train", *args],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -105,6 +114,15 @@ def finish(process: subprocess.Popen, log: pathlib.Path, limit_s: float = 180.0)
         process.kill()
         code = process.wait()
     assert code == 0, f"exit {code}:\n" + log.read_text()[-4000:]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (torchrun's ranks), from /proc."""
+    children: list[int] = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        children += [int(c) for c in text]
+    return children
 
 
 def kill(process: subprocess.Popen) -> None:
