@@ -4,13 +4,14 @@ Two replica groups of one process train the tiny model (`kempnerforge train` sub
 and a `kempnerforge lighthouse`, on free ports). Measured from the groups' own
 `replica_step` events (their wall-clock `time`):
 
-- survivor: SIGKILL one group, then the time until the other commits its next step;
+- survivor: SIGKILL one group, then the time until the other commits a step without it;
 - rejoin: relaunch the killed group, then the time until it commits its first step
   (process start, build, the quorum and the live state taken from its peer);
 - restart: SIGKILL both groups, relaunch both, then the time until the first step is
-  committed (process start, build and the load of the newest checkpoint from disk).
+  committed (process start, build and the load of the newest checkpoint from disk), and
+  until the job is past the step it had reached (the steps since that checkpoint redone).
 
-Prints one JSON line with the three times, and rejoin's and survivor's ratios to restart.
+Prints one JSON line with the times, and rejoin's and survivor's ratios to restart.
 Usage: python bench/replica_recovery.py --workdir /tmp/replica-bench
 """
 
@@ -50,10 +51,19 @@ def _events(run_dir: pathlib.Path) -> list[dict]:
     return rows
 
 
-def _first_commit_after(run_dir: pathlib.Path, after: float, limit_s: float = 300) -> float:
+def _first_commit_after(
+    run_dir: pathlib.Path,
+    after: float,
+    past_step: int = -1,
+    alone: bool = False,
+    limit_s: float = 300,
+) -> float:
+    """When ``run_dir`` first committed a step after time ``after`` (and, given
+    ``past_step``, a step after that one; with ``alone``, one without the other group)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        times = [e["time"] for e in _events(run_dir) if e["time"] > after]
+        events = [e for e in _events(run_dir) if e["time"] > after and e["step"] > past_step]
+        times = [e["time"] for e in events if not alone or e["participants"] == 1]
         if times:
             return min(times)
         time.sleep(0.02)
@@ -121,7 +131,8 @@ def main() -> None:
         killed = time.time()
         groups[1].send_signal(signal.SIGKILL)
         groups[1].wait()
-        survivor_s = _first_commit_after(job / "replica_0", killed) - killed
+        # Its first step without the dead group (one in flight may still commit with it).
+        survivor_s = _first_commit_after(job / "replica_0", killed, alone=True) - killed
         time.sleep(1)
         launched = time.time()
         groups[1] = _group(1, train, logs[1])
@@ -130,9 +141,11 @@ def main() -> None:
         for process in groups:
             process.send_signal(signal.SIGKILL)
             process.wait()
+        reached = max(e["step"] for e in _events(job / "replica_0"))
         launched = time.time()
         groups = [_group(g, train, logs[g]) for g in (0, 1)]
         restart_s = _first_commit_after(job / "replica_0", launched) - launched
+        regain_s = _first_commit_after(job / "replica_0", launched, reached) - launched
     finally:
         for process in groups:
             process.kill()
@@ -143,6 +156,7 @@ def main() -> None:
                 "survivor_next_step_s": round(survivor_s, 3),
                 "rejoin_s": round(rejoin_s, 3),
                 "whole_job_restart_s": round(restart_s, 3),
+                "whole_job_restart_regain_s": round(regain_s, 3),
                 "rejoin_over_restart": round(rejoin_s / restart_s, 3),
                 "survivor_over_restart": round(survivor_s / restart_s, 3),
             }
