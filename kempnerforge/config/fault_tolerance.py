@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kempnerforge.config.checks import check_at_least, check_positive
+from kempnerforge.config.checks import MAX_SIZE, check_at_least, check_positive
 from kempnerforge.core.errors import ConfigError
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -14,6 +14,9 @@ lighthouse address from."""
 REPLICA_GROUP_ENV = "KEMPNERFORGE_REPLICA_GROUP"
 """The environment variable a launcher sets to a group's id when fault_tolerance.replica_group
 is -1 (scripts/slurm/ft_groups.sbatch does)."""
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest quorum or collective timeout: a week; no step waits longer for its peers."""
 
 
 @dataclass
@@ -38,15 +41,16 @@ class FaultToleranceConfig:
     """Fewest groups a step may commit with; with fewer alive, the groups wait for more
     (up to quorum_timeout_s)."""
     quorum_timeout_s: float = 60.0
-    """Seconds a group waits for a quorum (the lighthouse's answer) before failing."""
+    """Seconds a group waits for a quorum (the lighthouse's answer) before failing; at
+    most a week."""
     timeout_s: float = 60.0
     """Seconds a cross-group collective, commit vote or live-state transfer may take before
-    the step is discarded and redone with the groups still alive."""
+    the step is discarded and redone with the groups still alive; at most a week."""
 
     def __post_init__(self) -> None:
-        check_at_least("fault_tolerance.replica_group", self.replica_group, -1)
-        check_at_least("fault_tolerance.num_replica_groups", self.num_replica_groups, 1)
-        check_at_least("fault_tolerance.min_replica_groups", self.min_replica_groups, 1)
+        check_at_least("fault_tolerance.replica_group", self.replica_group, -1, MAX_SIZE)
+        for name in ("num_replica_groups", "min_replica_groups"):
+            check_at_least(f"fault_tolerance.{name}", getattr(self, name), 1, MAX_SIZE)
         if self.min_replica_groups > self.num_replica_groups:
             raise ConfigError(
                 "fault_tolerance.min_replica_groups",
@@ -60,7 +64,7 @@ class FaultToleranceConfig:
                 f"-1, or 0 to {self.num_replica_groups - 1} (num_replica_groups - 1)",
             )
         for name in ("quorum_timeout_s", "timeout_s"):
-            check_positive(f"fault_tolerance.{name}", getattr(self, name))
+            check_positive(f"fault_tolerance.{name}", getattr(self, name), MAX_TIMEOUT_S)
 
     def group_id(self) -> int:
         """This launch's group id: replica_group, else the launcher's environment variable."""
