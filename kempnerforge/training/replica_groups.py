@@ -378,7 +378,7 @@ def _group_store(distributed: bool) -> tuple[str, int]:
     processes; a fresh one on a free port for a group of one process."""
     if distributed:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     _STORES.append(store)
