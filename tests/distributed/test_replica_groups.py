@@ -197,12 +197,13 @@ def test_a_group_of_two_fsdp_processes_losing_one_rejoins_rank_by_rank(
         tmp_path, data, port, f"--train.max_steps={MAX_STEPS}", "--train.batch_size=2"
     )
     logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
-    groups = [start_group(g, args, logs[g], processes=2) for g in (0, 1)]
+    # Two processes start slowly: a longer pause keeps group 0 going until group 1 is back.
+    groups = [start_group(g, args, logs[g], processes=2, pause_s=1.5) for g in (0, 1)]
     try:
         wait_for_step(tmp_path / "replica_1", 2, groups[1])
         os.kill(child_pids(groups[1].pid)[-1], signal.SIGKILL)  # its rank 1
         groups[1].wait()
-        groups[1] = start_group(1, args, logs[1], processes=2)
+        groups[1] = start_group(1, args, logs[1], processes=2, pause_s=1.5)
         for process, log in zip(groups, logs, strict=True):
             finish(process, log)
     finally:

@@ -18,16 +18,16 @@ from tests.support.tiny import tiny_run
 
 REPO = pathlib.Path(__file__).parents[2]
 DEBUG = str(REPO / "configs" / "train" / "debug.toml")
-STEP_PAUSE_S = 0.25
-"""How long each step of a group pauses (SlowSteps): the test's kills and relaunches then
-land mid-run on a loaded 2-core machine too."""
+PAUSE_ENV = "KF_TEST_STEP_PAUSE_S"
+"""How long each step of a group pauses (SlowSteps; default 0.5 s): the test's kills and
+relaunches then land mid-run on a loaded 2-core machine too."""
 
 
 class SlowSteps(TrainingHook):
     """Pause after each step, so a run lasts long enough to be killed and rejoined."""
 
     def on_step_end(self, ctx: StepContext) -> None:
-        time.sleep(STEP_PAUSE_S)
+        time.sleep(float(os.environ.get(PAUSE_ENV, "0.5")))
 
 
 def free_port() -> int:
@@ -76,11 +76,16 @@ def group_args(job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: 
 
 
 def start_group(
-    group: int, args: list[str], log: pathlib.Path, processes: int = 1
+    group: int, args: list[str], log: pathlib.Path, processes: int = 1, pause_s: float = 0.5
 ) -> subprocess.Popen:
     """`kempnerforge train` as replica group ``group`` (under torchrun for several
-    ``processes``); its output goes to ``log``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEMPNERFORGE_REPLICA_GROUP": str(group)}
+    ``processes``), pausing ``pause_s`` after each step; its output goes to ``log``."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "KEMPNERFORGE_REPLICA_GROUP": str(group),
+        PAUSE_ENV: str(pause_s),
+    }
     launcher = [sys.executable]
     if processes > 1:
         launcher += [
