@@ -86,6 +86,13 @@ COMMANDS: dict[str, Command] = {
         "draw the training curves of one or more runs as PNG files",
         takes_overrides=False,
     ),
+    "lighthouse": Command(
+        "kempnerforge.commands.lighthouse",
+        "add_lighthouse_arguments",
+        "run_lighthouse",
+        "serve the torchft lighthouse that coordinates a job's replica groups",
+        takes_overrides=False,
+    ),
 }
 """Every subcommand but check-parallel, which parses its own arguments
 (kempnerforge.commands.check_parallel.main). Each module imports its heavy dependencies

@@ -119,9 +119,9 @@ def _train_under(
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
-    from kempnerforge.training.loop import run_training_loop
     from kempnerforge.training.preflight import preflight
-    from kempnerforge.training.resume import apply_resume, plan_resume
+    from kempnerforge.training.replica_groups import resume_or_join, run_replica_training
+    from kempnerforge.training.resume import plan_resume
     from kempnerforge.training.sample import print_sample
     from kempnerforge.training.workspace import rank0_workspace, record_config
 
@@ -166,8 +166,10 @@ def _train_under(
                 config.train.hang_timeout_s, config.run_dir, runtime.rank, on_exit=_record_exit_code
             )
             with watchdog, session.tracker:
-                step, tokens_seen = apply_resume(session, plan)
-                step, tokens_seen = run_training_loop(session, step=step, tokens_seen=tokens_seen)
+                step, tokens_seen = resume_or_join(session, plan)
+                step, tokens_seen = run_replica_training(
+                    session, step=step, tokens_seen=tokens_seen
+                )
             ended_together = True
             if shutdown.requested:
                 return exit_codes.PREEMPTED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -11,6 +12,7 @@ from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.eval import EvalConfig, missing_eval_data
+from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.model import ModelConfig
@@ -43,6 +45,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     vision_encoder: VisionEncoderConfig | None = None
     adapter: AdapterConfig | None = None
     vlm: VLMConfig | None = None
@@ -88,12 +91,30 @@ class JobConfig:
         return residual + self.vlm.max_text_len
 
     @property
-    def run_dir(self) -> str:
+    def job_dir(self) -> str:
+        """The job's directory: train.run_dir, or runs/<train.name>."""
         return self.train.run_dir or os.path.join("runs", self.train.name)
 
     @property
+    def run_dir(self) -> str:
+        """Where this launch writes its config, metrics and lock: the job's directory, or
+        with replica groups its group's own replica_<id> inside it (groups of one job must
+        not lock each other out)."""
+        ft = self.fault_tolerance
+        if ft.enabled:
+            return os.path.join(self.job_dir, f"replica_{ft.group_id()}")
+        return self.job_dir
+
+    @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+        """checkpoint.dir, or <job dir>/checkpoints: one per job, also with replica groups."""
+        return self.checkpoint.dir or os.path.join(self.job_dir, "checkpoints")
+
+    @property
+    def num_replica_groups(self) -> int:
+        """The replica groups the global batch is designed for: 1 without fault_tolerance."""
+        ft = self.fault_tolerance
+        return ft.num_replica_groups if ft.enabled else 1
 
     def validate(self, world_size: int) -> None:
         """Check the rules that span sections or need the world size; raise ConfigError.
@@ -104,15 +125,19 @@ class JobConfig:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         dist, model, train = self.distributed, self.model, self.train
+        self._validate_fault_tolerance()
         self._validate_layout(world_size)
         dp = dist.resolved_dp(world_size)
-        per_step = train.batch_size * train.grad_accum_steps * dp
+        groups = self.num_replica_groups
+        per_step = train.batch_size * train.grad_accum_steps * dp * groups
         if train.global_batch_size and train.global_batch_size != per_step:
+            by_groups = " * fault_tolerance.num_replica_groups" if groups > 1 else ""
+            times_groups = f" * {groups}" if groups > 1 else ""
             raise ConfigError(
                 "train.global_batch_size",
                 train.global_batch_size,
-                f"batch_size * grad_accum_steps * dp = {train.batch_size} * "
-                f"{train.grad_accum_steps} * {dp} = {per_step}",
+                f"batch_size * grad_accum_steps * dp{by_groups} = {train.batch_size} * "
+                f"{train.grad_accum_steps} * {dp}{times_groups} = {per_step}",
                 "change train.grad_accum_steps or train.batch_size to keep the global batch",
             )
         self._validate_phases()
@@ -147,6 +172,38 @@ class JobConfig:
                 "profiling.start_step",
                 self.profiling.start_step,
                 f"<= train.max_steps = {train.max_steps} when profiling.enable is true",
+            )
+
+    def _validate_fault_tolerance(self) -> None:
+        """Replica groups: the group id and lighthouse are known, and nothing they do not
+        support is on (pipeline stages, mixture weight changes, the torchft extra missing)."""
+        ft = self.fault_tolerance
+        if not ft.enabled:
+            return
+        ft.group_id()
+        ft.lighthouse_address()
+        if self.distributed.pp > 1:
+            raise ConfigError(
+                "distributed.pp",
+                self.distributed.pp,
+                "1 with fault_tolerance.enabled",
+                "replica groups do not support pipeline parallelism; use FSDP/TP in a group",
+            )
+        for i, phase in enumerate(self.train.phases):
+            if phase.dataset_weights:
+                raise ConfigError(
+                    f"train.phases[{i}].dataset_weights",
+                    phase.dataset_weights,
+                    "empty with fault_tolerance.enabled",
+                    "replica groups read a fixed data order; mixture weight changes are "
+                    "not supported",
+                )
+        if importlib.util.find_spec("torchft") is None:
+            raise ConfigError(
+                "fault_tolerance.enabled",
+                True,
+                "false, or torchft installed",
+                "install the ft extra: pip install 'kempnerforge[ft]'",
             )
 
     def _validate_vlm(self) -> None:

@@ -17,7 +17,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.moe import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
-from kempnerforge.training.session import TrainingSession
+from kempnerforge.training.session import Replicas, TrainingSession
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -40,16 +40,20 @@ class StepTokens:
 
 
 def step_tokens(
-    runtime: RuntimeContext, micro_batches: list[dict[str, torch.Tensor]]
+    runtime: RuntimeContext,
+    micro_batches: list[dict[str, torch.Tensor]],
+    replicas: Replicas | None = None,
 ) -> StepTokens:
     """Count the step's supervised tokens: on the host per rank, summed over the
     data-parallel group on the device (tensor-parallel and pipeline peers hold the same
-    batches, so they are not counted again)."""
+    batches, so they are not counted again), then over the replica groups, if any."""
     local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     count = torch.tensor(local, dtype=torch.int64, device=runtime.device)
     group = runtime.group("dp")
     if group is not None:
         dist.all_reduce(count, group=group)
+    if replicas is not None:
+        replicas.sum_(count)
     return StepTokens(count, (runtime.dp_size / count.clamp(min=1).double()).float())
 
 
@@ -59,14 +63,15 @@ def finish_step(
     """Reduce the step's loss, clip, vote on stopping; return (loss, grad norm, tokens).
 
     ``loss_sum`` is this rank's summed loss (zero on a pipeline stage without the head).
-    It is summed over the data-parallel group, then over the pipeline group, so every rank
-    reports the global token-weighted mean that one process would; the gradient norm is
-    global over every mesh and stage (total_grad_norm). Two votes are taken over the world
-    in one all-reduce: stop (any rank asked to) and whether any rank's background
-    checkpoint write is still running. All of it comes to the host together, in the
-    step's one read. The votes are left with the shutdown handler and the checkpoint
-    manager, so neither the loop's stop check nor its checkpoint poll needs a collective
-    of its own before the next step.
+    It is summed over the data-parallel group, then over the pipeline group, then over
+    the replica groups, so every rank reports the global token-weighted mean that one
+    process would; the gradients are summed over the replica groups before the clip, and
+    the gradient norm is global over every mesh, stage and group (total_grad_norm). Two
+    votes are taken over the world in one all-reduce: stop (any rank asked to) and
+    whether any rank's background checkpoint write is still running. All of it comes to
+    the host together, in the step's one read. The votes are left with the shutdown
+    handler and the checkpoint manager, so neither the loop's stop check nor its
+    checkpoint poll needs a collective of its own before the next step.
     """
     runtime, handler, checkpointer = session.runtime, session.shutdown_handler, session.checkpointer
     loss_sum = loss_sum.detach().double()
@@ -77,6 +82,8 @@ def finish_step(
         group = runtime.group(name)
         if group is not None:
             dist.all_reduce(loss_sum, group=group)
+    session.replicas.sum_(loss_sum)
+    session.replicas.sum_gradients(session.model)
     grad_norm = total_grad_norm(session.model, session.config.train.grad_clip_norm)
     votes = torch.tensor(
         [float(handler.requested), float(checkpointer.writing)], device=runtime.device
@@ -110,7 +117,7 @@ def accumulate(
     both do nothing for a model without MoE layers).
     """
     config, model, device = session.config, session.model, session.runtime.device
-    tokens = step_tokens(session.runtime, micro_batches)
+    tokens = step_tokens(session.runtime, micro_batches, session.replicas)
     loss_sum = torch.zeros((), device=device)
     for micro, cpu_batch in enumerate(micro_batches):
         batch = _to_device(cpu_batch, device)

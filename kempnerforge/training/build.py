@@ -59,8 +59,12 @@ def config_sha256(config: JobConfig) -> str:
 
 def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> CheckpointManager:
     """The run's CheckpointManager: its agreements on the default group, its background
-    writes on the runtime's side group; it creates no process group."""
-    return CheckpointManager(
+    writes on the runtime's side group; it creates no process group. With replica groups,
+    one that lets one group write each of the job's checkpoints."""
+    from kempnerforge.training.replica_groups import GroupCheckpointManager
+
+    kind = GroupCheckpointManager if config.fault_tolerance.enabled else CheckpointManager
+    return kind(
         config.checkpoint,
         config.checkpoint_dir,
         rank=runtime.rank,

@@ -230,7 +230,10 @@ def _tokens_per_step(session: TrainingSession, result: StepResult, step: int) ->
     """Tokens the step trained on, over every rank, as the model family counts them (a
     VLM's supervised text tokens, from its step body; a text model's every position)."""
     family = family_of(session.config)
-    tokens = family.tokens_per_step(session.config.train, session.runtime.dp_size, result)
+    # Every data-parallel rank of every designed replica group: a step always trains on
+    # the whole global batch, however many groups took part in it.
+    dp_size = session.runtime.dp_size * session.replicas.num_groups
+    tokens = family.tokens_per_step(session.config.train, dp_size, result)
     if tokens is None:
         name = getattr(session.step_fn, "__name__", session.step_fn)
         raise RuntimeError(

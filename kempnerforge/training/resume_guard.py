@@ -106,11 +106,17 @@ OPERATIONAL = (
     "metrics.",
     "profiling.",
     "distributed.",
+    "fault_tolerance.enabled",
+    "fault_tolerance.lighthouse",
+    "fault_tolerance.replica_group",
+    "fault_tolerance.min_replica_groups",
+    "fault_tolerance.quorum_timeout_s",
+    "fault_tolerance.timeout_s",
 )
 """Fields that change how the run is operated, not what it computes; logged at info."""
 
-BATCH_SPLIT = ("train.batch_size", "train.grad_accum_steps")
-"""How the global batch is split over micro-batches and data-parallel ranks."""
+BATCH_SPLIT = ("train.batch_size", "train.grad_accum_steps", "fault_tolerance.num_replica_groups")
+"""How the global batch is split over micro-batches, data-parallel ranks and replica groups."""
 
 
 def global_batch(tree: dict[str, Any], world_size: int) -> int | None:
@@ -120,7 +126,9 @@ def global_batch(tree: dict[str, Any], world_size: int) -> int | None:
         train, layout = tree["train"], tree.get("distributed", {})
         known = {k: v for k, v in layout.items() if k in DistributedConfig.__dataclass_fields__}
         dp = DistributedConfig(**known).resolved_dp(world_size)
-        return int(train["batch_size"]) * int(train["grad_accum_steps"]) * dp
+        ft = tree.get("fault_tolerance", {})
+        groups = int(ft.get("num_replica_groups", 1)) if ft.get("enabled") else 1
+        return int(train["batch_size"]) * int(train["grad_accum_steps"]) * dp * groups
     except (KeyError, TypeError, ValueError, ConfigError):
         return None
 

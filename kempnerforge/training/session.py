@@ -109,6 +109,14 @@ class BatchStream:
         if iterator is not None:
             stop_workers(iterator)
 
+    def step_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of one step: the next ``count`` (train.grad_accum_steps).
+
+        Replica groups (training/replica_groups.py) read the slots the step's quorum
+        assigned to their group instead, however many that is.
+        """
+        return [self.next_batch() for _ in range(count)]
+
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch: a replayed one while replay_attempt's are left, else the
         loader's next."""
@@ -149,6 +157,27 @@ class BatchStream:
                     "the training dataloader yields no batches: the dataset has fewer "
                     "windows than one batch per data-parallel rank"
                 ) from None
+
+
+class Replicas:
+    """The replica groups a step's reductions span beyond this launch's own ranks.
+
+    This base is the ordinary job, one launch, so it reduces nothing. Fault-tolerant
+    replica groups (training/replica_groups.py) sum over the groups of the step's quorum;
+    the step bodies call the same two methods either way.
+    """
+
+    num_groups: int = 1
+    """Groups the global batch is designed for (fault_tolerance.num_replica_groups)."""
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over the replica groups (nothing with one group)."""
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        """Sum the gradients of ``model`` in place over the replica groups (nothing with one)."""
+
+
+_ONE_LAUNCH = Replicas()
 
 
 @dataclass
@@ -211,3 +240,19 @@ class TrainingSession:
             stream = BatchStream(self.data)
             self.__dict__["_batches"] = stream
         return stream
+
+    @property
+    def replicas(self) -> Replicas:
+        """The replica groups the step's token count, loss and gradients are summed over:
+        none beyond this launch unless use_replicas said otherwise."""
+        return self.__dict__.get("_replicas") or _ONE_LAUNCH
+
+    def use_replicas(self, replicas: Replicas) -> None:
+        """Sum the steps' reductions over ``replicas`` from now on."""
+        self.__dict__["_replicas"] = replicas
+
+    def use_batches(self, stream: BatchStream) -> None:
+        """Read the steps' batches from ``stream`` (over this session's data) from now on."""
+        if stream._pipeline is not self.data:
+            raise ValueError("the batch stream must read this session's data pipeline")
+        self.__dict__["_batches"] = stream

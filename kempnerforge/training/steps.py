@@ -35,7 +35,7 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
     model, tc = session.model, session.config.train
     begin_router_step(model, step)
     mask_docs = session.config.data.document_masking
-    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    micro_batches = session.batches.step_batches(tc.grad_accum_steps)
     if mask_docs:
         # A micro-batch of one document per row needs only the causal mask: dropping its
         # doc_ids (read on the host, no sync) lets attention take the causal kernels.
@@ -111,7 +111,7 @@ def vlm_step(session: TrainingSession, step: int) -> StepResult:
     begin_router_step(model, step)
     if not session.batches.has_data:
         raise RuntimeError("a VLM step needs a dataloader of image-text batches")
-    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    micro_batches = session.batches.step_batches(tc.grad_accum_steps)
     spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
     fused = spec.chunk_tokens > 0 and isinstance(session.loss_fn, TokenCrossEntropy)
 
@@ -145,7 +145,7 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
         raise RuntimeError("pipeline_step needs session.pipeline (distributed.pp > 1)")
     runtime, tc = session.runtime, session.config.train
     begin_router_step(session.model, step)
-    micro_batches = [session.batches.next_batch() for _ in range(tc.grad_accum_steps)]
+    micro_batches = session.batches.step_batches(tc.grad_accum_steps)
     tokens = step_tokens(runtime, micro_batches)
     inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(runtime.device)
     labels = torch.cat([b["labels"] for b in micro_batches]).to(runtime.device)

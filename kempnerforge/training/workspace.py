@@ -151,12 +151,17 @@ def mark_run_dir(config: JobConfig) -> None:
 
 @contextlib.contextmanager
 def locked_directories(config: JobConfig) -> Iterator[contextlib.ExitStack]:
-    """Hold the run directory's and the checkpoint directory's locks (rank 0 calls this)."""
+    """Hold the run directory's and the checkpoint directory's locks (rank 0 calls this).
+
+    A replica group locks its own run directory (replica_<id>) only: the job's groups
+    share the checkpoint directory, and one group writes each checkpoint.
+    """
     with contextlib.ExitStack() as stack:
         stack.enter_context(RunLock(config.run_dir))
-        stack.enter_context(
-            RunLock(config.checkpoint_dir, what="checkpoint directory", field="checkpoint.dir")
-        )
+        if not config.fault_tolerance.enabled:
+            stack.enter_context(
+                RunLock(config.checkpoint_dir, what="checkpoint directory", field="checkpoint.dir")
+            )
         yield stack
 
 

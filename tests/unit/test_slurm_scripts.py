@@ -11,7 +11,7 @@ SCRIPTS = sorted((pathlib.Path(__file__).parents[2] / "scripts" / "slurm").glob(
 
 
 def test_there_is_a_job_script():
-    assert [p.name for p in SCRIPTS] == ["train.sbatch"]
+    assert [p.name for p in SCRIPTS] == ["ft_groups.sbatch", "train.sbatch"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -1,0 +1,70 @@
+"""`kempnerforge lighthouse`: the torchft lighthouse that forms each step's quorum of the
+job's replica groups ([fault_tolerance], docs/fault-tolerance.md).
+
+Building the parser imports no torch; the run imports torchft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import threading
+
+from kempnerforge.core.errors import ConfigError
+
+
+def add_lighthouse_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `kempnerforge lighthouse`."""
+    parser.add_argument(
+        "--port", type=int, default=29510, help="TCP port to serve on (default 29510; 0: any)"
+    )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="fewest replica groups a quorum may have (fault_tolerance.min_replica_groups)",
+    )
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=1000,
+        help="how long a quorum waits for groups still joining before it forms without them",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a group silent this long is dead and left out of the next quorum",
+    )
+
+
+def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Serve the lighthouse until SIGTERM or SIGINT; print its address first; 0."""
+    if overrides:
+        raise ConfigError("<override>", " ".join(overrides), "none: the lighthouse has no config")
+    for name in ("port", "min_replicas", "join_timeout_ms", "heartbeat_timeout_ms"):
+        value = getattr(args, name)
+        low = 1 if name == "min_replicas" else 0
+        if value < low or (name == "port" and value > 65535):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                flag, value, f"an integer >= {low}" + (" and <= 65535" * (name == "port"))
+            )
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"[::]:{args.port}",
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    port = server.address().rsplit(":", 1)[-1]
+    print(f"lighthouse: http://{socket.gethostname()}:{port}", flush=True)
+    print(f"export TORCHFT_LIGHTHOUSE=http://{socket.gethostname()}:{port}", flush=True)
+    stop.wait()
+    server.shutdown()
+    return 0

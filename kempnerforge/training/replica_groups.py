@@ -1,0 +1,385 @@
+"""Fault-tolerant replica groups on torchft: the quorum of each step, the commit, the live
+state a rejoining group takes from a peer, and which group writes the job's checkpoints.
+
+resume_or_join is the one place that chooses: without [fault_tolerance] it is the usual
+resume (apply_resume); with it, this launch joins the job's replica groups, and the step
+body, the batch stream, the cross-group reductions and the checkpointer's saver rule are
+replaced here, so the loop and the step bodies hold no branch for it. torchft is imported
+only on that path.
+
+Each step attempt: the group joins a quorum (torchft Manager.start_quorum, synchronous);
+a group behind the quorum's newest step takes a peer's live state first. The quorum's n
+participants split the step's slots (data/step_slots.py); token count, loss and gradients
+are summed over the groups; then should_commit: True and the loop steps the optimizer as
+usual; False (a group died mid-step, a collective timed out) and the gradients are dropped
+and the same data step is attempted again with the next quorum.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.rng import capture_rng_state
+from kempnerforge.core.logging import get_logger
+from kempnerforge.training.hooks import StepContext, TrainingHook
+from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.replica_batches import ReplicaBatches
+from kempnerforge.training.resume import ResumePlan, apply_resume
+from kempnerforge.training.session import Replicas, StepResult, TrainingSession
+from kempnerforge.training.state import capture_train_state, restore_train_state
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+logger = get_logger(__name__)
+
+
+class ReplicaRejoined(Exception):
+    """A running group took its peers' live state: the loop restarts at their position.
+
+    Raised right after the quorum in which the group healed, before the step's forward,
+    and caught by run_replica_training, which re-enters the loop at ``position``; the
+    step's attempt then goes on in the same quorum, so the peers wait only for that.
+    """
+
+    def __init__(self, position: tuple[int, int]) -> None:
+        super().__init__(f"continuing at step {position[0]} with the replica groups' state")
+        self.position = position
+
+
+class GroupCheckpointManager(CheckpointManager):
+    """The job's checkpoints, written by one group per save: the one is_saver names.
+
+    Every group decides alike from the same quorum, so exactly one writes each checkpoint,
+    with its own process group as any run does; the others skip it (and its cleanup of
+    interrupted saves and retention, which the writing group does).
+    """
+
+    is_saver: Callable[[], bool] = staticmethod(lambda: True)
+
+    def should_save(self, step: int, max_steps: int) -> bool:
+        return super().should_save(step, max_steps) and self.is_saver()
+
+    def save(self, step: int, **kwargs: Any) -> str:
+        if not self.is_saver():
+            logger.info("step %d: checkpoint written by another replica group", step)
+            return str(self.directory / f"step_{step}")
+        return super().save(step, **kwargs)
+
+
+class TorchftReplicas(Replicas):
+    """Sums over the replica groups of the step's quorum through torchft's collectives.
+
+    A failed collective leaves the tensor undefined and makes should_commit answer False,
+    so the attempt is redone; nothing here raises for it.
+    """
+
+    def __init__(self, manager: Manager, num_groups: int) -> None:
+        self._manager = manager
+        self.num_groups = num_groups
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        from torch.distributed import ReduceOp
+
+        self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        """One all-reduce of every gradient of this rank (local shards), flattened."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in local])
+        self.sum_(flat)
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class ReplicaGroup(TrainingHook):
+    """This launch's membership in the job's replica groups (one object per process).
+
+    It is also a hook: after each optimizer step it records the loop's step and tokens
+    seen, which the live state it serves to a rejoining peer carries.
+    """
+
+    def __init__(self, session: TrainingSession) -> None:
+        config = session.config
+        ft = config.fault_tolerance
+        self.session = session
+        self.group_id = ft.group_id()
+        self._loop_position = (0, 0)
+        """(step, tokens_seen) of the state this group holds: the loop's after its last
+        optimizer step, or a peer's just taken."""
+        self._moved = False  # a peer's state was taken mid-run: the loop must follow
+        self._healed = False
+        self._running = False
+        self._quorum_open = False
+        self.batches = ReplicaBatches(
+            session.data,
+            ft.num_replica_groups * config.train.grad_accum_steps,
+            config.train.batch_size,
+        )
+        self.manager = _make_manager(session, self.group_id, self._load_live, self._live_state)
+        session.use_batches(self.batches)
+        session.use_replicas(TorchftReplicas(self.manager, ft.num_replica_groups))
+        session.step_fn = ReplicaStep(session.step_fn, self)
+        session.hooks.add(self)
+        if isinstance(session.checkpointer, GroupCheckpointManager):
+            session.checkpointer.is_saver = self.is_saver
+
+    # --- The quorum and the commit ------------------------------------------------------
+
+    def begin_attempt(self) -> list[int]:
+        """Join the step's quorum (unless start-up already did) and take this group's slots.
+
+        A running group that took a peer's live state in this quorum raises
+        ReplicaRejoined: the loop re-enters at the peers' step and continues this attempt
+        (the quorum stays open), so the loop's counters always match the state.
+        """
+        if not self._quorum_open:
+            self.manager.start_quorum()
+            if self._moved:
+                self._moved, self._quorum_open = False, True
+                step = self._loop_position[0]
+                logger.warning(
+                    "replica group %d fell behind its peers and took their live state: "
+                    "continuing at step %d",
+                    self.group_id,
+                    step,
+                )
+                self.session.tracker.log_event(step, "replica_rejoined", group=self.group_id)
+                raise ReplicaRejoined(self._loop_position)
+        self._quorum_open = False
+        rank = self.manager.participating_rank()
+        participants = self.manager.num_participants()
+        if rank is None:
+            raise RuntimeError(
+                f"replica group {self.group_id} is not a participant of its quorum "
+                f"({participants} participants)"
+            )
+        return self.batches.assign(participants, rank)
+
+    def commit(self, step: int) -> bool:
+        """Ask every group whether the attempt may count; on yes, consume its data step.
+
+        Logs a ``replica_step`` event (data step, participants, this group's rank and
+        slots) or a ``replica_step_discarded`` one.
+        """
+        manager, tracker = self.manager, self.session.tracker
+        participants, rank = manager.num_participants(), manager.participating_rank()
+        if manager.should_commit():
+            data_step = self.batches.commit()
+            tracker.log_event(
+                step,
+                "replica_step",
+                group=self.group_id,
+                data_step=data_step,
+                participants=participants,
+                rank=rank,
+                slots=list(self.batches.assignment),
+            )
+            return True
+        error = manager.errored()
+        tracker.log_event(
+            step,
+            "replica_step_discarded",
+            group=self.group_id,
+            data_step=self.batches.data_step,
+            participants=participants,
+            error=str(error.original_exception) if error is not None else "",
+        )
+        logger.warning(
+            "step %d: replica group %d discards the attempt (%s); redoing it with the groups "
+            "still alive",
+            step,
+            self.group_id,
+            error.original_exception if error is not None else "a peer did not commit",
+        )
+        return False
+
+    def is_saver(self) -> bool:
+        """Whether this group writes the checkpoint now: participant 0 of the last quorum."""
+        return self.manager.participating_rank() == 0
+
+    # --- Start-up -----------------------------------------------------------------------
+
+    def join(self, plan: ResumePlan | None) -> tuple[int, int]:
+        """Join the first quorum; take the peers' live state or, when no peer is ahead of
+        a fresh process (the whole job is starting), resume from disk as any run does.
+
+        The first quorum is the first step's: a group that heals here trains that step
+        with the others. Returns the loop's (step, tokens_seen).
+        """
+        self.manager.start_quorum()
+        self._quorum_open = True
+        if self._healed:
+            step, tokens_seen = self._loop_position
+            logger.info(
+                "replica group %d joined at step %d with a peer's live state (not read from disk)",
+                self.group_id,
+                step,
+            )
+        else:
+            step, tokens_seen = apply_resume(self.session, plan)
+            self._loop_position = (step, tokens_seen)
+            data_step = self.batches.data_step
+            self.manager.load_state_dict({"step": data_step, "batches_committed": 0})
+            logger.info(
+                "replica group %d starts at step %d (data step %d) with %d group(s) in its "
+                "first quorum",
+                self.group_id,
+                step,
+                data_step,
+                self.manager.num_participants(),
+            )
+        self._running = True
+        return step, tokens_seen
+
+    # --- The live state -----------------------------------------------------------------
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a rejoining group needs to continue as this one: this rank's shards of the
+        model and optimizer, the schedule, data position, NaN counters, phases, RNG and
+        the loop's step and tokens seen. Plain tensors and containers only."""
+        from kempnerforge.distributed.live_state import model_state, optimizer_state
+
+        session = self.session
+        step, tokens_seen = self._loop_position
+        train_state = capture_train_state(
+            session.data,
+            session.nan_detector,
+            step,
+            tokens_seen,
+            {"phases": session.phases.state_dict()},
+        )
+        train_state["rng"] = capture_rng_state()
+        return {
+            "model": model_state(session.model),
+            "optimizer": optimizer_state(session.optimizer),
+            "scheduler": session.scheduler.state_dict(),
+            "train_state": train_state,
+        }
+
+    def _load_live(self, state: dict[str, Any]) -> None:
+        """Take a peer's _live_state: at start-up the loop starts from it; mid-run (the
+        group fell behind) the loop re-enters at it (begin_attempt)."""
+        from kempnerforge.distributed.live_state import load_model_state, load_optimizer_state
+
+        session = self.session
+        load_model_state(session.model, state["model"])
+        load_optimizer_state(session.optimizer, state["optimizer"])
+        session.scheduler.load_state_dict(state["scheduler"])
+        self._loop_position = restore_train_state(session, state["train_state"])
+        self._moved = self._running
+        self._healed = True
+
+    # --- Hook events --------------------------------------------------------------------
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        self._loop_position = (ctx.step, ctx.tokens_seen)
+
+    def on_train_end(self, step: int, tokens_seen: int) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class ReplicaStep:
+    """The family's step body, attempted until every group of its quorum commits it."""
+
+    def __init__(self, inner: Callable[[TrainingSession, int], StepResult], group: ReplicaGroup):
+        self.inner = inner
+        self.group = group
+        self.__name__ = getattr(inner, "__name__", "step")
+
+    def __call__(self, session: TrainingSession, step: int) -> StepResult:
+        while True:
+            self.group.begin_attempt()
+            result = self.inner(session, step)
+            if self.group.commit(step + 1):
+                return result
+            session.optimizer.zero_grad(set_to_none=True)
+            session.batches.take_wait_s()
+
+
+def run_replica_training(
+    session: TrainingSession, *, step: int = 0, tokens_seen: int = 0
+) -> tuple[int, int]:
+    """run_training_loop, re-entered at the replica groups' position whenever this group
+    takes their live state mid-run (ReplicaRejoined); the loop itself without them."""
+    while True:
+        try:
+            return run_training_loop(session, step=step, tokens_seen=tokens_seen)
+        except ReplicaRejoined as moved:
+            step, tokens_seen = moved.position
+
+
+def resume_or_join(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:
+    """Where the loop starts: the usual resume, or with [fault_tolerance] joining the
+    job's replica groups (ReplicaGroup.join). Returns (step, tokens_seen)."""
+    if not session.config.fault_tolerance.enabled:
+        return apply_resume(session, plan)
+    return ReplicaGroup(session).join(plan)
+
+
+def _make_manager(
+    session: TrainingSession,
+    group_id: int,
+    load: Callable[[dict[str, Any]], None],
+    save: Callable[[], dict[str, Any]],
+) -> Manager:
+    """torchft's Manager for this rank of group ``group_id``, over the group's own store."""
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    from kempnerforge.distributed.live_state import WeightsOnlyHTTPTransport
+
+    ft, runtime = session.config.fault_tolerance, session.runtime
+    timeout = timedelta(seconds=ft.timeout_s)
+    store_addr, store_port = _group_store(runtime.is_distributed)
+    if runtime.device.type == "cuda":
+        pg: Any = ProcessGroupNCCL(timeout=timeout)
+    else:
+        pg = ProcessGroupGloo(timeout=timeout)
+    return Manager(
+        pg=pg,
+        load_state_dict=load,
+        state_dict=save,
+        min_replica_size=ft.min_replica_groups,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+        connect_timeout=timeout,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=ft.lighthouse_address(),
+        replica_id=f"replica_{group_id}",
+        checkpoint_transport=WeightsOnlyHTTPTransport(timeout, num_chunks=0),
+        # Every group draws the same initial weights from train.seed: nothing to sync.
+        init_sync=False,
+    )
+
+
+_STORES: list[Any] = []  # a single-process group's own store lives as long as the process
+
+
+def _group_store(distributed: bool) -> tuple[str, int]:
+    """The group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT) for a group of several
+    processes; a fresh one on a free port for a group of one process."""
+    if distributed:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
+
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    _STORES.append(store)
+    return "localhost", store.port

@@ -1,0 +1,218 @@
+"""Replica groups on torchft, end to end: two groups of one process on CPU (gloo), one
+killed with SIGKILL and relaunched, both killed, and the losses and data of each run
+against the uninterrupted run's."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+
+import numpy as np
+import pytest
+
+from tests.support.data_files import write_token_dir
+from tests.support.metrics_rows import read_rows
+from tests.support.replica_groups import (
+    child_pids,
+    finish,
+    free_port,
+    group_args,
+    kill,
+    losses,
+    replica_steps,
+    start_group,
+    start_lighthouse,
+    wait_for_step,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+MAX_STEPS = 24
+NUM_SLOTS = 2  # two groups x grad_accum_steps 1
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("replica-data")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 250, size=int(rng.integers(20, 200))).tolist() for _ in range(300)]
+    return write_token_dir(root / "train", docs), write_token_dir(root / "eval", docs[:20])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data) -> dict[int, float]:
+    """The losses of the two groups trained side by side without a fault."""
+    job = tmp_path_factory.mktemp("uninterrupted")
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    try:
+        args = group_args(job, data, port, f"--train.max_steps={MAX_STEPS}")
+        logs = [job / f"g{g}.log" for g in (0, 1)]
+        groups = [start_group(g, args, logs[g]) for g in (0, 1)]
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        lighthouse.kill()
+    first, second = losses(job / "replica_0"), losses(job / "replica_1")
+    for step in first.keys() & second.keys():  # the two groups log the same global loss
+        assert first[step] == pytest.approx(second[step], rel=1e-12)
+    result = {**first, **second}
+    assert sorted(result) == list(range(1, MAX_STEPS + 1))
+    return result
+
+
+def _assert_same_losses(run: dict[int, float], reference: dict[int, float]) -> None:
+    assert run, "no steps logged"
+    for step, loss in run.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def _assert_each_window_once(job: pathlib.Path, survivor: int, groups: tuple[int, ...]) -> None:
+    """The survivor committed every data step from its first to MAX_STEPS-1 once, in order
+    (from 0 when it started first); every group
+    read the slots its quorum gave it (slot k to participant k % n), and no two groups of
+    one quorum read the same slot.
+
+    (A group may also step alone while the other's first quorum forms: then it reads
+    every slot, and the other, starting from the same state, computes the same step.)
+    """
+    timeline = [e["data_step"] for e in replica_steps(job / f"replica_{survivor}")]
+    assert timeline == list(range(timeline[0], MAX_STEPS))  # from its first quorum on
+    ranks: dict[int, list[int]] = {}
+    for g in groups:
+        for event in replica_steps(job / f"replica_{g}"):
+            n, rank = event["participants"], event["rank"]
+            assert event["slots"] == list(range(rank, NUM_SLOTS, n))
+            if n == 2:
+                ranks.setdefault(event["data_step"], []).append(rank)
+    assert all(len(set(r)) == len(r) for r in ranks.values()), ranks
+
+
+def test_a_killed_group_is_left_out_and_a_relaunched_one_rejoins_from_its_peer(
+    tmp_path, data, uninterrupted
+):
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    args = group_args(tmp_path, data, port, f"--train.max_steps={MAX_STEPS}")
+    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    groups = [start_group(0, args, logs[0])]
+    try:
+        # Group 0 takes the first step alone, so it is the one that sees every step; group 1
+        # joins it with its live state, and is the one killed.
+        wait_for_step(tmp_path / "replica_0", 1, groups[0])
+        groups.append(start_group(1, args, logs[1]))
+        wait_for_step(tmp_path / "replica_1", 4, groups[1])
+        kill(groups[1])
+        wait_for_step(tmp_path / "replica_0", 7, groups[0])  # the survivor goes on alone
+        groups[1] = start_group(1, args, logs[1])
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.kill()
+    survivor = losses(tmp_path / "replica_0")
+    assert sorted(survivor) == list(range(1, MAX_STEPS + 1))
+    _assert_same_losses(survivor, uninterrupted)
+    _assert_same_losses(losses(tmp_path / "replica_1"), uninterrupted)
+    alone = [e for e in replica_steps(tmp_path / "replica_0") if e["participants"] == 1]
+    assert alone and all(e["slots"] == [0, 1] for e in alone)  # it took the whole batch
+    relaunched = logs[1].read_text()
+    assert "with a peer's live state (not read from disk)" in relaunched, relaunched[-3000:]
+    _assert_each_window_once(tmp_path, 0, (0, 1))
+
+
+def test_both_groups_killed_resume_from_the_last_checkpoint_exactly(tmp_path, data, uninterrupted):
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    extra = (f"--train.max_steps={MAX_STEPS}", "--checkpoint.interval=5")
+    args = group_args(tmp_path, data, port, *extra)
+    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    groups = [start_group(g, args, logs[g]) for g in (0, 1)]
+    try:
+        wait_for_step(tmp_path / "replica_0", 7, groups[0])
+        for process in groups:
+            kill(process)
+        checkpoints = tmp_path / "checkpoints"
+        assert (checkpoints / "latest").read_text().strip() == "step_5"
+        groups = [start_group(g, args, logs[g]) for g in (0, 1)]
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.kill()
+    for g in (0, 1):
+        _assert_same_losses(losses(tmp_path / f"replica_{g}"), uninterrupted)
+    assert (checkpoints / "latest").read_text().strip() == f"step_{MAX_STEPS}"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) == [
+        "step_10", "step_15", "step_20", f"step_{MAX_STEPS}", "step_5",
+    ]  # fmt: skip
+
+
+def test_a_stalled_group_falls_behind_and_catches_up_with_its_peers_state(
+    tmp_path, data, uninterrupted
+):
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    args = group_args(tmp_path, data, port, f"--train.max_steps={MAX_STEPS}")
+    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    groups = [start_group(0, args, logs[0])]
+    try:
+        wait_for_step(tmp_path / "replica_0", 1, groups[0])
+        groups.append(start_group(1, args, logs[1]))
+        wait_for_step(tmp_path / "replica_1", 1, groups[1])
+        groups[1].send_signal(signal.SIGSTOP)  # a hung node: no heartbeat, no collective
+        stalled_at = max(losses(tmp_path / "replica_1", live=True))
+        wait_for_step(tmp_path / "replica_0", stalled_at + 4, groups[0])
+        groups[1].send_signal(signal.SIGCONT)
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.kill()
+    _assert_same_losses(losses(tmp_path / "replica_0"), uninterrupted)
+    behind = losses(tmp_path / "replica_1")
+    _assert_same_losses(behind, uninterrupted)
+    rejoined = [
+        r for r in read_rows(tmp_path / "replica_1") if r.get("event") == "replica_rejoined"
+    ]
+    assert rejoined, logs[1].read_text()[-3000:]
+    assert MAX_STEPS in behind  # it caught up and trained to the end
+    _assert_each_window_once(tmp_path, 0, (0, 1))
+
+
+def test_a_group_of_two_fsdp_processes_losing_one_rejoins_rank_by_rank(
+    tmp_path, data, uninterrupted
+):
+    """Groups of two processes (FSDP inside each): one rank of group 1 is killed, its
+    torchrun ends the group, and the relaunched group takes each rank's shards from the
+    same rank of group 0. The global batch is the same as the one-process groups' (batch
+    size 2 per rank), so the losses match the uninterrupted run's."""
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    args = group_args(
+        tmp_path, data, port, f"--train.max_steps={MAX_STEPS}", "--train.batch_size=2"
+    )
+    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    # Two processes start slowly: a longer pause keeps group 0 going until group 1 is back.
+    groups = [start_group(g, args, logs[g], processes=2, pause_s=1.5) for g in (0, 1)]
+    try:
+        wait_for_step(tmp_path / "replica_1", 2, groups[1])
+        os.kill(child_pids(groups[1].pid)[-1], signal.SIGKILL)  # its rank 1
+        groups[1].wait()
+        groups[1] = start_group(1, args, logs[1], processes=2, pause_s=1.5)
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.kill()
+    survivor = losses(tmp_path / "replica_0")
+    assert max(survivor) == MAX_STEPS
+    _assert_same_losses(survivor, uninterrupted)
+    _assert_same_losses(losses(tmp_path / "replica_1"), uninterrupted)
+    assert "with a peer's live state (not read from disk)" in logs[1].read_text()  # rank 0 logs
+    _assert_each_window_once(tmp_path, 0, (0, 1))

@@ -1,0 +1,146 @@
+"""Jobs of replica groups in tests: a lighthouse and groups as CLI subprocesses that can be
+killed, on ports chosen free at run time, and what their metrics say."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from kempnerforge.training.hooks import StepContext, TrainingHook
+from tests.support.metrics_rows import read_rows, train_rows
+from tests.support.tiny import tiny_run
+
+REPO = pathlib.Path(__file__).parents[2]
+DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+PAUSE_ENV = "KF_TEST_STEP_PAUSE_S"
+"""How long each step of a group pauses (SlowSteps; default 0.5 s): the test's kills and
+relaunches then land mid-run on a loaded 2-core machine too."""
+
+
+class SlowSteps(TrainingHook):
+    """Pause after each step, so a run lasts long enough to be killed and rejoined."""
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        time.sleep(float(os.environ.get(PAUSE_ENV, "0.5")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(port: int) -> subprocess.Popen:
+    """`kempnerforge lighthouse` on ``port``: quorums form 0.2 s after the first group asks,
+    and a group silent for 1 s is left out."""
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "kempnerforge", "lighthouse", f"--port={port}",
+            "--min-replicas=1", "--join-timeout-ms=200", "--heartbeat-timeout-ms=1000",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    line = process.stdout.readline() if process.stdout else ""
+    assert line.startswith("lighthouse: "), line
+    return process
+
+
+def group_args(job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: str) -> list[str]:
+    """The tiny model's run as one of two replica groups (4 steps of 4 x 32 tokens each way)."""
+    return [
+        DEBUG,
+        *tiny_run(
+            job_dir,
+            data,
+            "--model.n_kv_heads=2",
+            "--train.deterministic=true",
+            "--train.sample_tokens=0",
+            "--eval.interval=0",
+            "--fault_tolerance.enabled=true",
+            "--fault_tolerance.num_replica_groups=2",
+            f"--fault_tolerance.lighthouse=http://localhost:{port}",
+            "--fault_tolerance.timeout_s=20",
+            "--train.hooks=['tests.support.replica_groups:SlowSteps']",
+            *extra,
+        ),
+    ]
+
+
+def start_group(
+    group: int, args: list[str], log: pathlib.Path, processes: int = 1, pause_s: float = 0.5
+) -> subprocess.Popen:
+    """`kempnerforge train` as replica group ``group`` (under torchrun for several
+    ``processes``), pausing ``pause_s`` after each step; its output goes to ``log``."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "KEMPNERFORGE_REPLICA_GROUP": str(group),
+        PAUSE_ENV: str(pause_s),
+    }
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+            "--max_restarts=0",
+        ]  # fmt: skip
+    with open(log, "a") as out:
+        return subprocess.Popen(
+            [*launcher, "-m", "kempnerforge", "train", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_for_step(run_dir: pathlib.Path, step: int, process: subprocess.Popen, limit_s=120.0):
+    """Block until ``run_dir`` logged a training row at ``step`` or later."""
+    deadline = time.monotonic() + limit_s
+    while not any(r["step"] >= step for r in train_rows(run_dir, live=True)):
+        assert process.poll() is None, f"the group exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"{run_dir} never reached step {step}"
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, log: pathlib.Path, limit_s: float = 180.0) -> None:
+    """Wait for a group to end; fail with its log's tail unless it exited 0."""
+    try:
+        code = process.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    assert code == 0, f"exit {code}:\n" + log.read_text()[-4000:]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (torchrun's ranks), from /proc."""
+    children: list[int] = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        children += [int(c) for c in text]
+    return children
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def losses(run_dir: pathlib.Path, *, live: bool = False) -> dict[int, float]:
+    """Each logged step's loss (the last row of a step logged twice, after a restart);
+    ``live``: of a run still going."""
+    return {r["step"]: r["loss"] for r in train_rows(run_dir, live=live)}
+
+
+def replica_steps(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+    """The group's committed attempts: data step, participants, its rank and slots."""
+    return [r for r in read_rows(run_dir, live=True) if r.get("event") == "replica_step"]

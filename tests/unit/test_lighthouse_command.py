@@ -1,0 +1,32 @@
+"""`kempnerforge lighthouse`: serves until stopped, and refuses bad flags with exit 2."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import urllib.request
+
+from tests.support.replica_groups import free_port, start_lighthouse
+
+
+def test_a_bad_port_exits_2_naming_the_flag():
+    done = subprocess.run(
+        [sys.executable, "-m", "kempnerforge", "lighthouse", "--port=70000"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "--port = 70000: expected an integer >= 0 and <= 65535" in done.stderr
+
+
+def test_it_serves_its_status_page_and_stops_on_sigterm():
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    try:
+        with urllib.request.urlopen(f"http://localhost:{port}/", timeout=10) as page:
+            assert page.status == 200
+        lighthouse.send_signal(signal.SIGTERM)
+        assert lighthouse.wait(timeout=20) == 0
+    finally:
+        lighthouse.kill()
