@@ -148,7 +148,8 @@ class TrainConfig:
     on the same weights and batches: a fault that repeats is the data's (its windows are
     recorded in <checkpoint dir>/bad_data.jsonl and never read again), one that does not is
     the machine's (the clean re-run's update is kept). False skips such a step at once.
-    A good step pays only a copy of the random state."""
+    A good step pays only a copy of the random state. Replica groups ([fault_tolerance])
+    skip such a step at once: their data moves with each quorum's commit."""
     max_hardware_faults: int = 3
     """With attribute_faults: after this many suspected hardware faults in one launch the
     run stops with exit code 76 (HARDWARE_FAULT) so the job can be moved to other nodes;

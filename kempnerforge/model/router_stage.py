@@ -48,23 +48,29 @@ class _AddToBackward(torch.autograd.Function):
 
 
 def carry_router_losses(
-    output: torch.Tensor, stage: nn.Module, cfg: ModelConfig, micro_batches: int
-) -> torch.Tensor:
+    output: torch.Tensor | tuple[torch.Tensor, ...],
+    stage: nn.Module,
+    cfg: ModelConfig,
+    micro_batches: int,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``output`` of one pipeline stage's forward, with the router terms of the stage's MoE
     layers (their latest forward) added to its backward.
 
     Each micro-batch carries 1/micro_batches of its terms, as add_micro_batch_router_losses
     adds them in a step without pipeline, so the step's gradient holds their mean over the
     micro-batches. A stage without MoE layers, or with both router weights 0, gets
-    ``output`` back as it is.
+    ``output`` back as it is. A last stage that computes its own loss returns a tuple
+    (the summed loss first, then the detached per-token losses): the terms ride on the loss.
     """
     if not moe_layers(stage):
         return output
-    zero = torch.zeros((), device=output.device)
+    carrier = output[0] if isinstance(output, tuple) else output
+    zero = torch.zeros((), device=carrier.device)
     term = add_router_losses(zero, stage, cfg)
     if term is zero:
         return output
-    return _AddToBackward.apply(output, term / micro_batches)
+    carried = _AddToBackward.apply(carrier, term / micro_batches)
+    return (carried, *output[1:]) if isinstance(output, tuple) else carried
 
 
 def attach_stage_router_hooks(

@@ -48,7 +48,7 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
     """
     train = session.config.train
     describe = functools.partial(data_position, session.data, train)
-    if train.attribute_faults:
+    if train.attribute_faults and session.replicas.replays_attempts:
         result, described = _attempt_with_rerun(session, step)
         if described is not None:
             describe = functools.partial(str, described)

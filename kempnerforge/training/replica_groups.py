@@ -80,6 +80,8 @@ class TorchftReplicas(Replicas):
     so the attempt is redone; nothing here raises for it.
     """
 
+    replays_attempts = False
+
     def __init__(self, manager: Manager, num_groups: int) -> None:
         self._manager = manager
         self.num_groups = num_groups

@@ -169,6 +169,10 @@ class Replicas:
 
     num_groups: int = 1
     """Groups the global batch is designed for (fault_tolerance.num_replica_groups)."""
+    replays_attempts: bool = True
+    """Whether an attempt can be run again on the same batches (train.attribute_faults).
+    A replica-group step commits its data with its quorum, so its re-run would read other
+    slots under another quorum: there a faulty step is skipped at once."""
 
     def sum_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the replica groups (nothing with one group)."""
