@@ -73,7 +73,7 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             result.dataset_token_counts,
             result.dataset_loss_sums,
             result.dataset_loss_counts,
-        ) = per_dataset.finish(session.runtime.group("dp"))
+        ) = per_dataset.finish(session.runtime.group("dp_cp"))
     return result
 
 
