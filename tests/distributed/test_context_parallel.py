@@ -8,9 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
 from kempnerforge.model.transformer import Transformer
+from kempnerforge.training.build import build_session
+from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.sample import sample_text
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import eval_rows
 from tests.support.tiny import tiny_run
@@ -128,3 +133,61 @@ def test_two_context_parallel_ranks_train_and_evaluate_like_one_process(
     torch.testing.assert_close(
         torch.tensor(evals), torch.tensor(reference["eval"]), atol=LOSS_TOL, rtol=0
     )
+
+
+def test_context_parallel_beside_fsdp_on_four_ranks_trains_like_one_process(
+    base, reference, tmp_path
+) -> None:
+    """cp 2 x dp_shard 2: FSDP shards and averages over all four ranks (dp_shard_cp), each
+    data-parallel pair of cp ranks reads its half of the batch."""
+    layout = ["--distributed.cp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]
+    ranks = _run(base, tmp_path / "cp-fsdp", 4, *layout, "--eval.interval=0")
+    _assert_matches(ranks, reference)
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [(CP2, []), ([], CP2)],
+    ids=["cp2-to-one-process", "one-process-to-cp2"],
+)
+def test_a_checkpoint_resumes_across_context_parallelism_at_the_exact_data_position(
+    base, reference, tmp_path, saved, resumed
+) -> None:
+    run = tmp_path / "run"
+    _run(base, run, 2 if saved else 1, *saved, "--train.max_steps=2")
+    ranks = _run(base, run, 2 if resumed else 1, *resumed, record_batches=True)
+    assert {r["start_step"] for r in ranks} == {2}
+    _assert_matches(ranks, reference, steps=STEPS - 2)
+    width = 32 // len(ranks)
+    for rank, record in enumerate(ranks):
+        for mine, whole in zip(record["batches"], reference["batches"][2:], strict=True):
+            assert torch.equal(mine, whole[:, rank * width : (rank + 1) * width])
+
+
+def _sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | None:
+    config = load_config(None, overrides)
+    config.validate(world_size_from_env())
+    session = build_session(config, init_runtime(config.distributed, "cpu"))
+    with session.tracker:
+        # Trained a little, so the greedy tokens depend on the context they attend to.
+        run_training_loop(session, step=0, tokens_seen=0)
+    return sample_text(session)
+
+
+def test_the_end_of_run_sample_under_context_parallelism_is_one_process_sample(
+    base, tmp_path
+) -> None:
+    sample = [
+        "--train.sample_prompt=def",
+        "--train.sample_tokens=12",
+        "--train.max_steps=12",
+        "--eval.interval=0",
+        "--optimizer.lr=0.01",
+    ]
+    (one,) = run_distributed(
+        _sample_on_ranks, 1, [*base, *sample, "--train.run_dir=" + str(tmp_path / "one")]
+    )
+    ranks = run_distributed(
+        _sample_on_ranks, 2, [*base, *sample, *CP2, "--train.run_dir=" + str(tmp_path / "cp")]
+    )
+    assert one and ranks == [one, one]
