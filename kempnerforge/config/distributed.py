@@ -132,11 +132,19 @@ class DistributedConfig:
         return max(self.dp_replicate * self.resolved_dp_shard(world_size), 1)
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
-        """Size of each mesh dimension, outermost first (dp_shard = -1 resolved)."""
-        return {
+        """Size of each mesh dimension, outermost first (dp_shard = -1 resolved).
+
+        ``cp`` is left out when it is 1: on gloo a mesh creates every subgroup of every
+        dimension on every rank, so a size-1 dimension would cost one new_group call per
+        rank of the world at start-up for nothing.
+        """
+        shape = {
             "pp": self.pp,
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.resolved_dp_shard(world_size),
             "cp": self.cp,
             "tp": self.tp,
         }
+        if self.cp == 1:
+            del shape["cp"]
+        return shape

@@ -20,11 +20,11 @@ class RuntimeContext:
     """This process's place in the job.
 
     ``device_mesh`` is the job's DeviceMesh over ``pp``, ``dp_replicate``, ``dp_shard``,
-    ``cp`` and ``tp`` (plus ``dp``, the two data-parallel dimensions flattened, and with
-    context parallelism ``dp_cp`` and ``dp_shard_cp``, the same with ``cp`` joined), or
-    None in a single process. Every collective the framework runs names its group through
-    ``group()``: a reduction over the data-parallel ranks never counts tensor-parallel
-    peers twice.
+    ``cp`` (only when distributed.cp > 1) and ``tp`` (plus ``dp``, the two data-parallel
+    dimensions flattened, and with context parallelism ``dp_cp`` and ``dp_shard_cp``, the
+    same with ``cp`` joined), or None in a single process. Every collective the framework
+    runs names its group through ``group()``: a reduction over the data-parallel ranks never
+    counts tensor-parallel peers twice.
     """
 
     rank: int = 0
@@ -99,6 +99,8 @@ class RuntimeContext:
             return None
         if name == "dp" or (name == "dp_cp" and self.cp_size == 1):
             return self.dp_mesh
+        if name == "cp" and self.cp_size == 1:
+            return None  # not a dimension of the mesh (see DistributedConfig.mesh_shape)
         if name == "dp_shard_cp" and self.cp_size == 1:
             return self.device_mesh["dp_shard"]
         if name in ("dp_cp", "dp_shard_cp"):
@@ -218,8 +220,8 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         pp_rank=mesh["pp"].get_local_rank(),
         pp_size=mesh["pp"].size(),
         cp_meshes=build_cp_meshes(mesh, cfg),
-        cp_rank=mesh["cp"].get_local_rank(),
-        cp_size=mesh["cp"].size(),
+        cp_rank=mesh["cp"].get_local_rank() if cfg.cp > 1 else 0,
+        cp_size=cfg.cp,
         side_group=dist.new_group(backend="gloo"),
     )
 
