@@ -47,7 +47,12 @@ def check_context_parallel(
     refused = (
         ("distributed.tp", dist.tp > 1, "tensor parallelism"),
         ("distributed.pp", dist.pp > 1, "pipeline parallelism"),
-        ("model.num_experts", model.is_moe, "an MoE model"),
+        ("distributed.ep", dist.ep > 1, "expert parallelism"),
+        (
+            "model.moe_aux_loss_level",
+            model.is_moe and model.moe_aux_loss_level == "sequence",
+            "a sequence-level balancing loss",
+        ),
         ("train.compile", train.compile, "compiled blocks"),
         ("[vlm]", is_vlm, "a vision-language model"),
     )
@@ -58,5 +63,6 @@ def check_context_parallel(
                 cp,
                 f"1 with {what} ({other})",
                 "context parallelism runs with data parallelism (dp_shard, dp_replicate) "
-                "only; set distributed.cp = 1 or leave the other out",
+                "and MoE models without expert parallelism; set distributed.cp = 1 or "
+                "leave the other out",
             )

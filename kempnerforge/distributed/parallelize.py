@@ -69,8 +69,8 @@ def parallelize_model(
     plan: ParallelPlan,
     roots: list[nn.Module] | None = None,
 ) -> None:
-    """Apply, in place and in this order: tensor parallel, activation checkpointing,
-    torch.compile per block, FSDP2.
+    """Apply, in place and in this order: tensor parallel, expert parallel, context
+    parallel, activation checkpointing, torch.compile per block, FSDP2.
 
     Meant for a model still on the meta device: nothing here allocates or reads a weight,
     so the caller then runs ``to_empty(device=...)`` and ``init_weights(seed)``, which fill

@@ -145,6 +145,23 @@ def test_context_parallel_beside_fsdp_on_four_ranks_trains_like_one_process(
     _assert_matches(ranks, reference)
 
 
+def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tmp_path) -> None:
+    """Each cp rank routes its own slice's tokens; the token-level balancing loss and the
+    sigmoid routers' bias updates count the load over dp_cp, as one process counts it."""
+    moe = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--model.moe_expert_hidden_dim=16",
+        "--model.moe_router=sigmoid",
+        "--model.moe_bias_update_rate=0.01",
+        "--model.moe_aux_loss_weight=0.01",
+        "--eval.interval=0",
+    ]
+    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    _assert_matches(ranks, one)
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [(CP2, []), ([], CP2)],

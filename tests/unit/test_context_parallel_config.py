@@ -37,9 +37,26 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "distributed.cp = 2: expected 1 with pipeline parallelism (distributed.pp)",
         ),
         (
-            ["--distributed.cp=2", "--model.num_experts=4", "--model.moe_top_k=2"],
+            [
+                "--distributed.cp=2",
+                "--distributed.dp_shard=2",
+                "--distributed.ep=2",
+                "--model.num_experts=4",
+                "--model.moe_top_k=2",
+            ],
+            4,
+            "distributed.cp = 2: expected 1 with expert parallelism (distributed.ep)",
+        ),
+        (
+            [
+                "--distributed.cp=2",
+                "--model.num_experts=4",
+                "--model.moe_top_k=2",
+                "--model.moe_aux_loss_level=sequence",
+            ],
             2,
-            "distributed.cp = 2: expected 1 with an MoE model (model.num_experts)",
+            "distributed.cp = 2: expected 1 with a sequence-level balancing loss "
+            "(model.moe_aux_loss_level)",
         ),
         (
             ["--distributed.cp=2", "--train.compile=true"],
