@@ -56,7 +56,8 @@ def set_sequence_split(model: nn.Module, split: SequenceSplit) -> None:
     """Attach ``split`` to every module that reads it (the model and its attention layers)."""
     for module in model.modules():
         if hasattr(module, "sequence_split"):
-            module.sequence_split = split
+            # setattr: nn.Module.__setattr__ is typed for tensors and modules only.
+            setattr(module, "sequence_split", split)  # noqa: B010
 
 
 @contextlib.contextmanager
