@@ -36,16 +36,20 @@ def check_context_parallel(
             "each context-parallel rank holds an equal slice of every sequence",
         )
     for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
-        if heads % cp:
+        # Tensor parallelism has split the heads first (JobConfig checked tp divides them).
+        local = heads // dist.tp
+        if local % cp:
+            where = f"model.{name} = {heads}"
+            if dist.tp > 1:
+                where = f"model.{name} / distributed.tp = {heads} / {dist.tp} = {local}"
             raise ConfigError(
                 _FIELD,
                 cp,
-                f"a divisor of model.{name} = {heads}",
+                f"a divisor of {where}",
                 "attention gives each context-parallel rank whole heads of the full "
                 "sequence, so cp can be at most the key/value heads",
             )
     refused = (
-        ("distributed.tp", dist.tp > 1, "tensor parallelism"),
         ("distributed.pp", dist.pp > 1, "pipeline parallelism"),
         ("distributed.ep", dist.ep > 1, "expert parallelism"),
         (
@@ -62,7 +66,7 @@ def check_context_parallel(
                 _FIELD,
                 cp,
                 f"1 with {what} ({other})",
-                "context parallelism runs with data parallelism (dp_shard, dp_replicate) "
-                "and MoE models without expert parallelism; set distributed.cp = 1 or "
-                "leave the other out",
+                "context parallelism runs with data and tensor parallelism and with MoE "
+                "models without expert parallelism; set distributed.cp = 1 or leave the "
+                "other out",
             )

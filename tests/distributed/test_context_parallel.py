@@ -162,6 +162,18 @@ def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tm
     _assert_matches(ranks, one)
 
 
+def test_context_parallel_beside_tensor_parallel_on_four_ranks_trains_like_one_process(
+    base, tmp_path
+) -> None:
+    """cp 2 x tp 2: tensor parallelism splits the heads, then cp exchanges each tp rank's
+    heads over its cp peers (4 heads and 4 key/value heads: one per rank)."""
+    mha = ["--model.n_kv_heads=4", "--eval.interval=0", "--train.max_steps=3"]
+    (one,) = _run(base, tmp_path / "one", 1, *mha)
+    layout = ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1"]
+    ranks = _run(base, tmp_path / "cp-tp", 4, *mha, *layout)
+    _assert_matches(ranks, one, steps=3)
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [(CP2, []), ([], CP2)],

@@ -27,9 +27,10 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "each context-parallel rank whole heads",
         ),
         (
-            ["--distributed.cp=2", "--distributed.tp=2"],
+            [*GQA, "--distributed.cp=2", "--distributed.tp=2"],
             4,
-            "distributed.cp = 2: expected 1 with tensor parallelism (distributed.tp)",
+            "distributed.cp = 2: expected a divisor of model.n_kv_heads / distributed.tp = "
+            "2 / 2 = 1",
         ),
         (
             ["--distributed.cp=2", "--distributed.pp=2", "--data.document_masking=false"],
