@@ -50,7 +50,6 @@ def check_context_parallel(
                 "sequence, so cp can be at most the key/value heads",
             )
     refused = (
-        ("distributed.pp", dist.pp > 1, "pipeline parallelism"),
         ("distributed.ep", dist.ep > 1, "expert parallelism"),
         (
             "model.moe_aux_loss_level",
@@ -66,7 +65,7 @@ def check_context_parallel(
                 _FIELD,
                 cp,
                 f"1 with {what} ({other})",
-                "context parallelism runs with data and tensor parallelism and with MoE "
-                "models without expert parallelism; set distributed.cp = 1 or leave the "
-                "other out",
+                "context parallelism runs with data, tensor and pipeline parallelism and "
+                "with MoE models without expert parallelism; set distributed.cp = 1 or "
+                "leave the other out",
             )

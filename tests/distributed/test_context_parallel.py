@@ -174,6 +174,19 @@ def test_context_parallel_beside_tensor_parallel_on_four_ranks_trains_like_one_p
     _assert_matches(ranks, one, steps=3)
 
 
+def test_context_parallel_beside_a_pipeline_on_four_ranks_trains_like_one_process(
+    base, tmp_path
+) -> None:
+    """cp 2 x pp 2 (1f1b, 2 micro-batches): every stage's attention rotates its slice by
+    the slice's global positions and exchanges heads over its cp peers."""
+    plain = ["--data.document_masking=false", "--eval.interval=0", "--train.max_steps=3"]
+    (one,) = _run(base, tmp_path / "one", 1, *plain)
+    layout = ["--distributed.cp=2", "--distributed.pp=2", "--distributed.dp_shard=1"]
+    split = ["--train.batch_size=2", "--train.grad_accum_steps=2"]
+    ranks = _run(base, tmp_path / "cp-pp", 4, *plain, *layout, *split)
+    _assert_matches(ranks, one, steps=3)
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [(CP2, []), ([], CP2)],

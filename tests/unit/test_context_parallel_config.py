@@ -33,11 +33,6 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "2 / 2 = 1",
         ),
         (
-            ["--distributed.cp=2", "--distributed.pp=2", "--data.document_masking=false"],
-            4,
-            "distributed.cp = 2: expected 1 with pipeline parallelism (distributed.pp)",
-        ),
-        (
             [
                 "--distributed.cp=2",
                 "--distributed.dp_shard=2",
