@@ -135,13 +135,19 @@ def test_two_context_parallel_ranks_train_and_evaluate_like_one_process(
     )
 
 
-def test_context_parallel_beside_fsdp_on_four_ranks_trains_like_one_process(
-    base, reference, tmp_path
+@pytest.mark.parametrize(
+    "data_parallel",
+    [["--distributed.dp_shard=2"], ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]],
+    ids=["fsdp", "hsdp"],
+)
+def test_context_parallel_beside_data_parallel_on_four_ranks_trains_like_one_process(
+    base, reference, tmp_path, data_parallel
 ) -> None:
-    """cp 2 x dp_shard 2: FSDP shards and averages over all four ranks (dp_shard_cp), each
+    """cp 2 x dp_shard 2: FSDP shards and averages over all four ranks (dp_shard_cp); cp 2
+    x dp_replicate 2: HSDP shards over each cp pair and replicates across the pairs. Each
     data-parallel pair of cp ranks reads its half of the batch."""
-    layout = ["--distributed.cp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]
-    ranks = _run(base, tmp_path / "cp-fsdp", 4, *layout, "--eval.interval=0")
+    layout = ["--distributed.cp=2", *data_parallel, "--train.batch_size=2"]
+    ranks = _run(base, tmp_path / "cp-dp", 4, *layout, "--eval.interval=0")
     _assert_matches(ranks, reference)
 
 
