@@ -116,12 +116,18 @@ def test_document_masking_changes_this_corpus_gradients(base, reference, tmp_pat
     assert max(abs(a - b) for a, b in zip(unmasked[0]["grad_norms"], masked, strict=True)) > 1e-3
 
 
-@pytest.mark.parametrize(("per_rank", "accum"), [(4, 1), (2, 2)], ids=["cp2", "cp2-accumulate"])
+@pytest.mark.parametrize(
+    ("per_rank", "accum", "extra"),
+    [(4, 1, []), (2, 2, []), (4, 1, ["--distributed.activation_checkpointing=full"])],
+    ids=["cp2", "cp2-accumulate", "cp2-recompute"],
+)
 def test_two_context_parallel_ranks_train_and_evaluate_like_one_process(
-    base, reference, tmp_path, per_rank, accum
+    base, reference, tmp_path, per_rank, accum, extra
 ) -> None:
+    """With activation checkpointing, backward recomputes each block's forward, all-to-alls
+    included, on both ranks in the same order."""
     split = [f"--train.batch_size={per_rank}", f"--train.grad_accum_steps={accum}"]
-    ranks = _run(base, tmp_path / "cp", 2, *CP2, *split, record_batches=True)
+    ranks = _run(base, tmp_path / "cp", 2, *CP2, *split, *extra, record_batches=True)
     _assert_matches(ranks, reference)
     # Each cp rank read the same sequences and kept its half of the positions.
     whole = torch.cat(reference["batches"]) if accum == 1 else None
