@@ -1,9 +1,9 @@
 """[distributed]: how the world of processes is split into parallel dimensions.
 
-The processes form a mesh of four named dimensions, outermost first:
-``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP shards)
-and ``tp`` (tensor parallel). Their product is the world size; ``dp_shard = -1`` takes
-whatever the other three leave.
+The processes form a mesh of five named dimensions, outermost first:
+``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP shards),
+``cp`` (context parallel: slices of every sequence) and ``tp`` (tensor parallel). Their
+product is the world size; ``dp_shard = -1`` takes whatever the others leave.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kempnerforge.config.checks import MAX_SIZE, check_at_least, check_choice, c
 from kempnerforge.core.errors import ConfigError
 
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimension names, outermost (slowest-varying rank) first."""
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 LOOP_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
@@ -33,7 +33,7 @@ AC_MODES = ("none", "full", "selective")
 class DistributedConfig:
     dp_shard: int = -1
     """FSDP degree: processes that each hold a shard of every parameter (1 to 2**31 - 1);
-    -1 takes whatever dp_replicate, tp and pp leave of the world size."""
+    -1 takes whatever dp_replicate, cp, tp and pp leave of the world size."""
     dp_replicate: int = 1
     """HSDP degree: full replicas of the sharded model, each over dp_shard processes; the
     data-parallel degree is dp_replicate * dp_shard. 1 to 2**31 - 1."""
@@ -44,6 +44,11 @@ class DistributedConfig:
     """Expert-parallel degree: the routed experts of every MoE layer are split over this
     many of the dp_shard ranks, which send each token to the rank holding its expert
     (all-to-all) and back. Must divide dp_shard and model.num_experts; 1 to 2**31 - 1."""
+    cp: int = 1
+    """Context-parallel degree: each of these processes holds a 1/cp slice of every
+    sequence and attention exchanges heads for the whole sequence (all-to-all); they hold
+    the same weights and count as data-parallel peers in the gradient reduction. Must
+    divide train.seq_len and each tp rank's query and key/value heads; 1 to 2**31 - 1."""
     pp: int = 1
     """Pipeline-parallel degree (processes along the pipeline); 1 to 2**31 - 1."""
     pp_schedule: str = "1f1b"
@@ -79,6 +84,7 @@ class DistributedConfig:
         check_positive("distributed.tp", self.tp, MAX_SIZE)
         check_positive("distributed.pp", self.pp, MAX_SIZE)
         check_positive("distributed.ep", self.ep, MAX_SIZE)
+        check_positive("distributed.cp", self.cp, MAX_SIZE)
         check_choice("distributed.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         check_at_least("distributed.pp_stages_per_rank", self.pp_stages_per_rank, 0, 64)
         self._check_stages_per_rank()
@@ -148,7 +154,7 @@ class DistributedConfig:
         """dp_shard for this world size (-1 resolved; 0 when nothing divides)."""
         if self.dp_shard != -1:
             return self.dp_shard
-        others = self.dp_replicate * self.tp * self.pp
+        others = self.dp_replicate * self.cp * self.tp * self.pp
         return world_size // others if world_size % others == 0 else 0
 
     def resolved_dp(self, world_size: int) -> int:
@@ -156,10 +162,19 @@ class DistributedConfig:
         return max(self.dp_replicate * self.resolved_dp_shard(world_size), 1)
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
-        """Size of each mesh dimension, outermost first (dp_shard = -1 resolved)."""
-        return {
+        """Size of each mesh dimension, outermost first (dp_shard = -1 resolved).
+
+        ``cp`` is left out when it is 1: on gloo a mesh creates every subgroup of every
+        dimension on every rank, so a size-1 dimension would cost one new_group call per
+        rank of the world at start-up for nothing.
+        """
+        shape = {
             "pp": self.pp,
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.resolved_dp_shard(world_size),
+            "cp": self.cp,
             "tp": self.tp,
         }
+        if self.cp == 1:
+            del shape["cp"]
+        return shape

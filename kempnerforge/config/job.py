@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.config.context_parallel import check_context_parallel
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.eval import EvalConfig, missing_eval_data
@@ -263,7 +264,7 @@ class JobConfig:
             raise ConfigError(
                 "distributed.dp_shard",
                 dist.dp_shard,
-                f"dp_replicate * dp_shard * tp * pp == world size {world_size}",
+                f"dp_replicate * dp_shard * cp * tp * pp == world size {world_size}",
                 f"{named} leaves no whole dp_shard"
                 if shape["dp_shard"] == 0
                 else f"the mesh {shape} holds {product} processes",
@@ -295,15 +296,17 @@ class JobConfig:
                         "not split into pipeline stages or tensor-parallel shards; use "
                         "distributed.dp_shard (FSDP) to spread a VLM over devices",
                     )
+        check_context_parallel(dist, model, train, self.vlm is not None)
         self._validate_pipeline()
         check_pipeline_schedule(dist, train, dist.resolved_dp(world_size))
         self._validate_experts(shape["dp_shard"])
-        if self.optimizer.name == "muon" and (shape["dp_shard"] > 1 or dist.tp > 1):
+        sharded = shape["dp_shard"] * dist.cp > 1  # FSDP shards over dp_shard x cp
+        if self.optimizer.name == "muon" and (sharded or dist.tp > 1):
             raise ConfigError(
                 "optimizer.name",
                 "muon",
                 "an optimizer other than 'muon' when parameters are sharded "
-                "(distributed.dp_shard > 1 or distributed.tp > 1)",
+                "(distributed.dp_shard * distributed.cp > 1 or distributed.tp > 1)",
                 "Muon orthogonalises whole matrices and each rank holds only a shard; "
                 "use 'adamw', or data parallelism by replication (distributed.dp_replicate)",
             )

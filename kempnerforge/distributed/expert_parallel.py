@@ -54,4 +54,5 @@ def set_router_groups(model: nn.Module, runtime: RuntimeContext) -> None:
     for layer in moe_layers(model):
         assert isinstance(layer, MoEFeedForward)
         layer.ep_group = runtime.group("ep")
-        layer.balance_group = runtime.group("dp")
+        # Context-parallel peers route their own tokens: their loads count like dp ranks'.
+        layer.balance_group = runtime.group("dp_cp")

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
+from kempnerforge.distributed.context_parallel import apply_cp
 from kempnerforge.distributed.expert_parallel import apply_ep, expert_fsdp_mesh, set_router_groups
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.moe import moe_layers
@@ -68,8 +69,8 @@ def parallelize_model(
     plan: ParallelPlan,
     roots: list[nn.Module] | None = None,
 ) -> None:
-    """Apply, in place and in this order: tensor parallel, activation checkpointing,
-    torch.compile per block, FSDP2.
+    """Apply, in place and in this order: tensor parallel, expert parallel, context
+    parallel, activation checkpointing, torch.compile per block, FSDP2.
 
     Meant for a model still on the meta device: nothing here allocates or reads a weight,
     so the caller then runs ``to_empty(device=...)`` and ``init_weights(seed)``, which fill
@@ -87,6 +88,7 @@ def parallelize_model(
     if runtime.mesh_size("ep") > 1:
         apply_ep(model, runtime.expert_mesh["ep"])
     set_router_groups(model, runtime)
+    apply_cp(model, runtime)
     apply_ac(model, plan.activation_checkpointing, plan.ac_every)
     compiled = plan.compile and _compile_allowed(runtime)
     if compiled:
@@ -96,7 +98,7 @@ def parallelize_model(
                 "MoE blocks compile in pieces: the routing's host reads and the grouped "
                 "expert matmuls run eagerly between compiled graphs"
             )
-    if runtime.dp_size > 1:
+    if runtime.mesh_size("dp_cp") > 1:
         apply_fsdp(
             model,
             data_parallel_mesh(runtime),
@@ -107,9 +109,10 @@ def parallelize_model(
             expert_mesh=expert_fsdp_mesh(runtime),
         )
     logger.info(
-        "parallelized: tp %d, dp %d (replicate %d x shard %d), ep %d, activation "
+        "parallelized: tp %d, cp %d, dp %d (replicate %d x shard %d), ep %d, activation "
         "checkpointing %s, compile %s",
         runtime.tp_size,
+        runtime.cp_size,
         runtime.dp_size,
         runtime.mesh_size("dp_replicate"),
         runtime.mesh_size("dp_shard"),
@@ -135,11 +138,16 @@ def _compile_allowed(runtime: RuntimeContext) -> bool:
 
 def data_parallel_mesh(runtime: RuntimeContext) -> DeviceMesh:
     """The mesh FSDP shards over: ``dp_shard``, or (``dp_replicate``, ``dp_shard``) for
-    HSDP, where FSDP replicates across the first dimension and shards across the second."""
+    HSDP, where FSDP replicates across the first dimension and shards across the second.
+    Under context parallelism ``dp_shard_cp`` takes the place of ``dp_shard``: cp peers
+    hold the same weights, so they shard them and average their gradients too."""
     mesh = runtime.device_mesh
+    shard = "dp_shard_cp" if runtime.cp_size > 1 else "dp_shard"
     if runtime.mesh_size("dp_replicate") > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    flat = runtime.sub_mesh(shard)
+    assert flat is not None, "data_parallel_mesh needs a distributed runtime"
+    return flat
 
 
 def model_stages(model: nn.Module) -> list[nn.Module]:

@@ -85,7 +85,7 @@ class _RopeTables:
         self._model = model
 
     def __call__(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._model.rope_cos[:seq_len], self._model.rope_sin[:seq_len]
+        return self._model.rope(seq_len)  # under context parallelism, the slice's rows
 
 
 class StageModule(nn.Module):

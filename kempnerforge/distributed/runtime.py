@@ -19,10 +19,12 @@ from kempnerforge.core.errors import ConfigError
 class RuntimeContext:
     """This process's place in the job.
 
-    ``device_mesh`` is the job's DeviceMesh over ``pp``, ``dp_replicate``, ``dp_shard`` and
-    ``tp`` (plus ``dp``, the two data-parallel dimensions flattened), or None in a single
-    process. Every collective the framework runs names its group through ``group()``:
-    a reduction over the data-parallel ranks never counts tensor-parallel peers twice.
+    ``device_mesh`` is the job's DeviceMesh over ``pp``, ``dp_replicate``, ``dp_shard``,
+    ``cp`` (only when distributed.cp > 1) and ``tp`` (plus ``dp``, the two data-parallel
+    dimensions flattened, and with context parallelism ``dp_cp`` and ``dp_shard_cp``, the
+    same with ``cp`` joined), or None in a single process. Every collective the framework
+    runs names its group through ``group()``: a reduction over the data-parallel ranks never
+    counts tensor-parallel peers twice.
     """
 
     rank: int = 0
@@ -36,8 +38,16 @@ class RuntimeContext:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    cp_rank: int = 0
+    """This rank's place along ``cp``: it holds slice cp_rank of every sequence."""
+    cp_size: int = 1
     dp_mesh: Any = None
     """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D DeviceMesh."""
+    cp_meshes: dict[str, Any] | None = None
+    """With context parallelism (distributed.cp > 1): ``dp_cp`` (dp_replicate x dp_shard x
+    cp flattened; the loss and token counts reduce over it) and ``dp_shard_cp`` (dp_shard x
+    cp flattened; FSDP shards over it), kept here because slicing a flattened dimension
+    from the job's mesh is deprecated. None otherwise."""
     expert_mesh: Any = None
     """With expert parallelism (distributed.ep > 1): the ranks as a mesh of ``pp``,
     ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group into
@@ -61,8 +71,9 @@ class RuntimeContext:
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of mesh dimension ``name`` ('dp', 'dp_shard', 'dp_replicate',
-        'tp', 'pp', 'ep', 'efsdp') or 'world'; None where there is nothing to reduce over (a
-        single process, or a dimension of size 1), so callers skip the collective."""
+        'cp', 'dp_cp', 'dp_shard_cp', 'tp', 'pp', 'ep', 'efsdp') or 'world'; None where
+        there is nothing to reduce over (a single process, or a dimension of size 1), so
+        callers skip the collective."""
         if self.device_mesh is None:
             return None
         if name == "world":
@@ -78,11 +89,23 @@ class RuntimeContext:
         mesh = self._mesh(name)
         return 1 if mesh is None else mesh.size()
 
+    def sub_mesh(self, name: str) -> DeviceMesh | None:
+        """The 1-D DeviceMesh of dimension ``name`` (the names of group()); None in a
+        single process."""
+        return self._mesh(name)
+
     def _mesh(self, name: str) -> DeviceMesh | None:
         if self.device_mesh is None:
             return None
-        if name == "dp":
+        if name == "dp" or (name == "dp_cp" and self.cp_size == 1):
             return self.dp_mesh
+        if name == "cp" and self.cp_size == 1:
+            return None  # not a dimension of the mesh (see DistributedConfig.mesh_shape)
+        if name == "dp_shard_cp" and self.cp_size == 1:
+            return self.device_mesh["dp_shard"]
+        if name in ("dp_cp", "dp_shard_cp"):
+            assert self.cp_meshes is not None
+            return self.cp_meshes[name]
         if name in ("ep", "efsdp"):
             return None if self.expert_mesh is None else self.expert_mesh[name]
         return self.device_mesh[name]
@@ -99,6 +122,21 @@ def build_mesh(
     shape = cfg.mesh_shape(world_size)
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
     return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def build_cp_meshes(mesh: DeviceMesh, cfg: DistributedConfig) -> dict[str, DeviceMesh] | None:
+    """``dp_cp`` and ``dp_shard_cp`` (RuntimeContext.cp_meshes); None when distributed.cp
+    is 1. Collective over the world, like build_mesh.
+
+    Context-parallel peers hold the same weights and their own tokens: the loss and token
+    counts reduce over dp_cp, and FSDP shards and averages gradients over dp_shard_cp.
+    """
+    if cfg.cp == 1:
+        return None
+    return {
+        "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+    }
 
 
 def build_expert_mesh(
@@ -182,6 +220,9 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         tp_size=mesh["tp"].size(),
         pp_rank=mesh["pp"].get_local_rank(),
         pp_size=mesh["pp"].size(),
+        cp_meshes=build_cp_meshes(mesh, cfg),
+        cp_rank=mesh["cp"].get_local_rank() if cfg.cp > 1 else 0,
+        cp_size=cfg.cp,
         side_group=dist.new_group(backend="gloo"),
     )
 

@@ -30,7 +30,7 @@ LAYOUT_RULE = (
     + ", ".join(DEGREES)
     + " (integers >= 1) and schedule ("
     + ", ".join(PP_SCHEDULES)
-    + "), e.g. 'dp_shard=2', 'pp=2,schedule=1f1b' or 'dp_shard=2,ep=2'"
+    + "), e.g. 'dp_shard=2', 'pp=2,schedule=1f1b', 'dp_shard=2,ep=2' or 'cp=2'"
 )
 STDERR_TAIL_LINES = 20
 """Lines of a failed run's stderr shown under the table."""
@@ -51,7 +51,7 @@ COMMON_OVERRIDES = (
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel layout to check: the four mesh degrees, the expert-parallel degree (a
+    """One parallel layout to check: the five mesh degrees, the expert-parallel degree (a
     divisor of dp_shard, so not a factor of the world size) and an optional PP schedule."""
 
     text: str
@@ -59,6 +59,8 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
+    """Context-parallel degree: cp ranks share each data-parallel rank's batch."""
     tp: int = 1
     ep: int = 1
     schedule: str = ""
@@ -67,7 +69,7 @@ class Layout:
     @property
     def world_size(self) -> int:
         """Processes this layout runs on: the product of its mesh degrees."""
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:

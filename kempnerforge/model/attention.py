@@ -8,6 +8,12 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.rope import apply_rope
+from kempnerforge.model.sequence_split import (
+    SequenceSplit,
+    active_split,
+    heads_to_sequence,
+    sequence_to_heads,
+)
 
 
 def needs_document_mask(doc_ids: torch.Tensor | None) -> bool:
@@ -56,6 +62,9 @@ class Attention(nn.Module):
         """Value projection (kv_heads heads)."""
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         """Output projection into the residual stream; its init is depth-scaled."""
+        self.sequence_split: SequenceSplit | None = None
+        """Under context parallelism: x is this rank's slice of each sequence, and the
+        heads are exchanged for the whole sequence around attention (model/sequence_split.py)."""
 
     def forward(
         self,
@@ -65,6 +74,9 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend causally over x (batch, seq, dim); mask (from document_causal_mask) if given.
+
+        Under context parallelism x holds this rank's positions, cos and sin their rows,
+        and the mask covers the whole sequence.
 
         Without a mask SDPA runs with is_causal=True, which admits the flash kernels, and
         handles GQA itself (enable_gqa). With a mask, the CPU's flash kernel takes the mask
@@ -78,6 +90,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        split = active_split(self)
+        if split is not None:
+            q, k, v = (sequence_to_heads(t, split) for t in (q, k, v))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         n_rep = q.shape[1] // k.shape[1]
         if mask is None:
@@ -89,4 +104,7 @@ class Attention(nn.Module):
                 k = k.repeat_interleave(n_rep, dim=1)
                 v = v.repeat_interleave(n_rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        out = out.transpose(1, 2)
+        if split is not None:
+            out = heads_to_sequence(out, split)
+        return self.wo(out.reshape(batch, seq_len, -1))

@@ -15,6 +15,7 @@ from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.sequence_split import SequenceSplit, active_split
 from kempnerforge.model.vocab_parallel_loss import head_loss
 from kempnerforge.model.weight_init import copy_full_tensor as copy_full_tensor  # re-exported
 from kempnerforge.model.weight_init import fill_parameter, parameter_seed
@@ -65,6 +66,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         """The shape this model was built from."""
+        self.sequence_split: SequenceSplit | None = None
+        """Under context parallelism: input_ids holds this rank's slice of each sequence
+        (doc_ids the whole sequence), so RoPE takes the slice's global positions."""
         # Build on meta and materialize once: the default inits of nn.Linear / nn.Embedding
         # would cost time and draw from the RNG, only to be overwritten by init_weights(). So
         # the weights depend on the seed alone, exactly as after meta + to_empty + init_weights.
@@ -194,8 +198,11 @@ class Transformer(nn.Module):
         return self.apply_head(h, labels, loss_spec)
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE (cos, sin) rows of positions 0 .. seq_len - 1."""
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        """The RoPE (cos, sin) rows of positions 0 .. seq_len - 1, or under context
+        parallelism of this rank's slice of seq_len positions."""
+        split = active_split(self)
+        first = 0 if split is None else split.offset(seq_len)
+        return self.rope_cos[first : first + seq_len], self.rope_sin[first : first + seq_len]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> residual stream (batch, seq, dim); a stage without the

@@ -34,9 +34,9 @@ class StepTokens:
     count: torch.Tensor
     """Global supervised-token count, a 0-d int64 tensor."""
     scale: torch.Tensor
-    """dp_size / count: turns this rank's summed loss into its share of the token mean. The
-    data-parallel gradient reduction averages over ranks, so dp_size brings it back to a
-    sum; the division makes every token of the step weigh the same."""
+    """Ranks / count: turns this rank's summed loss into its share of the token mean. The
+    gradient reduction averages over the data-parallel (and context-parallel) ranks, so
+    their number brings it back to a sum; the division makes every token weigh the same."""
 
 
 def step_tokens(
@@ -45,16 +45,19 @@ def step_tokens(
     replicas: Replicas | None = None,
 ) -> StepTokens:
     """Count the step's supervised tokens: on the host per rank, summed over the
-    data-parallel group on the device (tensor-parallel and pipeline peers hold the same
-    batches, so they are not counted again), then over the replica groups, if any."""
+    data-parallel and context-parallel group on the device (``dp_cp``: context-parallel
+    peers hold different positions of the same sequences; tensor-parallel and pipeline
+    peers hold the same batches, so they are not counted again), then over the replica
+    groups, if any."""
     local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     count = torch.tensor(local, dtype=torch.int64, device=runtime.device)
-    group = runtime.group("dp")
+    group = runtime.group("dp_cp")
     if group is not None:
         dist.all_reduce(count, group=group)
     if replicas is not None:
         replicas.sum_(count)
-    return StepTokens(count, (runtime.dp_size / count.clamp(min=1).double()).float())
+    ranks = runtime.mesh_size("dp_cp")
+    return StepTokens(count, (ranks / count.clamp(min=1).double()).float())
 
 
 def finish_step(
@@ -63,22 +66,22 @@ def finish_step(
     """Reduce the step's loss, clip, vote on stopping; return (loss, grad norm, tokens).
 
     ``loss_sum`` is this rank's summed loss (zero on a pipeline stage without the head).
-    It is summed over the data-parallel group, then over the pipeline group, then over
-    the replica groups, so every rank reports the global token-weighted mean that one
-    process would; the gradients are summed over the replica groups before the clip, and
-    the gradient norm is global over every mesh, stage and group (total_grad_norm). Two
-    votes are taken over the world in one all-reduce: stop (any rank asked to) and
-    whether any rank's background checkpoint write is still running. All of it comes to
-    the host together, in the step's one read. The votes are left with the shutdown
-    handler and the checkpoint manager, so neither the loop's stop check nor its
-    checkpoint poll needs a collective of its own before the next step.
+    It is summed over the data-parallel (and context-parallel) group, then over the
+    pipeline group, then over the replica groups, so every rank reports the global
+    token-weighted mean that one process would; the gradients are summed over the replica
+    groups before the clip, and the gradient norm is global over every mesh, stage and
+    group (total_grad_norm). Two votes are taken over the world in one all-reduce: stop
+    (any rank asked to) and whether any rank's background checkpoint write is still
+    running. All of it comes to the host together, in the step's one read. The votes are
+    left with the shutdown handler and the checkpoint manager, so neither the loop's stop
+    check nor its checkpoint poll needs a collective of its own before the next step.
     """
     runtime, handler, checkpointer = session.runtime, session.shutdown_handler, session.checkpointer
     loss_sum = loss_sum.detach().double()
     if session.config.train.attribute_faults:
         # This rank's own share (before the reduction), read only if the step is faulty.
         session.nan_detector.local_loss = loss_sum * tokens.scale.double()
-    for name in ("dp", "pp"):
+    for name in ("dp_cp", "pp"):
         group = runtime.group(name)
         if group is not None:
             dist.all_reduce(loss_sum, group=group)

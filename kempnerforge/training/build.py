@@ -178,7 +178,7 @@ def build_session(
     tc = config.train
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
-    shards = runtime.mesh_size("dp_shard") * runtime.tp_size * runtime.pp_size
+    shards = runtime.mesh_size("dp_shard_cp") * runtime.tp_size * runtime.pp_size
     check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
     data = build_job_data(config, runtime)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from kempnerforge.config.job import JobConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.context_parallel import slice_batch
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.family import family_of
@@ -39,7 +42,9 @@ def evaluate(
     each set.
 
     See evaluate_model; this is it for this rank's device, data-parallel group and the
-    run's global eval batch (eval_global_batch). The model must be whole on the rank
+    run's global eval batch (eval_global_batch); under context parallelism each rank
+    evaluates its slice of every sequence and the sums are reduced over ``dp_cp``. The
+    model must be whole on the rank
     (possibly sharded): a pipelined run has no such forward, so the loop does not call
     this there (ModelLayout.forward_refusal).
     """
@@ -48,8 +53,9 @@ def evaluate(
         data,
         config,
         runtime.device,
-        group=runtime.group("dp"),
+        group=runtime.group("dp_cp"),
         global_batch=eval_global_batch(config, runtime.dp_size),
+        batch_slice=functools.partial(slice_batch, runtime=runtime),
     )
 
 
@@ -62,6 +68,7 @@ def evaluate_model(
     group: dist.ProcessGroup | None = None,
     *,
     global_batch: int,
+    batch_slice: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """``eval_loss``, ``eval_ppl`` and ``eval_tokens`` over every eval set; {} without eval data.
 
@@ -78,6 +85,8 @@ def evaluate_model(
 
     The overall loss is token-weighted over all sets. With ``[[eval.sets]]`` configured
     there are also ``eval_loss/<name>``, ``eval_ppl/<name>`` and ``eval_tokens/<name>``.
+    ``batch_slice``, if given, turns each host batch into the part this rank evaluates
+    (its context-parallel slice).
     """
     names = [s.name for s in config.eval.sets]
     if names and list(data.eval_datasets) != names:
@@ -100,6 +109,8 @@ def evaluate_model(
                 config.eval.steps, global_batch, name, max_rows=config.train.batch_size
             )
             for cpu_batch in batches:
+                if batch_slice is not None:
+                    cpu_batch = batch_slice(cpu_batch)
                 batch = {k: v.to(device) for k, v in cpu_batch.items()}
                 with training_autocast(config.train, device):
                     loss = batch_loss(model, batch, cpu_batch, spec)

@@ -270,7 +270,7 @@ def _finish_router_step(session: TrainingSession, step: int) -> dict[str, object
     return finish_router_step(
         session.model,
         config.model,
-        session.runtime.group("dp"),
+        session.runtime.group("dp_cp"),
         max_steps=config.train.max_steps,
         with_metrics=session.tracker.logs_step(step),
         stage_group=session.runtime.group("pp"),

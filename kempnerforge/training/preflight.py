@@ -52,7 +52,7 @@ def check_model_fits(config: ModelConfig, device: torch.device, shards: int = 1)
 
     Run before the model is built: an absurd size (model.dim = 2**30) is then a one-line
     ConfigError instead of an allocation failure, or a machine swapping itself to a halt.
-    ``shards`` is how many ranks split the model (dp_shard * tp * pp); each GPU holds one
+    ``shards`` is how many ranks split the model (dp_shard * cp * tp * pp); each GPU holds one
     share, while CPU ranks on one host share its memory, so there it does not divide.
     """
     available = device_memory_bytes(device)

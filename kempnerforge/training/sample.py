@@ -3,6 +3,7 @@ printed by rank 0."""
 
 from __future__ import annotations
 
+from kempnerforge.model.sequence_split import whole_sequences
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.training.family import family_of, prompt_ids
 from kempnerforge.training.layout import layout_of
@@ -22,7 +23,9 @@ def sample_text(session: TrainingSession) -> str | None:
     config = session.config
     if layout_of(config).forward_refusal is not None:
         return None
-    with optimizer_eval_mode(session.optimizer):
+    # Context-parallel ranks decode whole windows side by side: a growing window does not
+    # split evenly, and every rank must run the same forwards for FSDP's gathers anyway.
+    with optimizer_eval_mode(session.optimizer), whole_sequences(session.model):
         return family_of(config).sample(session.model, session.data, config, session.runtime.device)
 
 

@@ -19,6 +19,7 @@ from kempnerforge.core.errors import DataError, unwrap_worker_error
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.loader import stop_workers
 from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.context_parallel import slice_batch
 from kempnerforge.distributed.pipeline import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.tracker import MetricsTracker
@@ -39,8 +40,9 @@ class BatchStream:
     leaving a stale snapshot.
     """
 
-    def __init__(self, pipeline: DataPipeline) -> None:
+    def __init__(self, pipeline: DataPipeline, runtime: RuntimeContext | None = None) -> None:
         self._pipeline = pipeline
+        self._runtime = runtime  # under context parallelism, batches are sliced for it
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._iterator_loader: Any = None  # the loader the live iterator came from
         self._wait_s = 0.0  # seconds spent in next_batch since the last take_wait_s
@@ -119,7 +121,7 @@ class BatchStream:
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch: a replayed one while replay_attempt's are left, else the
-        loader's next."""
+        loader's next; under context parallelism, this rank's slice of its sequences."""
         if self._replay is not None:
             if not self._replay:
                 raise RuntimeError(
@@ -129,6 +131,8 @@ class BatchStream:
             batch = self._replay.pop(0)
         else:
             batch = self._timed_next_batch()
+            if self._runtime is not None:
+                batch = slice_batch(batch, self._runtime)
         if self._attempt is not None:
             self._attempt.append(batch)
         return batch
@@ -241,7 +245,7 @@ class TrainingSession:
         """The live batch iterator. Rebuilt if data is replaced wholesale."""
         stream = self.__dict__.get("_batches")
         if stream is None or stream._pipeline is not self.data:
-            stream = BatchStream(self.data)
+            stream = BatchStream(self.data, self.runtime)
             self.__dict__["_batches"] = stream
         return stream
 

@@ -108,6 +108,19 @@ def test_moe_pipeline_layouts_match_one_process(tmp_path, builtin_cache):
         assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
 
 
+def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
+    """The debug config packs documents (document masking on): cp 2 alone and beside FSDP."""
+    layouts = ["cp=2", "cp=2,dp_shard=2"]
+    proc = check_parallel("--layouts", *layouts, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert sorted(rows) == sorted(layouts)
+    worlds = {"cp=2": "2", "cp=2,dp_shard=2": "4"}
+    for layout, world, loss_diff, norm_diff, result in rows.values():
+        assert (world, result) == (worlds[layout], "PASS"), layout
+        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+
+
 def test_failing_layout_is_reported_with_its_error_and_exit_1(tmp_path, builtin_cache):
     runs = tmp_path / "runs"
     proc = check_parallel(

@@ -108,7 +108,7 @@ def test_a_layout_that_does_not_fit_stops_every_rank_with_one_line(tmp_path, bui
     assert rank_code(run) == exit_codes.CONFIG_ERROR
     errors = [x for x in stderr.splitlines() if x.startswith("kempnerforge: error:")]
     assert len(errors) == 2 and errors[0] == errors[1], stderr[-3000:]
-    assert "distributed.dp_shard = -1: expected dp_replicate * dp_shard * tp * pp" in errors[0]
+    assert "distributed.dp_shard = -1: expected dp_replicate * dp_shard * cp * tp * pp" in errors[0]
     # No rank printed a traceback (torchrun prints its own, about the ranks' exit codes).
     assert f'File "{REPO / "kempnerforge"}' not in stderr
 

@@ -167,12 +167,13 @@ def test_dump_leaves_out_none_fields():
         (
             ["--distributed.dp_shard=3"],
             2,
-            "distributed.dp_shard = 3: expected dp_replicate * dp_shard * tp * pp == world size 2",
+            "distributed.dp_shard = 3: expected dp_replicate * dp_shard * cp * tp * pp == "
+            "world size 2",
         ),
         (
             ["--distributed.tp=3"],
             4,
-            "distributed.dp_shard = -1: expected dp_replicate * dp_shard * tp * pp == world",
+            "distributed.dp_shard = -1: expected dp_replicate * dp_shard * cp * tp * pp == world",
         ),
         (["--distributed.tp=8"], 8, "distributed.tp = 8: expected a divisor of model.n_heads = 4"),
         (

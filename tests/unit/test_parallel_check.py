@@ -25,10 +25,18 @@ def test_parse_layout_multiplies_degrees_and_maps_the_schedule():
         "--distributed.pp=2",
         "--distributed.dp_replicate=2",
         "--distributed.dp_shard=2",
+        "--distributed.cp=1",
         "--distributed.tp=2",
         "--distributed.ep=1",
         "--distributed.pp_schedule=gpipe",
     ]
+
+
+def test_parse_layout_takes_a_context_parallel_degree_that_shares_the_batch():
+    layout = pc.parse_layout("cp=2,dp_shard=2")
+    assert layout.world_size == 4 and layout.dp == 2 and layout.cp == 2
+    assert "--distributed.cp=2" in layout.overrides()
+    assert pc.per_rank_batch_size(8, layout) == 4
 
 
 def test_parse_layout_takes_an_expert_parallel_degree_inside_dp_shard():

@@ -1,0 +1,145 @@
+"""Peak memory per rank and tokens/s of one long sequence under context parallelism
+(distributed.cp = 1, 2, 4): the debug model's shape, one sequence of --seq tokens.
+
+Each cp degree runs in fresh processes (gloo on CPU, one per cp rank, one intra-op thread
+each), so no allocator cache or earlier peak carries over. Every rank builds the same
+model (seeded), keeps its 1/cp slice of the sequence, and runs forward + backward of the
+summed cross-entropy with the heads exchanged around attention (model/sequence_split.py);
+the gradients are then summed over the ranks, as FSDP's reduction would. Causal attention
+over the whole sequence, no document mask, fp32.
+
+Memory: the increase of each rank's peak resident set (VmHWM, reset through
+/proc/self/clear_refs where Linux allows, else ru_maxrss) over its value just before the
+first pass, with the model and its inputs already resident; the largest over the ranks is
+reported. Time: wall clock of the second pass, slowest rank; tokens/s is --seq over it.
+The all-to-alls per pass are counted on rank 0. Prints one JSON line per cp degree.
+
+    python bench/context_parallel.py [--seq 16384] [--cps 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.model import build_model
+from kempnerforge.model import sequence_split as split_module
+from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
+
+DEBUG_SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 259}
+"""configs/model/debug.toml (max_seq_len raised to the sequence)."""
+
+
+def _peak_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # the figure is then the peak since start-up, still over the same baseline
+
+
+def _rank(rank: int, cp: int, seq: int, workdir: str) -> None:
+    torch.set_num_threads(1)
+    if cp > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/store",
+            rank=rank,
+            world_size=cp,
+            timeout=datetime.timedelta(seconds=1800),
+        )
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**DEBUG_SHAPE, max_seq_len=seq))
+    ids = torch.randint(0, DEBUG_SHAPE["vocab_size"], (1, seq + 1))
+    local = seq // cp
+    inputs = ids[:, rank * local : (rank + 1) * local]
+    labels = ids[:, rank * local + 1 : (rank + 1) * local + 1]
+    exchanges = [0]
+    if cp > 1:
+        set_sequence_split(model, SequenceSplit(dist.group.WORLD, rank, cp))
+        inner = split_module._exchange
+
+        def counted(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+            exchanges[0] += 1
+            return inner(x, group)
+
+        split_module._exchange = counted
+
+    def one_pass() -> None:
+        logits = model(inputs)
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+        if cp > 1:
+            for param in model.parameters():
+                dist.all_reduce(param.grad)
+        model.zero_grad(set_to_none=True)
+
+    # Memory of the first pass: later ones reuse pages the allocator kept resident, which
+    # a peak-resident-set figure cannot see. Time of the second: set-up is paid by then.
+    _reset_peak()
+    before = _peak_kib()
+    one_pass()
+    peak_gib = (_peak_kib() - before) / 2**20
+    exchanges[0] = 0
+    if cp > 1:
+        dist.barrier()
+    started = time.perf_counter()
+    one_pass()
+    elapsed = time.perf_counter() - started
+    with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_gib": peak_gib, "s": elapsed, "exchanges": exchanges[0]}, f)
+    if cp > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def measure(cp: int, seq: int) -> dict:
+    """One cp degree in fresh processes: the slowest rank's time, the largest peak."""
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.start_processes(_rank, args=(cp, seq, workdir), nprocs=cp, start_method="spawn")
+        ranks = []
+        for rank in range(cp):
+            with open(os.path.join(workdir, f"rank{rank}.json")) as f:
+                ranks.append(json.load(f))
+    seconds = max(r["s"] for r in ranks)
+    return {
+        "cp": cp,
+        "seq": seq,
+        "peak_gib_per_rank": round(max(r["peak_gib"] for r in ranks), 3),
+        "pass_s": round(seconds, 2),
+        "tokens_per_sec": round(seq / seconds, 1),
+        "all_to_alls_per_pass": ranks[0]["exchanges"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--cps", default="1,2,4")
+    args = parser.parse_args(argv)
+    for cp in (int(c) for c in args.cps.split(",")):
+        print(json.dumps(measure(cp, args.seq)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

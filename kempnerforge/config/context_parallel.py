@@ -1,0 +1,71 @@
+"""The rules distributed.cp (context parallelism) sets on the rest of a job's config.
+
+Checked in JobConfig.validate, on every rank before any collective, so a layout that
+context parallelism cannot run stops with one ConfigError everywhere.
+"""
+
+from __future__ import annotations
+
+from kempnerforge.config.distributed import DistributedConfig
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.train import TrainConfig
+from kempnerforge.core.errors import ConfigError
+
+_FIELD = "distributed.cp"
+
+
+def check_context_parallel(
+    dist: DistributedConfig, model: ModelConfig, train: TrainConfig, is_vlm: bool
+) -> None:
+    """Refuse a cp the sequence or the heads cannot split, and the combinations that do not
+    run under context parallelism.
+
+    Each cp rank holds seq_len / cp positions of every sequence; attention exchanges them
+    for n_heads / cp query heads and kv_heads / cp key/value heads of the whole sequence
+    (all-to-all), so both head counts must divide by cp, and by tp * cp where tensor
+    parallelism splits them first.
+    """
+    cp = dist.cp
+    if cp == 1:
+        return
+    if train.seq_len % cp:
+        raise ConfigError(
+            _FIELD,
+            cp,
+            f"a divisor of train.seq_len = {train.seq_len}",
+            "each context-parallel rank holds an equal slice of every sequence",
+        )
+    for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
+        # Tensor parallelism has split the heads first (JobConfig checked tp divides them).
+        local = heads // dist.tp
+        if local % cp:
+            where = f"model.{name} = {heads}"
+            if dist.tp > 1:
+                where = f"model.{name} / distributed.tp = {heads} / {dist.tp} = {local}"
+            raise ConfigError(
+                _FIELD,
+                cp,
+                f"a divisor of {where}",
+                "attention gives each context-parallel rank whole heads of the full "
+                "sequence, so cp can be at most the key/value heads",
+            )
+    refused = (
+        ("distributed.ep", dist.ep > 1, "expert parallelism"),
+        (
+            "model.moe_aux_loss_level",
+            model.is_moe and model.moe_aux_loss_level == "sequence",
+            "a sequence-level balancing loss",
+        ),
+        ("train.compile", train.compile, "compiled blocks"),
+        ("[vlm]", is_vlm, "a vision-language model"),
+    )
+    for other, present, what in refused:
+        if present:
+            raise ConfigError(
+                _FIELD,
+                cp,
+                f"1 with {what} ({other})",
+                "context parallelism runs with data, tensor and pipeline parallelism and "
+                "with MoE models without expert parallelism; set distributed.cp = 1 or "
+                "leave the other out",
+            )

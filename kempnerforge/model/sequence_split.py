@@ -1,0 +1,102 @@
+"""Context parallelism inside the model: each rank holds a slice of every sequence, and
+attention trades it for whole-sequence heads (all-to-all) and back.
+
+Rank r of a ``cp``-rank group holds positions ``[r * s, (r + 1) * s)`` of every sequence
+(``s = seq_len / cp``). Before attention, one all-to-all per q, k and v turns "my positions,
+every head" into "every position, my heads" (query heads ``[r * H / cp, (r + 1) * H / cp)``
+and the matching key/value heads, so grouped-query pairs stay together); attention then runs
+over the whole sequence with the same causal or document mask as one process, and one
+all-to-all brings its output back to "my positions, every head". Every rank does the same
+work whatever its slice, so causal attention needs no load balancing. Both directions are
+differentiable: backward runs the mirrored exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+# The functional all-to-all carries autograd (also on gloo).
+from torch.distributed._functional_collectives import (
+    AsyncCollectiveTensor,
+    all_to_all_single_autograd,
+)
+
+
+@dataclass
+class SequenceSplit:
+    """How a model's sequences are split over its context-parallel group.
+
+    One instance is shared by the model and each of its attention layers, so switching
+    ``active`` off (whole_sequences) makes the whole model run unsplit sequences.
+    """
+
+    group: ProcessGroup
+    rank: int
+    size: int
+    active: bool = True
+
+    def offset(self, local_len: int) -> int:
+        """The global position of this rank's first token for slices of ``local_len``."""
+        return self.rank * local_len
+
+
+def active_split(module: nn.Module) -> SequenceSplit | None:
+    """The module's SequenceSplit while it is in effect; None otherwise."""
+    split = getattr(module, "sequence_split", None)
+    return split if split is not None and split.active else None
+
+
+def set_sequence_split(model: nn.Module, split: SequenceSplit) -> None:
+    """Attach ``split`` to every module that reads it (the model and its attention layers)."""
+    for module in model.modules():
+        if hasattr(module, "sequence_split"):
+            # setattr: nn.Module.__setattr__ is typed for tensors and modules only.
+            setattr(module, "sequence_split", split)  # noqa: B010
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` on whole sequences inside the block (the end-of-run sample, whose
+    windows are not split); every context-parallel rank then computes the same tokens."""
+    split = getattr(model, "sequence_split", None)
+    if split is None:
+        yield
+        return
+    was, split.active = split.active, False
+    try:
+        yield
+    finally:
+        split.active = was
+
+
+def sequence_to_heads(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """(batch, seq / cp, heads, dim) slices -> (batch, seq, heads / cp, dim) whole sequences."""
+    batch, local_len, heads, dim = x.shape
+    cp = split.size
+    # Chunk j of the heads goes to rank j; what arrives from rank j is its positions.
+    send = x.reshape(batch, local_len, cp, heads // cp, dim).permute(2, 0, 1, 3, 4)
+    got = _exchange(send.contiguous(), split.group)
+    return got.permute(1, 0, 2, 3, 4).reshape(batch, cp * local_len, heads // cp, dim)
+
+
+def heads_to_sequence(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """(batch, seq, heads / cp, dim) -> (batch, seq / cp, heads, dim): sequence_to_heads undone."""
+    batch, seq_len, local_heads, dim = x.shape
+    cp = split.size
+    local_len = seq_len // cp
+    # Chunk j of the positions goes to rank j; what arrives from rank j is its heads.
+    send = x.reshape(batch, cp, local_len, local_heads, dim).transpose(0, 1)
+    got = _exchange(send.contiguous(), split.group)
+    return got.permute(1, 2, 0, 3, 4).reshape(batch, local_len, cp * local_heads, dim)
+
+
+def _exchange(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable even all-to-all along dim 0; a plain tensor, already waited on."""
+    y = all_to_all_single_autograd(x, None, None, group)
+    return y.wait() if isinstance(y, AsyncCollectiveTensor) else y

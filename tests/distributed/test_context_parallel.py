@@ -1,0 +1,247 @@
+"""Context parallelism (distributed.cp) against one process: the attention exchange, the
+real build and loop with document masking, GQA and gradient accumulation, FSDP beside it,
+eval, the end-of-run sample, and checkpoints resumed across cp and one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kempnerforge.config.loader import load_config
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
+from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
+from kempnerforge.model.transformer import Transformer
+from kempnerforge.training.build import build_session
+from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.sample import sample_text
+from tests.support.dist import run_distributed
+from tests.support.metrics_rows import eval_rows
+from tests.support.tiny import tiny_run
+from tests.support.train_run import train_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+LOSS_TOL = 2e-5
+"""The layout-equality tolerance of tests/distributed/test_train_distributed.py."""
+STEPS = 4
+CP2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
+
+
+def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
+    """The same model, batch and summed loss run whole and as this rank's slice."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
+    model = Transformer(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 11 + [1] * 5])
+    model(ids, doc_ids).float().pow(2).sum().backward()
+    whole_logits = model(ids, doc_ids).detach()
+    whole_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    set_sequence_split(model, SequenceSplit(dist.group.WORLD, rank, world_size))
+    local = 16 // world_size
+    part = slice(rank * local, (rank + 1) * local)
+    logits = model(ids[:, part], doc_ids)
+    logits.float().pow(2).sum().backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad)  # the cp ranks' gradients sum to the whole sequence's
+        grads[name] = param.grad
+    return {
+        "logits": (logits.detach(), whole_logits[:, part]),
+        "grads": (grads, whole_grads),
+    }
+
+
+def test_exchanged_attention_gives_each_rank_its_slice_of_one_process_with_packed_documents():
+    """GQA (4 query, 2 key/value heads) and three documents in a row: each cp rank's logits
+    are its positions of the whole-sequence forward, and the gradients sum to its."""
+    for record in run_distributed(_exchange_matches_one_process, 2):
+        torch.testing.assert_close(*record["logits"], atol=1e-5, rtol=0)
+        grads, whole = record["grads"]
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, whole[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.fixture(scope="module")
+def base(token_dirs) -> list[str]:
+    return tiny_run(
+        None,
+        token_dirs,
+        "--model.n_heads=4",
+        "--model.n_kv_heads=2",
+        f"--train.max_steps={STEPS}",
+        "--train.deterministic=true",
+        "--scheduler.warmup_steps=1",
+        "--data.document_masking=true",
+        "--eval.interval=2",
+        "--eval.steps=2",
+    )
+
+
+def _run(base: list[str], run_dir, world_size: int, *extra: str, **kwargs) -> list[dict]:
+    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
+    return run_distributed(train_on_ranks, world_size, overrides, kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(base, tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("one")
+    record = _run(base, run_dir, 1, "--train.batch_size=4", record_batches=True)[0]
+    record["eval"] = [r["eval_loss"] for r in eval_rows(run_dir)]
+    return record
+
+
+def _assert_matches(ranks: list[dict], reference: dict, steps: int = STEPS) -> None:
+    for record in ranks:
+        assert record["losses"] == ranks[0]["losses"]
+        assert record["grad_norms"] == ranks[0]["grad_norms"]
+        assert len(record["losses"]) == steps
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(
+            torch.tensor(ranks[0][key]),
+            torch.tensor(reference[key][-steps:]),
+            atol=LOSS_TOL,
+            rtol=0,
+        )
+
+
+def test_document_masking_changes_this_corpus_gradients(base, reference, tmp_path) -> None:
+    """The comparisons below exercise the mask: the corpus's windows cross documents, so
+    training without it gives other gradients."""
+    unmasked = _run(base, tmp_path, 1, "--data.document_masking=false", "--train.max_steps=2")
+    masked = reference["grad_norms"][:2]
+    assert max(abs(a - b) for a, b in zip(unmasked[0]["grad_norms"], masked, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "accum", "extra"),
+    [(4, 1, []), (2, 2, []), (4, 1, ["--distributed.activation_checkpointing=full"])],
+    ids=["cp2", "cp2-accumulate", "cp2-recompute"],
+)
+def test_two_context_parallel_ranks_train_and_evaluate_like_one_process(
+    base, reference, tmp_path, per_rank, accum, extra
+) -> None:
+    """With activation checkpointing, backward recomputes each block's forward, all-to-alls
+    included, on both ranks in the same order."""
+    split = [f"--train.batch_size={per_rank}", f"--train.grad_accum_steps={accum}"]
+    ranks = _run(base, tmp_path / "cp", 2, *CP2, *split, *extra, record_batches=True)
+    _assert_matches(ranks, reference)
+    # Each cp rank read the same sequences and kept its half of the positions.
+    whole = torch.cat(reference["batches"]) if accum == 1 else None
+    if whole is not None:
+        for rank, record in enumerate(ranks):
+            mine = torch.cat(record["batches"])
+            assert torch.equal(mine, whole[:, rank * 16 : (rank + 1) * 16])
+    evals = [r["eval_loss"] for r in eval_rows(tmp_path / "cp")]
+    torch.testing.assert_close(
+        torch.tensor(evals), torch.tensor(reference["eval"]), atol=LOSS_TOL, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    "data_parallel",
+    [["--distributed.dp_shard=2"], ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]],
+    ids=["fsdp", "hsdp"],
+)
+def test_context_parallel_beside_data_parallel_on_four_ranks_trains_like_one_process(
+    base, reference, tmp_path, data_parallel
+) -> None:
+    """cp 2 x dp_shard 2: FSDP shards and averages over all four ranks (dp_shard_cp); cp 2
+    x dp_replicate 2: HSDP shards over each cp pair and replicates across the pairs. Each
+    data-parallel pair of cp ranks reads its half of the batch."""
+    layout = ["--distributed.cp=2", *data_parallel, "--train.batch_size=2"]
+    ranks = _run(base, tmp_path / "cp-dp", 4, *layout, "--eval.interval=0")
+    _assert_matches(ranks, reference)
+
+
+def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tmp_path) -> None:
+    """Each cp rank routes its own slice's tokens; the token-level balancing loss and the
+    sigmoid routers' bias updates count the load over dp_cp, as one process counts it."""
+    moe = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--model.moe_expert_hidden_dim=16",
+        "--model.moe_router=sigmoid",
+        "--model.moe_bias_update_rate=0.01",
+        "--model.moe_aux_loss_weight=0.01",
+        "--eval.interval=0",
+    ]
+    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    _assert_matches(ranks, one)
+
+
+def test_context_parallel_beside_tensor_parallel_on_four_ranks_trains_like_one_process(
+    base, tmp_path
+) -> None:
+    """cp 2 x tp 2: tensor parallelism splits the heads, then cp exchanges each tp rank's
+    heads over its cp peers (4 heads and 4 key/value heads: one per rank)."""
+    mha = ["--model.n_kv_heads=4", "--eval.interval=0", "--train.max_steps=3"]
+    (one,) = _run(base, tmp_path / "one", 1, *mha)
+    layout = ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1"]
+    ranks = _run(base, tmp_path / "cp-tp", 4, *mha, *layout)
+    _assert_matches(ranks, one, steps=3)
+
+
+def test_context_parallel_beside_a_pipeline_on_four_ranks_trains_like_one_process(
+    base, tmp_path
+) -> None:
+    """cp 2 x pp 2 (1f1b, 2 micro-batches): every stage's attention rotates its slice by
+    the slice's global positions and exchanges heads over its cp peers."""
+    plain = ["--data.document_masking=false", "--eval.interval=0", "--train.max_steps=3"]
+    (one,) = _run(base, tmp_path / "one", 1, *plain)
+    layout = ["--distributed.cp=2", "--distributed.pp=2", "--distributed.dp_shard=1"]
+    split = ["--train.batch_size=2", "--train.grad_accum_steps=2"]
+    ranks = _run(base, tmp_path / "cp-pp", 4, *plain, *layout, *split)
+    _assert_matches(ranks, one, steps=3)
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [(CP2, []), ([], CP2)],
+    ids=["cp2-to-one-process", "one-process-to-cp2"],
+)
+def test_a_checkpoint_resumes_across_context_parallelism_at_the_exact_data_position(
+    base, reference, tmp_path, saved, resumed
+) -> None:
+    run = tmp_path / "run"
+    _run(base, run, 2 if saved else 1, *saved, "--train.max_steps=2")
+    ranks = _run(base, run, 2 if resumed else 1, *resumed, record_batches=True)
+    assert {r["start_step"] for r in ranks} == {2}
+    _assert_matches(ranks, reference, steps=STEPS - 2)
+    width = 32 // len(ranks)
+    for rank, record in enumerate(ranks):
+        for mine, whole in zip(record["batches"], reference["batches"][2:], strict=True):
+            assert torch.equal(mine, whole[:, rank * width : (rank + 1) * width])
+
+
+def _sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | None:
+    config = load_config(None, overrides)
+    config.validate(world_size_from_env())
+    session = build_session(config, init_runtime(config.distributed, "cpu"))
+    with session.tracker:
+        # Trained a little, so the greedy tokens depend on the context they attend to.
+        run_training_loop(session, step=0, tokens_seen=0)
+    return sample_text(session)
+
+
+def test_the_end_of_run_sample_under_context_parallelism_is_one_process_sample(
+    base, tmp_path
+) -> None:
+    sample = [
+        "--train.sample_prompt=def",
+        "--train.sample_tokens=12",
+        "--train.max_steps=12",
+        "--eval.interval=0",
+        "--optimizer.lr=0.01",
+    ]
+    (one,) = run_distributed(
+        _sample_on_ranks, 1, [*base, *sample, "--train.run_dir=" + str(tmp_path / "one")]
+    )
+    ranks = run_distributed(
+        _sample_on_ranks, 2, [*base, *sample, *CP2, "--train.run_dir=" + str(tmp_path / "cp")]
+    )
+    assert one and ranks == [one, one]

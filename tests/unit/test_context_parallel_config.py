@@ -1,0 +1,99 @@
+"""distributed.cp against the rest of the config: refused before any process group exists,
+with the field, the value and what would work."""
+
+from __future__ import annotations
+
+import pytest
+
+from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
+
+# The default model has 4 query heads and 4 key/value heads; train.seq_len is 256 there.
+GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        (
+            ["--distributed.cp=3", "--train.seq_len=256"],
+            3,
+            "distributed.cp = 3: expected a divisor of train.seq_len = 256",
+        ),
+        (
+            [*GQA, "--distributed.cp=4"],
+            4,
+            "distributed.cp = 4: expected a divisor of model.n_kv_heads = 2 (attention gives "
+            "each context-parallel rank whole heads",
+        ),
+        (
+            [*GQA, "--distributed.cp=2", "--distributed.tp=2"],
+            4,
+            "distributed.cp = 2: expected a divisor of model.n_kv_heads / distributed.tp = "
+            "2 / 2 = 1",
+        ),
+        (
+            [
+                "--distributed.cp=2",
+                "--distributed.dp_shard=2",
+                "--distributed.ep=2",
+                "--model.num_experts=4",
+                "--model.moe_top_k=2",
+            ],
+            4,
+            "distributed.cp = 2: expected 1 with expert parallelism (distributed.ep)",
+        ),
+        (
+            [
+                "--distributed.cp=2",
+                "--model.num_experts=4",
+                "--model.moe_top_k=2",
+                "--model.moe_aux_loss_level=sequence",
+            ],
+            2,
+            "distributed.cp = 2: expected 1 with a sequence-level balancing loss "
+            "(model.moe_aux_loss_level)",
+        ),
+        (
+            ["--distributed.cp=2", "--train.compile=true"],
+            2,
+            "distributed.cp = 2: expected 1 with compiled blocks (train.compile)",
+        ),
+        (
+            ["--distributed.cp=2", "--distributed.dp_shard=2"],
+            2,
+            "distributed.dp_shard = 2: expected dp_replicate * dp_shard * cp * tp * pp == "
+            "world size 2",
+        ),
+        (
+            ["--distributed.cp=2", "--optimizer.name=muon"],
+            2,
+            "optimizer.name = 'muon': expected an optimizer other than 'muon' when parameters",
+        ),
+    ],
+)
+def test_a_context_parallel_degree_the_job_cannot_run_is_a_config_error(
+    overrides, world_size, message
+):
+    config = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        config.validate(world_size)
+    assert str(info.value).startswith(message)
+
+
+def test_context_parallelism_leaves_the_data_parallel_degree_and_the_global_batch():
+    config = load_config(None, [*GQA, "--distributed.cp=2", "--train.global_batch_size=16"])
+    config.validate(4)  # dp_shard = -1 takes 2 of 4 ranks: cp peers read the same batches
+    assert config.distributed.mesh_shape(4) == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 2,
+        "tp": 1,
+    }
+    assert config.distributed.resolved_dp(4) == 2
+
+
+def test_a_negative_cp_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^distributed.cp = 0: expected"):
+        load_config(None, ["--distributed.cp=0"])
