@@ -41,7 +41,8 @@ class FaultToleranceConfig:
     """Fewest groups a step may commit with; with fewer alive, the groups wait for more
     (up to quorum_timeout_s)."""
     quorum_timeout_s: float = 60.0
-    """Seconds a group waits for a quorum (the lighthouse's answer) before failing; at
+    """Seconds a group waits for a quorum (the lighthouse's answer); past it the group
+    stops with exit 75, after the group that led the last committed step saved it. At
     most a week."""
     timeout_s: float = 60.0
     """Seconds a cross-group collective, commit vote or live-state transfer may take before

@@ -33,7 +33,8 @@ INTERRUPTED (130)
     Ctrl-C outside training (prepare-data, eval): nothing was left half-written.
 PREEMPTED (75, EX_TEMPFAIL from sysexits.h)
     A signal (SIGTERM, SIGINT or SIGUSR1, e.g. from ``#SBATCH --signal=B:USR1@120``)
-    arrived, the run saved a checkpoint of its last good step and exited cleanly.
+    arrived, the run saved a checkpoint of its last good step and exited cleanly (replica
+    groups also exit 75 when their quorum is lost: the lighthouse gone or silent).
     Requeue the job: `checkpoint.resume_from = "auto"` continues exactly there.
 HARDWARE_FAULT (76)
     With train.attribute_faults, train.max_hardware_faults faulty steps in this launch came

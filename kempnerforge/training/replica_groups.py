@@ -29,6 +29,7 @@ from kempnerforge.checkpoint.rng import capture_rng_state
 from kempnerforge.core.logging import get_logger
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.quorum_loss import LastCommit, QuorumLost, stop_after_quorum_loss
 from kempnerforge.training.replica_batches import ReplicaBatches
 from kempnerforge.training.resume import ResumePlan, apply_resume
 from kempnerforge.training.session import Replicas, StepResult, TrainingSession
@@ -126,6 +127,8 @@ class ReplicaGroup(TrainingHook):
         self._healed = False
         self._running = False
         self._quorum_open = False
+        self._last_rank: int | None = None  # in the quorum of the last committed step
+        self._on_disk_step = -1  # the newest step this group knows is on disk
         self.batches = ReplicaBatches(
             session.data,
             ft.num_replica_groups * config.train.grad_accum_steps,
@@ -149,7 +152,10 @@ class ReplicaGroup(TrainingHook):
         (the quorum stays open), so the loop's counters always match the state.
         """
         if not self._quorum_open:
-            self.manager.start_quorum()
+            try:
+                self.manager.start_quorum()
+            except Exception as error:  # the lighthouse's answer never came
+                raise QuorumLost(self.group_id, self._loop_position[0] + 1, error) from error
             if self._moved:
                 self._moved, self._quorum_open = False, True
                 step = self._loop_position[0]
@@ -180,6 +186,7 @@ class ReplicaGroup(TrainingHook):
         manager, tracker = self.manager, self.session.tracker
         participants, rank = manager.num_participants(), manager.participating_rank()
         if manager.should_commit():
+            self._last_rank = rank
             data_step = self.batches.commit()
             tracker.log_event(
                 step,
@@ -210,8 +217,14 @@ class ReplicaGroup(TrainingHook):
         return False
 
     def is_saver(self) -> bool:
-        """Whether this group writes the checkpoint now: participant 0 of the last quorum."""
-        return self.manager.participating_rank() == 0
+        """Whether this group writes the checkpoint now: participant 0 of the quorum of the
+        last committed step (kept, not asked of torchft, which raises once a quorum failed)."""
+        return self._last_rank == 0
+
+    def last_commit(self) -> LastCommit:
+        """This group's last committed step, for stop_after_quorum_loss."""
+        step, tokens_seen = self._loop_position
+        return LastCommit(step, tokens_seen, self._last_rank == 0, self._on_disk_step == step)
 
     # --- Start-up -----------------------------------------------------------------------
 
@@ -234,6 +247,7 @@ class ReplicaGroup(TrainingHook):
         else:
             step, tokens_seen = apply_resume(self.session, plan)
             self._loop_position = (step, tokens_seen)
+            self._on_disk_step = step if plan is not None else -1
             data_step = self.batches.data_step
             self.manager.load_state_dict({"step": data_step, "batches_committed": 0})
             logger.info(
@@ -244,6 +258,7 @@ class ReplicaGroup(TrainingHook):
                 data_step,
                 self.manager.num_participants(),
             )
+        self._last_rank = self.manager.participating_rank()
         self._running = True
         return step, tokens_seen
 
@@ -290,6 +305,9 @@ class ReplicaGroup(TrainingHook):
     def on_step_end(self, ctx: StepContext) -> None:
         self._loop_position = (ctx.step, ctx.tokens_seen)
 
+    def on_checkpoint_save(self, step: int, path: str) -> None:
+        self._on_disk_step = step  # committed, by this group (the others skip the save)
+
     def on_train_end(self, step: int, tokens_seen: int) -> None:
         self.manager.shutdown(wait=False)
 
@@ -316,12 +334,19 @@ def run_replica_training(
     session: TrainingSession, *, step: int = 0, tokens_seen: int = 0
 ) -> tuple[int, int]:
     """run_training_loop, re-entered at the replica groups' position whenever this group
-    takes their live state mid-run (ReplicaRejoined); the loop itself without them."""
+    takes their live state mid-run (ReplicaRejoined); the loop itself without them. A lost
+    quorum (QuorumLost) ends it as a stop request does, after stop_after_quorum_loss."""
     while True:
         try:
             return run_training_loop(session, step=step, tokens_seen=tokens_seen)
         except ReplicaRejoined as moved:
             step, tokens_seen = moved.position
+        except QuorumLost as lost:
+            assert isinstance(session.step_fn, ReplicaStep)
+            group = session.step_fn.group
+            position = stop_after_quorum_loss(session, lost, group.last_commit())
+            group.manager.shutdown(wait=False)
+            return position
 
 
 def resume_or_join(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:

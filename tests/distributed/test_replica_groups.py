@@ -11,6 +11,7 @@ import signal
 import numpy as np
 import pytest
 
+from kempnerforge.resilience.exit_codes import PREEMPTED
 from tests.support.data_files import write_token_dir
 from tests.support.metrics_rows import read_rows
 from tests.support.replica_groups import (
@@ -79,6 +80,12 @@ def _assert_each_window_once(job: pathlib.Path, survivor: int, groups: tuple[int
     """
     timeline = [e["data_step"] for e in replica_steps(job / f"replica_{survivor}")]
     assert timeline == list(range(timeline[0], MAX_STEPS))  # from its first quorum on
+    _assert_slots_split(job, groups)
+
+
+def _assert_slots_split(job: pathlib.Path, groups: tuple[int, ...]) -> None:
+    """Every group read the slots its quorum gave it, and no two groups of one quorum the
+    same slot."""
     ranks: dict[int, list[int]] = {}
     for g in groups:
         for event in replica_steps(job / f"replica_{g}"):
@@ -216,3 +223,57 @@ def test_a_group_of_two_fsdp_processes_losing_one_rejoins_rank_by_rank(
     _assert_same_losses(losses(tmp_path / "replica_1"), uninterrupted)
     assert "with a peer's live state (not read from disk)" in logs[1].read_text()  # rank 0 logs
     _assert_each_window_once(tmp_path, 0, (0, 1))
+
+
+def test_a_lighthouse_restarted_mid_run_costs_no_step(tmp_path, data, uninterrupted):
+    """The lighthouse is killed at step 6 (checkpoints every 5 steps) and started again on
+    its port: the groups' next quorum fails, participant 0 of the last committed quorum
+    saves that step, both exit 75 (PREEMPTED), and relaunched they resume exactly there:
+    no step is redone and no window read twice."""
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    extra = (
+        f"--train.max_steps={MAX_STEPS}",
+        "--checkpoint.interval=5",
+        "--fault_tolerance.quorum_timeout_s=5",
+    )
+    args = group_args(tmp_path, data, port, *extra)
+    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    groups = [start_group(g, args, logs[g]) for g in (0, 1)]
+    try:
+        wait_for_step(tmp_path / "replica_0", 6, groups[0])
+        kill(lighthouse)
+        lighthouse = start_lighthouse(port)
+        codes = [process.wait(timeout=120) for process in groups]
+        assert codes == [PREEMPTED, PREEMPTED], [log.read_text()[-3000:] for log in logs]
+        stopped = [max(losses(tmp_path / f"replica_{g}")) for g in (0, 1)]
+        assert stopped[0] == stopped[1] and stopped[0] > 5, stopped
+        checkpoints = tmp_path / "checkpoints"
+        assert (checkpoints / "latest").read_text().strip() == f"step_{stopped[0]}"
+        groups = [start_group(g, args, logs[g]) for g in (0, 1)]
+        for process, log in zip(groups, logs, strict=True):
+            finish(process, log)
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.kill()
+    lost = [
+        e
+        for g in (0, 1)
+        for e in read_rows(tmp_path / f"replica_{g}")
+        if e.get("event") == "replica_quorum_lost"
+    ]
+    assert sorted(e["saved"] for e in lost) == [False, True], lost  # one group saved
+    steps: set[int] = set()
+    data_steps: set[int] = set()
+    for g in (0, 1):
+        run = losses(tmp_path / f"replica_{g}")
+        _assert_same_losses(run, uninterrupted)
+        steps |= run.keys()
+        timeline = [e["data_step"] for e in replica_steps(tmp_path / f"replica_{g}")]
+        assert timeline == sorted(set(timeline)), timeline  # no data step twice
+        data_steps |= set(timeline)
+    assert sorted(steps) == list(range(1, MAX_STEPS + 1))
+    assert sorted(data_steps) == list(range(MAX_STEPS))
+    # (On the relaunch one group may step alone before the other joins with its state.)
+    _assert_slots_split(tmp_path, (0, 1))
