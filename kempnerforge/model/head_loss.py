@@ -133,13 +133,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, _grad_tokens: Any) -> tuple[Any, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # Out of place: the stored gradients must survive a backward with retain_graph.
-        if grad_hidden is not None:
-            grad_hidden = (grad_hidden * grad_loss).to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return (*scale_saved_gradients(ctx, grad_loss), None, None, None, None)
+
+
+def scale_saved_gradients(
+    ctx: Any, grad_loss: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a loss whose forward already computed the gradients of its hidden
+    states and head weight (saved on ``ctx``, the weight's dtype as ``ctx.weight_dtype``):
+    both times the loss's incoming gradient, out of place, so the stored gradients survive
+    a backward with retain_graph."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    if grad_hidden is not None:
+        grad_hidden = (grad_hidden * grad_loss).to(grad_hidden.dtype)
+    if grad_weight is not None:
+        grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+    return grad_hidden, grad_weight
 
 
 def _chunked(

@@ -22,6 +22,7 @@ from kempnerforge.model.head_loss import (
     linear_cross_entropy,
     logits_head_loss,
     no_autocast,
+    scale_saved_gradients,
 )
 
 
@@ -155,13 +156,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, _grad_tokens: Any) -> tuple[Any, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # Out of place: the stored gradients must survive a backward with retain_graph.
-        if grad_hidden is not None:
-            grad_hidden = (grad_hidden * grad_loss).to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return (*scale_saved_gradients(ctx, grad_loss), None, None, None)
 
 
 def _chunked(
