@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kempnerforge.training.workspace import RUN_MARKER
 from tests.support.metrics_rows import train_rows
 from tests.support.tiny import tiny_run
 
@@ -218,6 +219,7 @@ def test_help_needs_no_torch_and_points_to_the_config_reference():
 def test_a_full_disk_while_writing_metrics_is_one_line_naming_the_file(tmp_path, token_dirs):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / RUN_MARKER).touch()  # a run's directory, so its metrics.jsonl is the run's
     (run_dir / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     code, _, err = run(*tiny(run_dir, token_dirs, "--train.max_steps=3"))
     assert code == 1
