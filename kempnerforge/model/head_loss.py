@@ -4,6 +4,8 @@ a time, so a micro-batch's whole (tokens, vocab) logits never exist at once."""
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -82,15 +84,35 @@ def linear_cross_entropy(
     w.r.t. ``weight`` is accumulated in fp32 over the chunks. ``hidden`` is (..., dim),
     ``weight`` (vocab, dim) and ``labels`` hidden's shape without the last dimension.
     """
+    chunk_loss = functools.partial(_chunk_loss, z_loss_weight=z_loss_weight)
+    return chunked_head_loss(hidden, weight, labels, chunk_tokens, chunk_loss)
+
+
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+"""(one chunk's logits, its targets, whether gradients are needed) -> (per-token losses,
+d(their sum)/d(the logits) or None); it may overwrite the logits."""
+
+
+def chunked_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    chunk_loss: ChunkLoss,
+) -> HeadLoss:
+    """The loss of ``hidden @ weight.T`` against ``labels``, chunk by chunk, with
+    ``chunk_loss`` computing each chunk's losses and logit gradients (this module's on the
+    whole vocabulary; model/vocab_parallel_loss.py's on a vocabulary shard). Without
+    autograd needs, no graph and no gradients."""
     dtype = compute_dtype(hidden, weight)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss_sum, per_token = _LinearCrossEntropy.apply(
-            hidden, weight, labels, chunk_tokens, z_loss_weight, dtype
+        loss_sum, per_token = _ChunkedHeadLoss.apply(
+            hidden, weight, labels, chunk_tokens, chunk_loss, dtype
         )
         return HeadLoss(loss_sum, per_token)
     with no_autocast(hidden.device.type):
         loss_sum, per_token, _, _ = _chunked(
-            hidden, weight, labels, chunk_tokens, z_loss_weight, dtype, (False, False)
+            hidden, weight, labels, chunk_tokens, chunk_loss, dtype, (False, False)
         )
     return HeadLoss(loss_sum, per_token)
 
@@ -108,7 +130,7 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class _ChunkedHeadLoss(torch.autograd.Function):
     """Forward computes loss and gradients chunk by chunk; backward scales the gradients."""
 
     @staticmethod
@@ -118,13 +140,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         labels: torch.Tensor,
         chunk_tokens: int,
-        z_loss_weight: float,
+        chunk_loss: ChunkLoss,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
         with no_autocast(hidden.device.type):
             loss_sum, per_token, grad_hidden, grad_weight = _chunked(
-                hidden, weight, labels, chunk_tokens, z_loss_weight, dtype, needs
+                hidden, weight, labels, chunk_tokens, chunk_loss, dtype, needs
             )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -133,22 +155,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, _grad_tokens: Any) -> tuple[Any, ...]:
-        return (*scale_saved_gradients(ctx, grad_loss), None, None, None, None)
-
-
-def scale_saved_gradients(
-    ctx: Any, grad_loss: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The backward of a loss whose forward already computed the gradients of its hidden
-    states and head weight (saved on ``ctx``, the weight's dtype as ``ctx.weight_dtype``):
-    both times the loss's incoming gradient, out of place, so the stored gradients survive
-    a backward with retain_graph."""
-    grad_hidden, grad_weight = ctx.saved_tensors
-    if grad_hidden is not None:
-        grad_hidden = (grad_hidden * grad_loss).to(grad_hidden.dtype)
-    if grad_weight is not None:
-        grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-    return grad_hidden, grad_weight
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # Out of place: the stored gradients must survive a backward with retain_graph.
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * grad_loss).to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunked(
@@ -156,7 +169,7 @@ def _chunked(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: int,
-    z_loss_weight: float,
+    chunk_loss: ChunkLoss,
     dtype: torch.dtype,
     needs: tuple[bool, bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -182,9 +195,7 @@ def _chunked(
     for start in range(0, num_tokens, step):
         end = min(start + step, num_tokens)
         h_chunk = h[start:end]
-        losses, dlogits = _chunk_loss(
-            h_chunk @ w.t(), targets[start:end], z_loss_weight, any(needs)
-        )
+        losses, dlogits = chunk_loss(h_chunk @ w.t(), targets[start:end], any(needs))
         per_token[start:end] = losses
         loss_sum += losses.sum()
         if dlogits is None:
@@ -202,7 +213,7 @@ def _chunked(
 
 
 def _chunk_loss(
-    logits: torch.Tensor, targets: torch.Tensor, z_loss_weight: float, with_grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, with_grad: bool, *, z_loss_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token losses of one chunk's logits (chunk, vocab), and d(their sum)/d(logits).
 
@@ -218,7 +229,28 @@ def _chunk_loss(
     peak = logits.amax(dim=1)
     peak = torch.where(peak.isinf(), 0.0, peak)  # as torch.logsumexp: no inf - inf
     exp = logits.sub_(peak.unsqueeze(1)).exp_()
-    total = exp.sum(dim=1)
+    targets_held = (safe, supervised)
+    return softmax_losses(
+        exp, peak, exp.sum(dim=1), target_logits, supervised, targets_held, z_loss_weight, with_grad
+    )
+
+
+def softmax_losses(
+    exp: torch.Tensor,
+    peak: torch.Tensor,
+    total: torch.Tensor,
+    target_logits: torch.Tensor,
+    supervised: torch.Tensor,
+    targets_held: tuple[torch.Tensor, torch.Tensor],
+    z_loss_weight: float,
+    with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token losses (cross-entropy plus z-loss, 0 on ignored rows) of a chunk whose
+    rows' log-sum-exp is ``peak + log(total)``, and, with ``with_grad``, their gradient
+    w.r.t. the logits written over ``exp`` (exp(logits - peak) for the columns this rank
+    holds): softmax * (1 + 2 * z * logsumexp) minus the one-hot target, zero on ignored
+    rows. ``targets_held`` is (each row's target column among these columns as an (n, 1)
+    index, whether the row's target is among them)."""
     lse = peak + total.log()
     losses = lse - target_logits
     if z_loss_weight:
@@ -230,5 +262,6 @@ def _chunk_loss(
     if z_loss_weight:
         scale = scale * (1.0 + (2.0 * z_loss_weight) * lse)
     probs = exp.mul_(scale.unsqueeze(1))
-    probs.scatter_add_(1, safe, -supervised.to(probs.dtype).unsqueeze(1))
+    column, held = targets_held
+    probs.scatter_add_(1, column, -held.to(probs.dtype).unsqueeze(1))
     return losses, probs

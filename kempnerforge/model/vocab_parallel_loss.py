@@ -6,6 +6,7 @@ tensor-parallel group."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import torch
@@ -18,11 +19,10 @@ from kempnerforge.model.head_loss import (
     IGNORE_INDEX,
     HeadLoss,
     HeadLossSpec,
-    compute_dtype,
+    chunked_head_loss,
     linear_cross_entropy,
     logits_head_loss,
-    no_autocast,
-    scale_saved_gradients,
+    softmax_losses,
 )
 
 
@@ -99,18 +99,9 @@ def vocab_parallel_head_loss(
     local_weight = weight.to_local()
     first, count = shard_rows(weight.shape[0], mesh.size(), mesh.get_local_rank())
     assert local_weight.shape[0] == count, "the head's vocabulary shard is not DTensor's split"
-    shard = _Shard(mesh.get_group(), first, chunk_tokens, z_loss_weight)
-    dtype = compute_dtype(whole_hidden, local_weight)
-    if torch.is_grad_enabled() and (whole_hidden.requires_grad or local_weight.requires_grad):
-        loss_sum, per_token = _VocabParallelCrossEntropy.apply(
-            whole_hidden, local_weight, labels, shard, dtype
-        )
-        return HeadLoss(loss_sum, per_token)
-    with no_autocast(whole_hidden.device.type):
-        loss_sum, per_token, _, _ = _chunked(
-            whole_hidden, local_weight, labels, shard, dtype, (False, False)
-        )
-    return HeadLoss(loss_sum, per_token)
+    shard = _Shard(mesh.get_group(), first, z_loss_weight)
+    chunk_loss = functools.partial(_chunk_loss, shard=shard)
+    return chunked_head_loss(whole_hidden, local_weight, labels, chunk_tokens, chunk_loss)
 
 
 def _replicated_local(hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -122,84 +113,17 @@ def _replicated_local(hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class _Shard:
-    """What a rank's chunks need besides tensors: the group, its vocabulary offset, the
-    chunking and the z-loss weight."""
+    """What a rank's chunks need besides tensors: the group, its vocabulary offset and the
+    z-loss weight."""
 
-    def __init__(self, group: Any, first: int, chunk_tokens: int, z_loss_weight: float) -> None:
+    def __init__(self, group: Any, first: int, z_loss_weight: float) -> None:
         self.group = group
         self.first = first
-        self.chunk_tokens = chunk_tokens
         self.z_loss_weight = z_loss_weight
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward computes loss and local gradients chunk by chunk; backward scales them."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        shard: _Shard,
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        with no_autocast(hidden.device.type):
-            loss_sum, per_token, grad_hidden, grad_weight = _chunked(
-                hidden, weight, labels, shard, dtype, needs
-            )
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(per_token)
-        return loss_sum, per_token
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_tokens: Any) -> tuple[Any, ...]:
-        return (*scale_saved_gradients(ctx, grad_loss), None, None, None)
-
-
-def _chunked(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    shard: _Shard,
-    dtype: torch.dtype,
-    needs: tuple[bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(loss sum, per-token losses, partial grad of hidden or None, grad of the weight shard
-    or None), chunk by chunk. Autocast must be off: every dtype here is explicit."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    targets = labels.reshape(-1)
-    num_tokens = flat.shape[0]
-    step = shard.chunk_tokens if shard.chunk_tokens > 0 else max(num_tokens, 1)
-    h, w = flat.to(dtype), weight.to(dtype)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    per_token = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(flat) if needs[0] else None
-    grad_weight: torch.Tensor | None = None
-    if needs[1]:
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    for start in range(0, num_tokens, step):
-        end = min(start + step, num_tokens)
-        h_chunk = h[start:end]
-        losses, dlogits = _chunk_loss(h_chunk @ w.t(), targets[start:end], shard, any(needs))
-        per_token[start:end] = losses
-        loss_sum += losses.sum()
-        if dlogits is None:
-            continue
-        dlogits = dlogits.to(dtype)
-        if grad_hidden is not None:
-            grad_hidden[start:end] = dlogits @ w
-        if grad_weight is not None:
-            grad_weight += dlogits.t() @ h_chunk  # the chunk's product, summed in fp32
-    if grad_hidden is not None:
-        grad_hidden = grad_hidden.view(hidden.shape)
-    return loss_sum, per_token.view(labels.shape), grad_hidden, grad_weight
-
-
 def _chunk_loss(
-    logits: torch.Tensor, targets: torch.Tensor, shard: _Shard, with_grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, with_grad: bool, *, shard: _Shard
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token losses of one chunk from this rank's logits (chunk, vocab shard), and
     d(their sum)/d(these logits).
@@ -226,17 +150,6 @@ def _chunk_loss(
     sums = torch.stack([exp.sum(dim=1), target_logits])
     dist.all_reduce(sums, group=shard.group)
     total, target_logits = sums[0], sums[1]
-    lse = peak + total.log()
-    losses = lse - target_logits
-    z_loss_weight = shard.z_loss_weight
-    if z_loss_weight:
-        losses = losses + z_loss_weight * lse.square()
-    losses = torch.where(supervised, losses, 0.0)
-    if not with_grad:
-        return losses, None
-    scale = supervised / total  # softmax = exp / total; ignored rows get no gradient
-    if z_loss_weight:
-        scale = scale * (1.0 + (2.0 * z_loss_weight) * lse)
-    probs = exp.mul_(scale.unsqueeze(1))
-    probs.scatter_add_(1, safe, -owned.to(probs.dtype).unsqueeze(1))
-    return losses, probs
+    return softmax_losses(
+        exp, peak, total, target_logits, supervised, (safe, owned), shard.z_loss_weight, with_grad
+    )
