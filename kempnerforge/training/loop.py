@@ -371,11 +371,15 @@ def _drain_after_failure(checkpointer: CheckpointManager) -> None:
 
 
 def _save_checkpoint(session: TrainingSession, progress: _Progress) -> None:
-    step = progress.step
+    save_checkpoint(session, progress.step, progress.tokens_seen)
+    progress.last_saved = progress.step
+
+
+def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:
+    """Start a checkpoint of ``step`` (committed now in sync mode, later in async mode) with
+    the loop's metadata and train state, and log its ``checkpoint`` event; its path."""
     extra = checkpoint_extra(session.config, step, session.phases)
-    train_state = capture_train_state(
-        session.data, session.nan_detector, step, progress.tokens_seen, extra
-    )
+    train_state = capture_train_state(session.data, session.nan_detector, step, tokens_seen, extra)
     # Schedule-free optimizers save their averaged point (a no-op for the others); the
     # save stages its copy before returning, so leaving the context right after is safe.
     with watch(CHECKPOINT, step), optimizer_eval_mode(session.optimizer):
@@ -386,8 +390,8 @@ def _save_checkpoint(session: TrainingSession, progress: _Progress) -> None:
             scheduler=session.scheduler,
             train_state=train_state,
         )
-    progress.last_saved = step
     session.tracker.log_event(step, "checkpoint", path=path)
+    return path
 
 
 def _checkpoint_committed(session: TrainingSession, step: int, path: str, seconds: float) -> None:

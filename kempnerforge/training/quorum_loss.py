@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kempnerforge.core.logging import get_logger
-from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.hang import CHECKPOINT, watch
-from kempnerforge.training.loop import checkpoint_extra
+from kempnerforge.training.loop import save_checkpoint
 from kempnerforge.training.session import TrainingSession
-from kempnerforge.training.state import capture_train_state
 
 logger = get_logger(__name__)
 
@@ -82,16 +80,6 @@ def stop_after_quorum_loss(
 
 def _save(session: TrainingSession, step: int, tokens_seen: int) -> None:
     """A checkpoint of ``step`` exactly as the loop writes one, committed before return."""
-    extra = checkpoint_extra(session.config, step, session.phases)
-    train_state = capture_train_state(session.data, session.nan_detector, step, tokens_seen, extra)
-    checkpointer = session.checkpointer
-    with watch(CHECKPOINT, step), optimizer_eval_mode(session.optimizer):
-        path = checkpointer.save(
-            step,
-            model=session.model,
-            optimizer=session.optimizer,
-            scheduler=session.scheduler,
-            train_state=train_state,
-        )
-        checkpointer.wait()  # async mode: the process exits next, the write must be durable
-    session.tracker.log_event(step, "checkpoint", path=path)
+    save_checkpoint(session, step, tokens_seen)
+    with watch(CHECKPOINT, step):
+        session.checkpointer.wait()  # async mode: the process exits next, the write must be durable
