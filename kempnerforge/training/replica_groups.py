@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
-from kempnerforge.checkpoint.rng import capture_rng_state
 from kempnerforge.core.logging import get_logger
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
@@ -279,7 +278,6 @@ class ReplicaGroup(TrainingHook):
             tokens_seen,
             {"phases": session.phases.state_dict()},
         )
-        train_state["rng"] = capture_rng_state()
         return {
             "model": model_state(session.model),
             "optimizer": optimizer_state(session.optimizer),
