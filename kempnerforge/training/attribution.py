@@ -15,6 +15,7 @@ small collective.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import socket
 
@@ -102,7 +103,7 @@ def _local_evidence(session: TrainingSession, fault: str | None, threshold: floa
         if fault == LOSS_SPIKE:
             if threshold is not None and value > threshold:
                 return 2
-        elif not torch.isfinite(torch.tensor(value)):
+        elif not math.isfinite(value):
             return 2
     return 1 if _local_grads_non_finite(session.model) else 0
 
