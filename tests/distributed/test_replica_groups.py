@@ -14,18 +14,7 @@ import pytest
 from kempnerforge.resilience.exit_codes import PREEMPTED
 from tests.support.data_files import write_token_dir
 from tests.support.metrics_rows import read_rows
-from tests.support.replica_groups import (
-    child_pids,
-    finish,
-    free_port,
-    group_args,
-    kill,
-    losses,
-    replica_steps,
-    start_group,
-    start_lighthouse,
-    wait_for_step,
-)
+from tests.support.replica_groups import ReplicaJob, child_pids, kill, losses, replica_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -45,16 +34,9 @@ def data(tmp_path_factory) -> tuple[str, str]:
 def uninterrupted(tmp_path_factory, data) -> dict[int, float]:
     """The losses of the two groups trained side by side without a fault."""
     job = tmp_path_factory.mktemp("uninterrupted")
-    port = free_port()
-    lighthouse = start_lighthouse(port)
-    try:
-        args = group_args(job, data, port, f"--train.max_steps={MAX_STEPS}")
-        logs = [job / f"g{g}.log" for g in (0, 1)]
-        groups = [start_group(g, args, logs[g]) for g in (0, 1)]
-        for process, log in zip(groups, logs, strict=True):
-            finish(process, log)
-    finally:
-        lighthouse.kill()
+    with ReplicaJob(job, data, f"--train.max_steps={MAX_STEPS}") as run:
+        run.start(0, 1)
+        run.finish()
     first, second = losses(job / "replica_0"), losses(job / "replica_1")
     for step in first.keys() & second.keys():  # the two groups log the same global loss
         assert first[step] == pytest.approx(second[step], rel=1e-12)
@@ -99,57 +81,39 @@ def _assert_slots_split(job: pathlib.Path, groups: tuple[int, ...]) -> None:
 def test_a_killed_group_is_left_out_and_a_relaunched_one_rejoins_from_its_peer(
     tmp_path, data, uninterrupted
 ):
-    port = free_port()
-    lighthouse = start_lighthouse(port)
-    args = group_args(tmp_path, data, port, f"--train.max_steps={MAX_STEPS}")
-    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
-    groups = [start_group(0, args, logs[0])]
-    try:
+    with ReplicaJob(tmp_path, data, f"--train.max_steps={MAX_STEPS}") as run:
         # Group 0 takes the first step alone, so it is the one that sees every step; group 1
         # joins it with its live state, and is the one killed.
-        wait_for_step(tmp_path / "replica_0", 1, groups[0])
-        groups.append(start_group(1, args, logs[1]))
-        wait_for_step(tmp_path / "replica_1", 4, groups[1])
-        kill(groups[1])
-        wait_for_step(tmp_path / "replica_0", 7, groups[0])  # the survivor goes on alone
-        groups[1] = start_group(1, args, logs[1])
-        for process, log in zip(groups, logs, strict=True):
-            finish(process, log)
-    finally:
-        for process in groups:
-            process.kill()
-        lighthouse.kill()
+        run.start(0)
+        run.wait_for_step(0, 1)
+        run.start(1)
+        run.wait_for_step(1, 4)
+        kill(run.groups[1])
+        run.wait_for_step(0, 7)  # the survivor goes on alone
+        run.start(1)
+        run.finish()
     survivor = losses(tmp_path / "replica_0")
     assert sorted(survivor) == list(range(1, MAX_STEPS + 1))
     _assert_same_losses(survivor, uninterrupted)
     _assert_same_losses(losses(tmp_path / "replica_1"), uninterrupted)
     alone = [e for e in replica_steps(tmp_path / "replica_0") if e["participants"] == 1]
     assert alone and all(e["slots"] == [0, 1] for e in alone)  # it took the whole batch
-    relaunched = logs[1].read_text()
+    relaunched = run.log(1)
     assert "with a peer's live state (not read from disk)" in relaunched, relaunched[-3000:]
     _assert_each_window_once(tmp_path, 0, (0, 1))
 
 
 def test_both_groups_killed_resume_from_the_last_checkpoint_exactly(tmp_path, data, uninterrupted):
-    port = free_port()
-    lighthouse = start_lighthouse(port)
+    checkpoints = tmp_path / "checkpoints"
     extra = (f"--train.max_steps={MAX_STEPS}", "--checkpoint.interval=5")
-    args = group_args(tmp_path, data, port, *extra)
-    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
-    groups = [start_group(g, args, logs[g]) for g in (0, 1)]
-    try:
-        wait_for_step(tmp_path / "replica_0", 7, groups[0])
-        for process in groups:
+    with ReplicaJob(tmp_path, data, *extra) as run:
+        run.start(0, 1)
+        run.wait_for_step(0, 7)
+        for process in run.groups.values():
             kill(process)
-        checkpoints = tmp_path / "checkpoints"
         assert (checkpoints / "latest").read_text().strip() == "step_5"
-        groups = [start_group(g, args, logs[g]) for g in (0, 1)]
-        for process, log in zip(groups, logs, strict=True):
-            finish(process, log)
-    finally:
-        for process in groups:
-            process.kill()
-        lighthouse.kill()
+        run.start(0, 1)
+        run.finish()
     for g in (0, 1):
         _assert_same_losses(losses(tmp_path / f"replica_{g}"), uninterrupted)
     assert (checkpoints / "latest").read_text().strip() == f"step_{MAX_STEPS}"
@@ -161,32 +125,23 @@ def test_both_groups_killed_resume_from_the_last_checkpoint_exactly(tmp_path, da
 def test_a_stalled_group_falls_behind_and_catches_up_with_its_peers_state(
     tmp_path, data, uninterrupted
 ):
-    port = free_port()
-    lighthouse = start_lighthouse(port)
-    args = group_args(tmp_path, data, port, f"--train.max_steps={MAX_STEPS}")
-    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
-    groups = [start_group(0, args, logs[0])]
-    try:
-        wait_for_step(tmp_path / "replica_0", 1, groups[0])
-        groups.append(start_group(1, args, logs[1]))
-        wait_for_step(tmp_path / "replica_1", 1, groups[1])
-        groups[1].send_signal(signal.SIGSTOP)  # a hung node: no heartbeat, no collective
-        stalled_at = max(losses(tmp_path / "replica_1", live=True))
-        wait_for_step(tmp_path / "replica_0", stalled_at + 4, groups[0])
-        groups[1].send_signal(signal.SIGCONT)
-        for process, log in zip(groups, logs, strict=True):
-            finish(process, log)
-    finally:
-        for process in groups:
-            process.kill()
-        lighthouse.kill()
+    with ReplicaJob(tmp_path, data, f"--train.max_steps={MAX_STEPS}") as run:
+        run.start(0)
+        run.wait_for_step(0, 1)
+        run.start(1)
+        run.wait_for_step(1, 1)
+        run.groups[1].send_signal(signal.SIGSTOP)  # a hung node: no heartbeat, no collective
+        stalled_at = max(losses(run.run_dir(1), live=True))
+        run.wait_for_step(0, stalled_at + 4)
+        run.groups[1].send_signal(signal.SIGCONT)
+        run.finish()
     _assert_same_losses(losses(tmp_path / "replica_0"), uninterrupted)
     behind = losses(tmp_path / "replica_1")
     _assert_same_losses(behind, uninterrupted)
     rejoined = [
         r for r in read_rows(tmp_path / "replica_1") if r.get("event") == "replica_rejoined"
     ]
-    assert rejoined, logs[1].read_text()[-3000:]
+    assert rejoined, run.log(1)[-3000:]
     assert MAX_STEPS in behind  # it caught up and trained to the end
     _assert_each_window_once(tmp_path, 0, (0, 1))
 
@@ -198,30 +153,20 @@ def test_a_group_of_two_fsdp_processes_losing_one_rejoins_rank_by_rank(
     torchrun ends the group, and the relaunched group takes each rank's shards from the
     same rank of group 0. The global batch is the same as the one-process groups' (batch
     size 2 per rank), so the losses match the uninterrupted run's."""
-    port = free_port()
-    lighthouse = start_lighthouse(port)
-    args = group_args(
-        tmp_path, data, port, f"--train.max_steps={MAX_STEPS}", "--train.batch_size=2"
-    )
-    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
+    extra = (f"--train.max_steps={MAX_STEPS}", "--train.batch_size=2")
     # Two processes start slowly: a longer pause keeps group 0 going until group 1 is back.
-    groups = [start_group(g, args, logs[g], processes=2, pause_s=1.5) for g in (0, 1)]
-    try:
-        wait_for_step(tmp_path / "replica_1", 2, groups[1])
-        os.kill(child_pids(groups[1].pid)[-1], signal.SIGKILL)  # its rank 1
-        groups[1].wait()
-        groups[1] = start_group(1, args, logs[1], processes=2, pause_s=1.5)
-        for process, log in zip(groups, logs, strict=True):
-            finish(process, log)
-    finally:
-        for process in groups:
-            process.kill()
-        lighthouse.kill()
+    with ReplicaJob(tmp_path, data, *extra, processes=2, pause_s=1.5) as run:
+        run.start(0, 1)
+        run.wait_for_step(1, 2)
+        os.kill(child_pids(run.groups[1].pid)[-1], signal.SIGKILL)  # its rank 1
+        run.groups[1].wait()
+        run.start(1)
+        run.finish()
     survivor = losses(tmp_path / "replica_0")
     assert max(survivor) == MAX_STEPS
     _assert_same_losses(survivor, uninterrupted)
     _assert_same_losses(losses(tmp_path / "replica_1"), uninterrupted)
-    assert "with a peer's live state (not read from disk)" in logs[1].read_text()  # rank 0 logs
+    assert "with a peer's live state (not read from disk)" in run.log(1)  # rank 0 logs
     _assert_each_window_once(tmp_path, 0, (0, 1))
 
 
@@ -230,33 +175,23 @@ def test_a_lighthouse_restarted_mid_run_costs_no_step(tmp_path, data, uninterrup
     its port: the groups' next quorum fails, participant 0 of the last committed quorum
     saves that step, both exit 75 (PREEMPTED), and relaunched they resume exactly there:
     no step is redone and no window read twice."""
-    port = free_port()
-    lighthouse = start_lighthouse(port)
     extra = (
         f"--train.max_steps={MAX_STEPS}",
         "--checkpoint.interval=5",
         "--fault_tolerance.quorum_timeout_s=5",
     )
-    args = group_args(tmp_path, data, port, *extra)
-    logs = [tmp_path / f"g{g}.log" for g in (0, 1)]
-    groups = [start_group(g, args, logs[g]) for g in (0, 1)]
-    try:
-        wait_for_step(tmp_path / "replica_0", 6, groups[0])
-        kill(lighthouse)
-        lighthouse = start_lighthouse(port)
-        codes = [process.wait(timeout=120) for process in groups]
-        assert codes == [PREEMPTED, PREEMPTED], [log.read_text()[-3000:] for log in logs]
-        stopped = [max(losses(tmp_path / f"replica_{g}")) for g in (0, 1)]
+    with ReplicaJob(tmp_path, data, *extra) as run:
+        run.start(0, 1)
+        run.wait_for_step(0, 6)
+        run.restart_lighthouse()
+        codes = [run.groups[g].wait(timeout=120) for g in (0, 1)]
+        assert codes == [PREEMPTED, PREEMPTED], [run.log(g)[-3000:] for g in (0, 1)]
+        stopped = [max(losses(run.run_dir(g))) for g in (0, 1)]
         assert stopped[0] == stopped[1] and stopped[0] > 5, stopped
         checkpoints = tmp_path / "checkpoints"
         assert (checkpoints / "latest").read_text().strip() == f"step_{stopped[0]}"
-        groups = [start_group(g, args, logs[g]) for g in (0, 1)]
-        for process, log in zip(groups, logs, strict=True):
-            finish(process, log)
-    finally:
-        for process in groups:
-            process.kill()
-        lighthouse.kill()
+        run.start(0, 1)
+        run.finish()
     lost = [
         e
         for g in (0, 1)

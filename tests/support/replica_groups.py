@@ -135,6 +135,64 @@ def kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
+class ReplicaJob:
+    """A test's lighthouse and its two replica groups of ``processes`` each, every one of
+    them killed when the ``with`` block ends, whatever the test asserted.
+
+    Group g runs in ``job_dir / f"replica_{g}"`` and logs to ``job_dir / f"g{g}.log"``
+    (appended to across relaunches).
+    """
+
+    def __init__(
+        self,
+        job_dir: pathlib.Path,
+        data: tuple[str, str],
+        *extra: str,
+        processes: int = 1,
+        pause_s: float = 0.5,
+    ) -> None:
+        self.dir = job_dir
+        self.port = free_port()
+        self.args = group_args(job_dir, data, self.port, *extra)
+        self.logs = [job_dir / f"g{g}.log" for g in (0, 1)]
+        self.groups: dict[int, subprocess.Popen] = {}
+        self.processes = processes
+        self.pause_s = pause_s
+        self.lighthouse = start_lighthouse(self.port)
+
+    def __enter__(self) -> ReplicaJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.groups.values():
+            process.kill()
+        self.lighthouse.kill()
+
+    def start(self, *groups: int) -> None:
+        """Launch (or relaunch) ``groups``."""
+        for g in groups:
+            self.groups[g] = start_group(g, self.args, self.logs[g], self.processes, self.pause_s)
+
+    def run_dir(self, group: int) -> pathlib.Path:
+        return self.dir / f"replica_{group}"
+
+    def wait_for_step(self, group: int, step: int) -> None:
+        wait_for_step(self.run_dir(group), step, self.groups[group])
+
+    def restart_lighthouse(self) -> None:
+        """Kill the lighthouse and start a new one on the same port."""
+        kill(self.lighthouse)
+        self.lighthouse = start_lighthouse(self.port)
+
+    def finish(self) -> None:
+        """Wait for every running group to exit 0 (fail with its log's tail otherwise)."""
+        for g, process in sorted(self.groups.items()):
+            finish(process, self.logs[g])
+
+    def log(self, group: int) -> str:
+        return self.logs[group].read_text()
+
+
 def losses(run_dir: pathlib.Path, *, live: bool = False) -> dict[int, float]:
     """Each logged step's loss (the last row of a step logged twice, after a restart);
     ``live``: of a run still going."""
