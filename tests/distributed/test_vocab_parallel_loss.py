@@ -9,7 +9,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kempnerforge.model.head_loss import IGNORE_INDEX, HeadLossSpec, logits_head_loss
+from kempnerforge.model.head_loss import (
+    IGNORE_INDEX,
+    HeadLossSpec,
+    linear_cross_entropy,
+    logits_head_loss,
+)
 from kempnerforge.model.vocab_parallel_loss import head_loss, is_vocab_sharded, shard_rows
 from tests.support.dist import run_distributed
 
@@ -118,3 +123,65 @@ def test_shard_rows_split_as_dtensor_does() -> None:
             assert count == piece.numel()
             if count:
                 assert first == int(piece[0])
+
+
+BF16_TOL = {"rtol": 1e-2, "atol": 1e-2}  # a bf16 gradient within one rounding step
+
+
+def _single_rank_bf16(mode: str) -> dict[str, torch.Tensor]:
+    """The single-rank chunked loss in bf16 (``mode``: "autocast" over fp32 tensors, or
+    "bf16" tensors), the reference the vocabulary-parallel loss must match in bf16."""
+    hidden, weight, labels = _inputs()
+    if mode == "bf16":
+        hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=5, z_loss_weight=1e-2)
+    loss.loss_sum.backward()
+    assert hidden.grad is not None and weight.grad is not None
+    return {
+        "loss": loss.loss_sum.detach(),
+        "tokens": loss.token_losses,
+        "grad_hidden": hidden.grad,
+        "grad_weight": weight.grad,
+    }
+
+
+def _vocab_parallel_bf16(rank: int, world_size: int, mode: str) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    hidden, weight, labels = _inputs()
+    if mode == "bf16":
+        hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    head = nn.Linear(D, V, bias=False, dtype=weight.dtype)
+    head.weight = nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+    leaf = hidden.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        loss = head_loss(leaf, head, labels, HeadLossSpec(5, 1e-2))
+    loss.loss_sum.backward()
+    assert leaf.grad is not None and isinstance(head.weight.grad, DTensor)
+    return {
+        "loss": loss.loss_sum.detach(),
+        "tokens": loss.token_losses,
+        "grad_hidden": leaf.grad,
+        "grad_weight": head.weight.grad.full_tensor(),
+    }
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16"])
+def test_in_bf16_the_vocabulary_parallel_loss_matches_the_single_rank_loss(mode) -> None:
+    """Under bf16 autocast, and with bf16 weights, the sharded logits' softmax (fp32 over
+    bf16 logits) gives the single-rank chunked loss's values and gradients, in their
+    dtypes, within bf16 rounding; the loss stays fp32 and close to the fp32 loss."""
+    ranks = run_distributed(_vocab_parallel_bf16, 2, mode)
+    want = _single_rank_bf16(mode)
+    fp32 = _reference(1e-2)["loss"]
+    for got in ranks:
+        assert torch.equal(got["loss"], ranks[0]["loss"])
+        assert got["loss"].dtype == torch.float32
+        torch.testing.assert_close(got["loss"], want["loss"], **TOL)  # fp32 softmax in both
+        torch.testing.assert_close(got["loss"], fp32, rtol=2e-3, atol=0.0)
+        torch.testing.assert_close(got["tokens"], want["tokens"], **TOL)
+        for name in ("grad_hidden", "grad_weight"):
+            assert got[name].dtype == want[name].dtype, name
+            torch.testing.assert_close(got[name], want[name], **BF16_TOL)
