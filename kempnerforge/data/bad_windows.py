@@ -49,6 +49,27 @@ def next_good_window(index: int, bad: frozenset[int], size: int, path: str) -> i
     )
 
 
+class BadWindowSkipping:
+    """What every training dataset does with its bad windows: ``skip_windows`` lists them
+    (window_reads.apply_bad_windows sets it), and sample ``index`` reads ``window_for(index)``,
+    the stand-in for a bad one, so the token and the image-text datasets skip alike.
+
+    Mixed in ahead of torch's Dataset by a dataset with a ``path`` and windows ``0`` to
+    ``len - 1``; set on the instance, the list travels to the loader's workers with it.
+    """
+
+    path: str
+    skip_windows: frozenset[int] = frozenset()
+    """Windows recorded as bad data: each is read as the next good one."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def window_for(self, index: int) -> int:
+        """The window sample ``index`` reads: itself, unless it is recorded as bad data."""
+        return next_good_window(index, self.skip_windows, len(self), self.path)
+
+
 class BadWindows:
     """The set of bad windows of a run, by dataset; small (one entry per fault traced)."""
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.bad_windows import next_good_window
+from kempnerforge.data.bad_windows import BadWindowSkipping
 from kempnerforge.data.shards import read_parts
 from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
 from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
@@ -21,17 +21,20 @@ IGNORE_INDEX = -100
 
 
 class SampleDataset(Protocol):
-    """What the training loader and eval read: samples by index, and a path naming where
-    they come from (for messages)."""
+    """What the training loader and eval read: samples by index, a path naming where they
+    come from (for messages), and the bad windows skipped (BadWindowSkipping)."""
 
     path: str
+    skip_windows: frozenset[int]
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]: ...
 
+    def window_for(self, index: int) -> int: ...
 
-class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
+
+class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
     """Windows of ``seq_len + 1`` tokens at stride ``seq_len`` over a prepared directory.
 
     Sample ``i`` covers tokens ``[i * seq_len, i * seq_len + seq_len + 1)``; consecutive windows
@@ -94,8 +97,6 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
                 f"{path}: {self.num_tokens} tokens, fewer than one window of seq_len + 1 = "
                 f"{seq_len + 1}; prepare more text or lower train.seq_len"
             )
-        self.skip_windows: frozenset[int] = frozenset()
-        """Windows recorded as bad data: each is read as the next good one (bad_windows.py)."""
         self._stream = TokenStream(
             [str(Path(part_dir) / TOKENS_FILE) for part_dir, _ in parts],
             [int(part_meta["num_tokens"]) for _, part_meta in parts],
@@ -119,10 +120,6 @@ class MemoryMappedDataset(Dataset[dict[str, torch.Tensor]]):
 
     def __len__(self) -> int:
         return self._num_windows
-
-    def window_for(self, index: int) -> int:
-        """The window sample ``index`` reads: itself, unless it is recorded as bad data."""
-        return next_good_window(index, self.skip_windows, self._num_windows, self.path)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self._num_windows:

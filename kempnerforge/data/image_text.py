@@ -17,6 +17,10 @@ stateful loader as text data, so a run resumes at the exact sample. A bad image 
 becomes a silent zero tensor: with ``bad_images = 'skip'`` the sample is replaced by the
 next readable one in index order (logged with the file's path), the same on every read, so
 resuming stays exact; with ``'fail'`` it is a DataError naming the file and index line.
+
+A sample recorded as bad data (bad_windows.py; window ``i`` is sample ``i``, window length
+0) is skipped the same way as a token window: it is read as the next sample of the same
+dataset that is not recorded, so the data order and the batch count stay as they were.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kempnerforge.config.eval import DEFAULT_EVAL_SET
 from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.core.errors import DataError, DataPathError
 from kempnerforge.core.logging import get_logger
+from kempnerforge.data.bad_windows import BAD_DATA_FILE, BadWindowSkipping
 from kempnerforge.data.dataset import IGNORE_INDEX, SampleDataset
 from kempnerforge.data.tokenizer import Tokenizer
 
@@ -85,13 +90,17 @@ def _require_pillow() -> Any:
     return Image
 
 
-class ImageTextDataset(Dataset[dict[str, torch.Tensor]]):
+class ImageTextDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
     """Pairs listed in a jsonl index: one ``{"image": path, "text": caption}`` per line.
 
     Image paths are relative to the index's directory (absolute ones are kept). The index
     is read and checked when the dataset opens (a DataError names the line); the images
     are decoded with Pillow when a sample is read, converted to RGB, resized to the
     encoder's side with bicubic filtering and normalised.
+
+    A pair listed in ``skip_windows`` (recorded as bad data) is never read, neither for its
+    own sample nor in place of an unreadable image: its sample reads the next pair in index
+    order that is neither.
     """
 
     def __init__(
@@ -117,10 +126,14 @@ class ImageTextDataset(Dataset[dict[str, torch.Tensor]]):
         return len(self.entries)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self.entries):
-            raise IndexError(f"sample {index} out of range [0, {len(self.entries)})")
-        for offset in range(len(self.entries)):
-            i = (index + offset) % len(self.entries)
+        size = len(self.entries)
+        if not 0 <= index < size:
+            raise IndexError(f"sample {index} out of range [0, {size})")
+        first = self.window_for(index)
+        for offset in range(size):
+            i = (first + offset) % size
+            if i in self.skip_windows:
+                continue
             image_path, text, _ = self.entries[i]
             try:
                 pixels = self._load(image_path)
@@ -130,9 +143,17 @@ class ImageTextDataset(Dataset[dict[str, torch.Tensor]]):
             ids = self.tokenizer.encode(text)
             caption = caption_tensors(ids, self.tokenizer, self.max_text_len)
             return {"pixel_values": pixels, **caption}
+        if self.skip_windows:
+            recorded = len(self.skip_windows)
+            raise DataError(
+                f"{self.path}: {recorded} of its {size} pairs are recorded as bad data "
+                f"({BAD_DATA_FILE} in the checkpoint directory) and the images of the other "
+                f"{size - recorded} cannot be read (each reported above); fix the image files "
+                "or the index, or remove those lines to train on the recorded pairs again"
+            )
         raise DataError(
-            f"{self.path}: none of its {len(self.entries)} images can be read (each was "
-            "reported above); fix the image files or the index"
+            f"{self.path}: none of its {size} images can be read (each was reported above); "
+            "fix the image files or the index"
         )
 
     def _load(self, image_path: str) -> torch.Tensor:
@@ -155,14 +176,12 @@ class ImageTextDataset(Dataset[dict[str, torch.Tensor]]):
             )
         if i not in self._reported:  # once per process: workers each report their own
             self._reported.add(i)
-            following = (i + 1) % len(self.entries)
             logger.warning(
-                "skipping unreadable image %s: %s; sample %d reads index entry %d instead "
-                "(vlm.bad_images = 'skip')",
+                "skipping unreadable image %s: %s; sample %d reads the next readable index "
+                "entry instead (vlm.bad_images = 'skip')",
                 where,
                 error,
                 asked,
-                following,
             )
 
 
@@ -200,13 +219,14 @@ def _read_index(index_path: str) -> list[tuple[str, str, int]]:
     return entries
 
 
-class SyntheticImageTextDataset(Dataset[dict[str, torch.Tensor]]):
+class SyntheticImageTextDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
     """Deterministic pictures of one coloured shape on a dark background, captioned with
     what they show ("a red circle at the top left").
 
     Sample i depends only on ``(seed, i)``, so every worker, rank and resumed run sees the
     same picture; a model can only learn the caption's colour, shape and place from the
-    pixels, which makes it a real (if small) test that images reach the decoder.
+    pixels, which makes it a real (if small) test that images reach the decoder. A sample
+    listed in ``skip_windows`` (recorded as bad data) reads the next one not listed.
     """
 
     def __init__(
@@ -233,7 +253,7 @@ class SyntheticImageTextDataset(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
-        image, caption = synthetic_picture(self.seed, index, self.spec.image_size)
+        image, caption = synthetic_picture(self.seed, self.window_for(index), self.spec.image_size)
         ids = self.tokenizer.encode(caption)
         return {
             "pixel_values": normalise_pixels(image, self.spec),

@@ -25,14 +25,13 @@ def window_len(dataset: SampleDataset) -> int:
 
 
 def apply_bad_windows(dataset: MixtureDataset | SampleDataset, bad: BadWindows) -> int:
-    """Give every source of ``dataset`` that can skip windows its bad ones; return how many
-    of ``bad`` apply to this data (a window of another dataset is kept, not applied)."""
+    """Give every source of ``dataset`` (token windows or image-text samples) its bad
+    windows; return how many of ``bad`` apply to this data (a window of another dataset, or
+    of another window length, is kept, not applied)."""
     applied = 0
     for source in sources_of(dataset):
-        if not hasattr(source, "skip_windows"):
-            continue
         skip = bad.of(source.path, window_len(source))
-        source.skip_windows = skip  # type: ignore[attr-defined]
+        source.skip_windows = skip
         applied += len(skip)
     return applied
 
@@ -64,6 +63,4 @@ def _window_of(dataset: MixtureDataset | SampleDataset, index: int) -> BadWindow
     if isinstance(dataset, MixtureDataset):
         source, window = dataset.locate(index)
         return _window_of(dataset.datasets[source], window)
-    window_for = getattr(dataset, "window_for", None)
-    window = window_for(index) if window_for is not None else index
-    return BadWindow(dataset.path, window, window_len(dataset))
+    return BadWindow(dataset.path, dataset.window_for(index), window_len(dataset))

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.vlm import VisionEncoderConfig, VLMConfig, resolve_vision
@@ -23,21 +20,10 @@ from kempnerforge.data.image_text import (
 )
 from kempnerforge.data.pipeline import build_image_text_pipeline
 from kempnerforge.data.tokenizer import ByteTokenizer
+from tests.support.image_pairs import write_pairs
 
 SPEC = resolve_vision(VisionEncoderConfig(type="random", image_size=16, num_tokens=16))
 TOK = ByteTokenizer()
-
-
-def write_pairs(root: Path, captions: list[str], *, size: int = 20) -> Path:
-    """PNG images of distinct solid colours (size x size) and their jsonl index."""
-    images = root / "images"
-    images.mkdir(parents=True, exist_ok=True)
-    with open(root / "index.jsonl", "w") as f:
-        for i, caption in enumerate(captions):
-            colour = (10 * i % 256, 200, 255 - 10 * i % 256)
-            Image.new("RGB", (size, size), colour).save(images / f"{i}.png")
-            f.write(json.dumps({"image": f"images/{i}.png", "text": caption}) + "\n")
-    return root / "index.jsonl"
 
 
 def test_labels_are_the_next_token_of_bos_caption_eos_and_padding_is_ignored():
