@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from kempnerforge.data.dataset import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from kempnerforge.training.session import Replicas
 
 
 class DatasetSums:
@@ -38,23 +42,34 @@ class DatasetSums:
         self.token_counts.index_add_(0, source, torch.full_like(source, labels.shape[1]))
 
     def finish(
-        self, group: dist.ProcessGroup | None, loss_group: dist.ProcessGroup | None = None
+        self,
+        group: dist.ProcessGroup | None,
+        loss_group: dist.ProcessGroup | None = None,
+        replicas: Replicas | None = None,
     ) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
         """(token counts, loss sums, supervised-token counts) by name, summed over ``group``
-        (the data-parallel ranks; None in a single process). The loss sums are also summed
-        over ``loss_group``: the pipeline ranks, of which only the last stage's holds them."""
-        if group is not None:
-            for tensor in (self.loss_sums, self.loss_counts, self.token_counts):
-                dist.all_reduce(tensor, group=group)
-        if loss_group is not None:
+        (the data-parallel ranks; None in a single process) and over ``replicas`` (the
+        replica groups of the step's quorum, whose batches are other slots of the step). The
+        loss sums are also summed over ``loss_group``: the pipeline ranks, of which only the
+        last stage's holds them.
+
+        The three go as one float64 vector (counts are exact in float64 up to 2**53), so a
+        step pays one all-reduce per group and one read to the host.
+        """
+        n = len(self.names)
+        if loss_group is not None:  # exact: the other stages add zeros
             dist.all_reduce(self.loss_sums, group=loss_group)
-        sums = self.loss_sums.tolist()
-        counts = self.loss_counts.tolist()
-        tokens = self.token_counts.tolist()
+        flat = torch.cat([self.loss_sums, self.loss_counts.double(), self.token_counts.double()])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        if replicas is not None:
+            replicas.sum_(flat)
+        values = flat.tolist()
+        sums, counts, tokens = values[:n], values[n : 2 * n], values[2 * n :]
         return (
-            dict(zip(self.names, tokens, strict=True)),
+            {name: int(t) for name, t in zip(self.names, tokens, strict=True)},
             dict(zip(self.names, sums, strict=True)),
-            dict(zip(self.names, counts, strict=True)),
+            {name: int(c) for name, c in zip(self.names, counts, strict=True)},
         )
 
 

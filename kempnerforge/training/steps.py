@@ -82,7 +82,7 @@ def _report_dataset_sums(
     session: TrainingSession, result: StepResult, per_dataset: DatasetSums | None
 ) -> None:
     """Reduce the step's per-dataset sums over the data- and context-parallel ranks (losses
-    also over the pipeline) into ``result``."""
+    also over the pipeline) and the replica groups into ``result``."""
     if per_dataset is None:
         return
     runtime = session.runtime
@@ -90,7 +90,7 @@ def _report_dataset_sums(
         result.dataset_token_counts,
         result.dataset_loss_sums,
         result.dataset_loss_counts,
-    ) = per_dataset.finish(runtime.group("dp_cp"), runtime.group("pp"))
+    ) = per_dataset.finish(runtime.group("dp_cp"), runtime.group("pp"), session.replicas)
 
 
 def _without(batch: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:

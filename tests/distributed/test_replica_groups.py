@@ -13,7 +13,7 @@ import pytest
 
 from kempnerforge.resilience.exit_codes import PREEMPTED
 from tests.support.data_files import write_token_dir
-from tests.support.metrics_rows import read_rows
+from tests.support.metrics_rows import read_rows, train_rows
 from tests.support.replica_groups import ReplicaJob, child_pids, kill, losses, replica_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -212,3 +212,29 @@ def test_a_lighthouse_restarted_mid_run_costs_no_step(tmp_path, data, uninterrup
     assert sorted(data_steps) == list(range(MAX_STEPS))
     # (On the relaunch one group may step alone before the other joins with its state.)
     _assert_slots_split(tmp_path, (0, 1))
+
+
+def test_a_mixtures_per_dataset_metrics_count_every_groups_share(tmp_path, data):
+    """Each group logs the job's per-dataset token counts and losses: its own slots' plus
+    the other group's, the same numbers in both groups' rows."""
+    train, held_out = data
+    mixture = (
+        f'--data.datasets=[{{name = "a", path = "{train}", weight = 1.0}}, '
+        f'{{name = "b", path = "{held_out}", weight = 3.0}}]'
+    )
+    steps = 4
+    with ReplicaJob(tmp_path, (train, held_out), f"--train.max_steps={steps}") as run:
+        run.args = [a for a in run.args if not a.startswith("--data.path=")] + [mixture]
+        run.start(0, 1)
+        run.finish()
+    rows = [{r["step"]: r for r in train_rows(run.run_dir(g))} for g in (0, 1)]
+    tokens_per_step = NUM_SLOTS * 4 * 32  # slots x batch_size x seq_len (tiny_run)
+    # (A group that joins with a peer's live state logs from its first step on.)
+    assert sorted(rows[0].keys() | rows[1].keys()) == list(range(1, steps + 1))
+    for step, row in (rows[0] | rows[1]).items():
+        assert row["tokens/a"] + row["tokens/b"] == tokens_per_step, row
+        if step in rows[0] and step in rows[1]:
+            for key in ("tokens/a", "tokens/b", "loss/a", "loss/b"):
+                assert rows[0][step][key] == pytest.approx(
+                    rows[1][step][key], rel=1e-12, nan_ok=True
+                ), key
