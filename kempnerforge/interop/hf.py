@@ -15,7 +15,6 @@ from kempnerforge.config.loader import build_dataclass
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError, read_hf_config
-from kempnerforge.interop.hf_layout import check_known_fields, function_fields
 from kempnerforge.interop.hf_llama import (
     LLAMA_ARCHITECTURE,
     LLAMA_MODEL_TYPE,
@@ -23,6 +22,7 @@ from kempnerforge.interop.hf_llama import (
     import_llama,
     load_llama_into,
 )
+from kempnerforge.interop.hf_model_checks import check_known_fields, function_fields
 from kempnerforge.interop.hf_moe import (
     ARCHITECTURES,
     export_moe,
