@@ -17,13 +17,8 @@ import torch
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
-from kempnerforge.data.pipeline import (
-    NO_IMAGE_TEXT_EVAL_DATA,
-    NO_TOKEN_EVAL_DATA,
-    DataPipeline,
-    build_data_pipeline,
-    build_image_text_pipeline,
-)
+from kempnerforge.data.pipeline import NO_IMAGE_TEXT_EVAL_DATA, NO_TOKEN_EVAL_DATA, DataPipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline, build_image_text_pipeline
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import generate_greedy

@@ -21,7 +21,7 @@ from kempnerforge.data.image_text import (
     caption_tensors,
     synthetic_picture,
 )
-from kempnerforge.data.pipeline import build_image_text_pipeline
+from kempnerforge.data.pipeline_build import build_image_text_pipeline
 from kempnerforge.data.tokenizer import ByteTokenizer
 
 SPEC = resolve_vision(VisionEncoderConfig(type="random", image_size=16, num_tokens=16))
