@@ -23,13 +23,8 @@ from kempnerforge.interop.hf_llama import (
     load_llama_into,
 )
 from kempnerforge.interop.hf_model_checks import check_known_fields, function_fields
-from kempnerforge.interop.hf_moe import (
-    ARCHITECTURES,
-    export_moe,
-    import_moe,
-    load_moe_into,
-    moe_model_type,
-)
+from kempnerforge.interop.hf_moe import export_moe, import_moe, load_moe_into
+from kempnerforge.interop.hf_moe_config import ARCHITECTURES, moe_model_type
 
 SUPPORTED_MODEL_TYPES = (LLAMA_MODEL_TYPE, *ARCHITECTURES)
 
