@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
-from kempnerforge.distributed.parallelize import apply_tp  # noqa: E402
 from kempnerforge.distributed.runtime import init_runtime  # noqa: E402
+from kempnerforge.distributed.tensor_parallel import apply_tp  # noqa: E402
 from tests.support.dist import run_distributed  # noqa: E402
 from tests.support.parallel import build_parallel, job_config, lm_loss, token_batch  # noqa: E402
 

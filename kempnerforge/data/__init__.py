@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_dir
     from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
     from kempnerforge.data.loader import TrainDataLoader
-    from kempnerforge.data.pipeline import DataPipeline, build_data_pipeline
+    from kempnerforge.data.pipeline import DataPipeline
+    from kempnerforge.data.pipeline_build import build_data_pipeline
     from kempnerforge.data.prepare import prepare_data
     from kempnerforge.data.sampler import ShardedSampler
     from kempnerforge.data.token_file import read_meta
@@ -29,7 +30,7 @@ _HOMES = {
     "ShardedSampler": "kempnerforge.data.sampler",
     "Tokenizer": "kempnerforge.data.tokenizer",
     "TrainDataLoader": "kempnerforge.data.loader",
-    "build_data_pipeline": "kempnerforge.data.pipeline",
+    "build_data_pipeline": "kempnerforge.data.pipeline_build",
     "builtin_corpus": "kempnerforge.data.builtin",
     "default_cache_dir": "kempnerforge.data.builtin",
     "load_tokenizer": "kempnerforge.data.tokenizer",

@@ -1,27 +1,23 @@
-"""DataPipeline: the tokenizer, training loader and held-out data of one job, built from [data]."""
+"""DataPipeline: the tokenizer, training loader and held-out data of one job as the loop reads
+them (its batches, eval batches, position, mixture weights); built in pipeline_build.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-from kempnerforge.config.data import DataConfig
-from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
-from kempnerforge.config.vlm import VisionSpec, VLMConfig
-from kempnerforge.core.errors import ConfigError, DataError, DataPathError
+from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import BadWindow, BadWindows
-from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
-from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset, SampleDataset
-from kempnerforge.data.image_text import build_image_text_datasets
-from kempnerforge.data.loader import TrainDataLoader, build_train_loader, load_loader_state
+from kempnerforge.data.dataset import IGNORE_INDEX, SampleDataset
+from kempnerforge.data.loader import TrainDataLoader, load_loader_state
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
-from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
+from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.data.window_reads import apply_bad_windows, windows_read
 
 logger = get_logger(__name__)
@@ -226,230 +222,3 @@ def _eval_row(
     row = dict(dataset[base % size])
     row["labels"] = torch.full_like(row["labels"], IGNORE_INDEX)
     return row
-
-
-def build_data_pipeline(
-    cfg: DataConfig,
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    model_vocab_size: int | None = None,
-    with_train: bool = True,
-    eval_sets: Sequence[EvalSetConfig] = (),
-) -> DataPipeline:
-    """Tokenizer, training loader and eval data for one data-parallel rank.
-
-    ``cfg.path`` empty means the built-in corpus (prepared on first use, then cached), whose
-    held-out split is the eval data unless ``cfg.eval_path`` names one. With ``cfg.path`` set
-    and ``cfg.eval_path`` empty there is no eval data. ``eval_sets`` (the ``[[eval.sets]]``
-    tables) replaces that one "heldout" set with named ones. Every dataset is checked against
-    the tokenizer and ``model_vocab_size``, and so is the tokenizer itself (a ConfigError on
-    model.vocab_size when its vocabulary is larger).
-
-    ``cfg.datasets`` non-empty trains on that mixture instead (a MixtureDataset read by a
-    MixtureSampler with ``cfg.mix_temperature``); like ``cfg.path`` it has no eval data
-    unless ``cfg.eval_path`` or ``eval_sets`` gives some.
-    """
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if cfg.builtin_bos and tokenizer.bos_id == tokenizer.eos_id:
-        raise ConfigError(
-            "data.builtin_bos",
-            True,
-            "false with this tokenizer",
-            f"{cfg.tokenizer} has no BOS token of its own (its BOS is its EOS)",
-        )
-    train_dir, eval_dir = cfg.path, cfg.eval_path
-    if eval_sets and cfg.eval_path:
-        logger.warning(
-            "data.eval_path = %r is ignored because eval.sets is given; add it as an "
-            "[[eval.sets]] table to evaluate on it",
-            cfg.eval_path,
-        )
-    needs_builtin_eval = not eval_sets and not cfg.eval_path
-    if not cfg.path and not cfg.datasets and (with_train or needs_builtin_eval):
-        builtin_train, builtin_eval = builtin_corpus(
-            cfg.cache_dir or default_cache_dir(),
-            tokenizer,
-            cfg.builtin_eval_fraction,
-            bos_per_document=cfg.builtin_bos,
-        )
-        train_dir, eval_dir = builtin_train, cfg.eval_path or builtin_eval
-
-    def open_dataset(path: str, field: str | None) -> MemoryMappedDataset:
-        """The dataset at ``path``; a problem names ``field``, the config field giving it
-        (None for the built-in corpus, which no field names)."""
-        try:
-            return MemoryMappedDataset(
-                path,
-                seq_len,
-                document_masking=cfg.document_masking,
-                expected_tokenizer=tokenizer.identity,
-                model_vocab_size=model_vocab_size,
-            )
-        except DataError as e:
-            if field is None:
-                raise
-            raise DataPathError(field, path, e) from None
-
-    dataset: MemoryMappedDataset | MixtureDataset | None = None
-    sampler: ShardedSampler | MixtureSampler | None = None
-    loader = None
-    names = [source.name for source in cfg.datasets]
-    if with_train and cfg.datasets:
-        sources: list[MemoryMappedDataset] = []
-        for i, source in enumerate(cfg.datasets):
-            sources.append(open_dataset(source.path, f"data.datasets[{i}].path"))
-        dataset = MixtureDataset(sources, names)
-        sampler = MixtureSampler(
-            dataset.sizes,
-            [source.weight for source in cfg.datasets],
-            cfg.mix_temperature,
-            dp_rank,
-            dp_size,
-            seed,
-        )
-        train_dir = "mixture " + ", ".join(
-            f"{name}={source.path}" for name, source in zip(names, cfg.datasets, strict=True)
-        )
-    elif with_train:
-        dataset = open_dataset(train_dir, "data.path" if cfg.path else None)
-        sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
-    if dataset is not None and sampler is not None:
-        if sampler.samples_per_rank < batch_size:
-            raise DataError(
-                f"{train_dir}: {len(dataset)} windows of {seq_len + 1} tokens give each of "
-                f"{dp_size} data-parallel ranks {sampler.samples_per_rank}, fewer than one "
-                f"batch of {batch_size}; prepare more text or lower train.batch_size or "
-                "train.seq_len"
-            )
-        loader = build_train_loader(dataset, sampler, batch_size, cfg.num_workers, seed)
-        logger.info(
-            "training data %s: %s tokens, %s windows, %d batches per epoch per rank",
-            train_dir,
-            f"{dataset.num_tokens:,}",
-            f"{len(dataset):,}",
-            sampler.samples_per_rank // batch_size,
-        )
-    eval_datasets: dict[str, MemoryMappedDataset] = {}
-    for i, eval_set in enumerate(eval_sets):
-        eval_datasets[eval_set.name] = open_dataset(eval_set.path, f"eval.sets[{i}].path")
-    if not eval_sets and eval_dir:
-        field = "data.eval_path" if cfg.eval_path else None
-        eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir, field)
-    check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
-    bos = _bos_per_document(dataset, eval_datasets)
-    return DataPipeline(
-        dataset=dataset,
-        sampler=sampler,
-        dataloader=loader,
-        eval_datasets=eval_datasets,
-        tokenizer=tokenizer,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        dataset_names=names if with_train else [],
-        bos_per_document=bos,
-    )
-
-
-def build_image_text_pipeline(
-    cfg: DataConfig,
-    vlm: VLMConfig,
-    spec: VisionSpec,
-    *,
-    batch_size: int,
-    seed: int,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    model_vocab_size: int | None = None,
-    with_train: bool = True,
-) -> DataPipeline:
-    """A vision-language job's data: image-text pairs from vlm.data (or synthetic ones),
-    tokenised with data.tokenizer, read in data.shuffle order by data.num_workers workers.
-
-    The held-out sets come from vlm.eval_data (or the synthetic held-out set); [[eval.sets]]
-    name prepared token directories, which a vision-language job does not read.
-    """
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
-    dataset, eval_datasets = build_image_text_datasets(
-        vlm, spec, tokenizer, seed, with_train=with_train
-    )
-    sampler = loader = None
-    if dataset is not None:
-        size = len(dataset)
-        sampler = ShardedSampler(size, dp_rank, dp_size, seed, shuffle=cfg.shuffle)
-        if sampler.samples_per_rank < batch_size:
-            raise DataError(
-                f"{vlm.data or 'the synthetic image-text data'}: {size} pairs give each of "
-                f"{dp_size} data-parallel ranks {sampler.samples_per_rank}, fewer than one "
-                f"batch of {batch_size}; add pairs (or raise vlm.synthetic_samples) or lower "
-                "train.batch_size"
-            )
-        loader = build_train_loader(dataset, sampler, batch_size, cfg.num_workers, seed)
-        logger.info(
-            "training data %s: %s image-text pairs, %d batches per epoch per rank",
-            vlm.data or "synthetic images",
-            f"{size:,}",
-            sampler.samples_per_rank // batch_size,
-        )
-    return DataPipeline(
-        dataset=dataset,
-        sampler=sampler,
-        dataloader=loader,
-        tokenizer=tokenizer,
-        eval_datasets=eval_datasets,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        bos_per_document=True,
-    )
-
-
-def check_tokenizer_fits(tokenizer: Tokenizer, spec: str, model_vocab_size: int | None) -> None:
-    """A ConfigError on model.vocab_size when the tokenizer (data.tokenizer = ``spec``) has
-    more ids than the model's embedding; nothing to check without a model size."""
-    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            model_vocab_size,
-            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
-            f"data.tokenizer = {spec!r}",
-        )
-
-
-def _bos_per_document(
-    dataset: MemoryMappedDataset | MixtureDataset | None,
-    eval_datasets: dict[str, MemoryMappedDataset],
-) -> bool:
-    """Whether the training documents start with BOS; warns where the data disagree.
-
-    Disagreeing data still trains, but the model then sees two ways a document can start,
-    and an eval set prepared the other way measures a slightly different task.
-    """
-    if isinstance(dataset, MixtureDataset):
-        sources = zip(dataset.names, dataset.datasets, strict=True)
-        train = {name: d.bos_per_document for name, d in sources}
-    elif dataset is not None:
-        train = {dataset.path: dataset.bos_per_document}
-    else:
-        train = {name: d.bos_per_document for name, d in eval_datasets.items()}
-    if len(set(train.values())) > 1:
-        with_bos = [name for name, bos in train.items() if bos]
-        logger.warning(
-            "training data mixes documents with and without a leading BOS (with: %s); "
-            "prepare every source with or every source without prepare-data --bos",
-            ", ".join(with_bos),
-        )
-    bos = all(train.values()) if train else False
-    for name, eval_set in eval_datasets.items():
-        if eval_set.bos_per_document != bos:
-            logger.warning(
-                "eval set %r (%s) was prepared %s a BOS per document, the training data %s",
-                name,
-                eval_set.path,
-                "with" if eval_set.bos_per_document else "without",
-                "with" if bos else "without",
-            )
-    return bos

@@ -3,7 +3,7 @@
 The ``cp`` ranks of a mesh read the same batches (they share a data-parallel rank); each
 keeps its contiguous 1/cp of every sequence's positions (slice_batch), and the model
 exchanges attention heads over the ``cp`` group (model/sequence_split.py). They hold the
-same weights, so FSDP shards and averages over ``dp_shard_cp`` (parallelize.py), and the
+same weights, so FSDP shards and averages over ``dp_shard_cp`` (fsdp.py), and the
 step's loss and token counts are summed over ``dp_cp`` (training/accumulate.py).
 """
 

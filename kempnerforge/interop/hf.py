@@ -15,7 +15,6 @@ from kempnerforge.config.loader import build_dataclass
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError, read_hf_config
-from kempnerforge.interop.hf_layout import check_known_fields, function_fields
 from kempnerforge.interop.hf_llama import (
     LLAMA_ARCHITECTURE,
     LLAMA_MODEL_TYPE,
@@ -23,13 +22,9 @@ from kempnerforge.interop.hf_llama import (
     import_llama,
     load_llama_into,
 )
-from kempnerforge.interop.hf_moe import (
-    ARCHITECTURES,
-    export_moe,
-    import_moe,
-    load_moe_into,
-    moe_model_type,
-)
+from kempnerforge.interop.hf_model_checks import check_known_fields, function_fields
+from kempnerforge.interop.hf_moe import export_moe, import_moe, load_moe_into
+from kempnerforge.interop.hf_moe_config import ARCHITECTURES, moe_model_type
 
 SUPPORTED_MODEL_TYPES = (LLAMA_MODEL_TYPE, *ARCHITECTURES)
 

@@ -19,7 +19,8 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.folders import staged
 from kempnerforge.interop.hf import import_hf
-from kempnerforge.interop.hf_layout import ARCH_FIELDS, TRAINING_FIELDS, copy_into
+from kempnerforge.interop.hf_model_checks import ARCH_FIELDS, TRAINING_FIELDS
+from kempnerforge.interop.hf_state import copy_into
 from kempnerforge.model.transformer import build_model
 
 MODEL_TOML = "model.toml"

@@ -17,6 +17,13 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.interop.hf_config import (
+    HFConfig,
+    build_model_config,
+    check_model_type,
+    common_config_json,
+    common_model_fields,
+)
 from kempnerforge.interop.hf_files import (
     copy_tokenizer,
     read_hf_config,
@@ -25,25 +32,21 @@ from kempnerforge.interop.hf_files import (
     write_hf_folder,
 )
 from kempnerforge.interop.hf_layout import (
-    HFConfig,
     HFTensors,
     block_pairs,
-    build_model_config,
-    check_built_from,
-    check_known_fields,
-    check_model_type,
-    check_same_model,
-    check_text_model,
-    common_config_json,
-    common_model_fields,
-    copy_into,
     dense_ffn_pairs,
     expected_shapes,
     outer_pairs,
-    plain_state,
     take_pairs,
     tie_head,
 )
+from kempnerforge.interop.hf_model_checks import (
+    check_built_from,
+    check_known_fields,
+    check_same_model,
+    check_text_model,
+)
+from kempnerforge.interop.hf_state import copy_into, plain_state
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 LLAMA_MODEL_TYPE = "llama"

@@ -28,7 +28,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     channel i + head_dim / 2, not with its neighbour. The rotation runs in fp32 even if x
     is lower precision, and the result has x's dtype. The tables arrive in fp32 in every
     layout (a sharded block does not cast them to its bf16 compute dtype, see
-    distributed/parallelize.py); a lower-precision table would round the angles.
+    distributed/fsdp.py); a lower-precision table would round the angles.
     """
     half = x.shape[-1] // 2
     xf = x.float()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.model.moe import add_micro_batch_router_losses, record_router_stats
+from kempnerforge.model.router_step import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.session import Replicas, TrainingSession
@@ -116,7 +116,7 @@ def accumulate(
     same however the micro-batches and ranks split them. The data-parallel gradient
     reduction runs on the last micro-batch only (maybe_no_sync). Nothing is read to the
     host until finish_step, which also clips. The router terms of an MoE model join each
-    micro-batch's objective, and its router statistics the step's totals (model/moe.py;
+    micro-batch's objective, and its router statistics the step's totals (model/router_step.py;
     both do nothing for a model without MoE layers).
     """
     config, model, device = session.config, session.model, session.runtime.device

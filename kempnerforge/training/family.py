@@ -3,7 +3,7 @@ vision-language model, one value per family, picked once per job by family_of.
 
 The build, eval, the end-of-run sample, the metrics, the checkpoint and the commands ask
 the job's family instead of testing the model type themselves. MoE is a property of the
-text model, not a family: its router terms and per-step hooks (model/moe.py) do nothing
+text model, not a family: its router terms and per-step hooks (model/router_step.py) do nothing
 for a model without MoE layers. Pipeline parallelism is the other seam (training/layout.py).
 """
 
@@ -17,13 +17,8 @@ import torch
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
-from kempnerforge.data.pipeline import (
-    NO_IMAGE_TEXT_EVAL_DATA,
-    NO_TOKEN_EVAL_DATA,
-    DataPipeline,
-    build_data_pipeline,
-    build_image_text_pipeline,
-)
+from kempnerforge.data.pipeline import NO_IMAGE_TEXT_EVAL_DATA, NO_TOKEN_EVAL_DATA, DataPipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline, build_image_text_pipeline
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import generate_greedy

@@ -26,7 +26,7 @@ import torch
 from kempnerforge.config.vlm import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.distributed.parallelize import refresh_sharded_trainable
+from kempnerforge.distributed.fsdp import refresh_sharded_trainable
 
 __all__ = [
     "NO_FREEZE",

@@ -17,12 +17,8 @@ and the same data step is attempted again with the next quorum.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.core.logging import get_logger
@@ -30,12 +26,10 @@ from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.quorum_loss import LastCommit, QuorumLost, stop_after_quorum_loss
 from kempnerforge.training.replica_batches import ReplicaBatches
+from kempnerforge.training.replica_manager import TorchftReplicas, make_manager
 from kempnerforge.training.resume import ResumePlan, apply_resume
-from kempnerforge.training.session import Replicas, StepResult, TrainingSession
+from kempnerforge.training.session import StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state, restore_train_state
-
-if TYPE_CHECKING:
-    from torchft import Manager
 
 logger = get_logger(__name__)
 
@@ -73,40 +67,6 @@ class GroupCheckpointManager(CheckpointManager):
         return super().save(step, **kwargs)
 
 
-class TorchftReplicas(Replicas):
-    """Sums over the replica groups of the step's quorum through torchft's collectives.
-
-    A failed collective leaves the tensor undefined and makes should_commit answer False,
-    so the attempt is redone; nothing here raises for it.
-    """
-
-    replays_attempts = False
-
-    def __init__(self, manager: Manager, num_groups: int) -> None:
-        self._manager = manager
-        self.num_groups = num_groups
-
-    def sum_(self, tensor: torch.Tensor) -> None:
-        from torch.distributed import ReduceOp
-
-        self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
-
-    def sum_gradients(self, model: torch.nn.Module) -> None:
-        """One all-reduce of every gradient of this rank (local shards), flattened."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        if not local:
-            return
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in local])
-        self.sum_(flat)
-        offset = 0
-        for g in local:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 class ReplicaGroup(TrainingHook):
     """This launch's membership in the job's replica groups (one object per process).
 
@@ -133,7 +93,7 @@ class ReplicaGroup(TrainingHook):
             ft.num_replica_groups * config.train.grad_accum_steps,
             config.train.batch_size,
         )
-        self.manager = _make_manager(session, self.group_id, self._load_live, self._live_state)
+        self.manager = make_manager(session, self.group_id, self._load_live, self._live_state)
         session.use_batches(self.batches)
         session.use_replicas(TorchftReplicas(self.manager, ft.num_replica_groups))
         session.step_fn = ReplicaStep(session.step_fn, self)
@@ -353,58 +313,3 @@ def resume_or_join(session: TrainingSession, plan: ResumePlan | None) -> tuple[i
     if not session.config.fault_tolerance.enabled:
         return apply_resume(session, plan)
     return ReplicaGroup(session).join(plan)
-
-
-def _make_manager(
-    session: TrainingSession,
-    group_id: int,
-    load: Callable[[dict[str, Any]], None],
-    save: Callable[[], dict[str, Any]],
-) -> Manager:
-    """torchft's Manager for this rank of group ``group_id``, over the group's own store."""
-    from torchft import Manager
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    from kempnerforge.distributed.live_state import WeightsOnlyHTTPTransport
-
-    ft, runtime = session.config.fault_tolerance, session.runtime
-    timeout = timedelta(seconds=ft.timeout_s)
-    store_addr, store_port = _group_store(runtime.is_distributed)
-    if runtime.device.type == "cuda":
-        pg: Any = ProcessGroupNCCL(timeout=timeout)
-    else:
-        pg = ProcessGroupGloo(timeout=timeout)
-    return Manager(
-        pg=pg,
-        load_state_dict=load,
-        state_dict=save,
-        min_replica_size=ft.min_replica_groups,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-        connect_timeout=timeout,
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        store_addr=store_addr,
-        store_port=store_port,
-        lighthouse_addr=ft.lighthouse_address(),
-        replica_id=f"replica_{group_id}",
-        checkpoint_transport=WeightsOnlyHTTPTransport(timeout, num_chunks=0),
-        # Every group draws the same initial weights from train.seed: nothing to sync.
-        init_sync=False,
-    )
-
-
-_STORES: list[Any] = []  # a single-process group's own store lives as long as the process
-
-
-def _group_store(distributed: bool) -> tuple[str, int]:
-    """The group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT) for a group of several
-    processes; a fresh one on a free port for a group of one process."""
-    if distributed:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
-
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    _STORES.append(store)
-    return "localhost", store.port

@@ -167,7 +167,7 @@ class Replicas:
     """The replica groups a step's reductions span beyond this launch's own ranks.
 
     This base is the ordinary job, one launch, so it reduces nothing. Fault-tolerant
-    replica groups (training/replica_groups.py) sum over the groups of the step's quorum;
+    replica groups (training/replica_manager.py) sum over the groups of the step's quorum;
     the step bodies call the same two methods either way.
     """
 

@@ -12,8 +12,8 @@ import torch
 
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
-from kempnerforge.model.moe import begin_router_step
 from kempnerforge.model.router_stage import record_stage_router_stats
+from kempnerforge.model.router_step import begin_router_step
 from kempnerforge.training.accumulate import accumulate, finish_step, step_tokens
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.loss import TokenCrossEntropy

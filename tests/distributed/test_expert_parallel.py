@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kempnerforge.distributed.runtime import init_runtime
-from kempnerforge.model.moe import (
+from kempnerforge.model.moe import moe_layers
+from kempnerforge.model.router_step import (
     begin_router_step,
     finish_router_step,
-    moe_layers,
     record_router_stats,
 )
 from kempnerforge.training.grad import total_grad_norm

@@ -12,15 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.distributed.parallelize import (
-    ParallelPlan,
-    apply_ac,
-    apply_compile,
-    apply_tp,
-    parallelize_model,
-    transformer_blocks,
-)
+from kempnerforge.distributed.activation_checkpointing import apply_ac
+from kempnerforge.distributed.blocks import transformer_blocks
+from kempnerforge.distributed.parallelize import ParallelPlan, apply_compile, parallelize_model
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime
+from kempnerforge.distributed.tensor_parallel import apply_tp
 from kempnerforge.model.transformer import Transformer
 from tests.support.dist import run_distributed
 from tests.support.parallel import (

@@ -13,13 +13,14 @@ import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from kempnerforge.distributed.parallelize import apply_tp, parallelize_model
+from kempnerforge.distributed.parallelize import parallelize_model
 from kempnerforge.distributed.pipeline import (
     build_stage_model,
     stage_layer_ranges,
     stages_of_rank,
 )
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime
+from kempnerforge.distributed.tensor_parallel import apply_tp
 from tests.support.dist import run_distributed
 from tests.support.parallel import (
     SEED,

@@ -17,7 +17,7 @@ from kempnerforge.data.bad_windows import (
     write_bad_data,
 )
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline
 
 SEQ = 32
 

@@ -17,7 +17,7 @@ from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data import builtin
 from kempnerforge.data.builtin import builtin_corpus
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer

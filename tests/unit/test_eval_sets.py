@@ -11,7 +11,7 @@ import pytest
 from kempnerforge.config.eval import EvalConfig, EvalSetConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError, DataError
-from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.eval import evaluate

@@ -15,7 +15,7 @@ from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.loader import config_to_dict, load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.distributed.parallelize import apply_ac
+from kempnerforge.distributed.activation_checkpointing import apply_ac
 from kempnerforge.model.transformer import build_model
 from kempnerforge.training.float8 import (
     apply_float8,

@@ -18,7 +18,7 @@ from kempnerforge.data.image_text import (
     caption_tensors,
     synthetic_picture,
 )
-from kempnerforge.data.pipeline import build_image_text_pipeline
+from kempnerforge.data.pipeline_build import build_image_text_pipeline
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.image_pairs import write_pairs
 

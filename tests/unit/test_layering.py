@@ -1,4 +1,5 @@
-"""Contract tests: imports point down the package layers; loop.py matches its spec."""
+"""Contract tests: imports point down the package layers; loop.py matches its spec; no module
+outgrows the size limit."""
 
 from __future__ import annotations
 
@@ -55,6 +56,37 @@ def test_imports_point_down_the_layers():
             if target != own and LAYERS[target] >= LAYERS[own]:
                 violations.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert not violations, "\n".join(violations)
+
+
+MAX_MODULE_LINES = 450
+"""The house guideline is about 400 lines per module; past this a module is split by
+responsibility (the house style), not allowed to drift."""
+
+
+def _oversized(root: pathlib.Path, limit: int) -> list[str]:
+    """'path: N lines' for every .py file under ``root`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            found.append(f"{path.relative_to(root)}: {lines} lines")
+    return found
+
+
+def test_no_module_exceeds_the_size_limit():
+    offenders = _oversized(PACKAGE, MAX_MODULE_LINES)
+    assert not offenders, (
+        f"modules over {MAX_MODULE_LINES} lines; split each by responsibility:\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_the_size_check_names_each_module_over_the_limit(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * 451)
+    (tmp_path / "pkg" / "at_limit.py").write_text("x = 1\n" * 450)
+    (tmp_path / "notes.txt").write_text("x\n" * 1000)
+    assert _oversized(tmp_path, 450) == ["pkg/long.py: 451 lines"]
 
 
 def test_the_bottom_floor_imports_nothing_from_the_package():

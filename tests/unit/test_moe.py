@@ -17,14 +17,13 @@ from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.experts import grouped_swiglu, looped_swiglu
 from kempnerforge.model.mlp import SwiGLU
-from kempnerforge.model.moe import (
-    MoEFeedForward,
+from kempnerforge.model.moe import MoEFeedForward, moe_layers
+from kempnerforge.model.router_step import (
     add_micro_batch_router_losses,
     add_router_losses,
     begin_router_step,
     bias_rate_factor,
     finish_router_step,
-    moe_layers,
     record_router_stats,
     update_expert_bias,
 )

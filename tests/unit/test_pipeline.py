@@ -13,7 +13,7 @@ from kempnerforge.config.data import DataConfig
 from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.data import builtin
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.data_files import make_hf_tokenizer, write_jsonl

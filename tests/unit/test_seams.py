@@ -75,6 +75,6 @@ def test_training_never_asks_whether_the_model_is_moe():
         for path, number, line in _code_lines("training")
         if re.search(r"\bis_moe\b", line)
     ]
-    assert not asking, "model/moe.py's router functions do nothing for dense models:\n" + "\n".join(
-        asking
+    assert not asking, (
+        "model/router_step.py's router functions do nothing for dense models:\n" + "\n".join(asking)
     )

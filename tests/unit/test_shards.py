@@ -16,7 +16,7 @@ from kempnerforge.config.eval import EvalSetConfig
 from kempnerforge.core.errors import DataError
 from kempnerforge.data import token_stream
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.pipeline import build_data_pipeline
+from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.shards import Shard, shard_name
 from kempnerforge.data.token_file import read_meta

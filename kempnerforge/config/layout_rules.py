@@ -1,0 +1,172 @@
+"""The [distributed] layout's rules against the world size and the rest of the job: the
+mesh, tensor and pipeline parallelism, experts, and what sharding excludes; run by
+JobConfig.validate on every rank before any collective."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from kempnerforge.config.context_parallel import check_context_parallel
+from kempnerforge.config.pipeline_schedule import check_pipeline_schedule
+from kempnerforge.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kempnerforge.config.job import JobConfig
+
+
+def check_parallel_layout(config: JobConfig, world_size: int) -> None:
+    """The [distributed] mesh must fit the world size and the model; runs on every rank
+    before any collective, so a bad layout fails the same way everywhere."""
+    dist, model, train = config.distributed, config.model, config.train
+    shape = dist.mesh_shape(world_size)
+    product = math.prod(shape.values())
+    if shape["dp_shard"] == 0 or product != world_size:
+        named = " * ".join(f"{k} {v}" for k, v in shape.items() if k != "dp_shard")
+        raise ConfigError(
+            "distributed.dp_shard",
+            dist.dp_shard,
+            f"dp_replicate * dp_shard * cp * tp * pp == world size {world_size}",
+            f"{named} leaves no whole dp_shard"
+            if shape["dp_shard"] == 0
+            else f"the mesh {shape} holds {product} processes",
+        )
+    if dist.tp > 1:
+        for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
+            if heads % dist.tp:
+                raise ConfigError(
+                    "distributed.tp",
+                    dist.tp,
+                    f"a divisor of model.{name} = {heads}",
+                    "each tensor-parallel rank holds whole attention heads",
+                )
+        if model.hidden_dim % dist.tp:
+            raise ConfigError(
+                "distributed.tp",
+                dist.tp,
+                f"a divisor of the feed-forward size {model.hidden_dim}",
+                "set model.ffn_hidden_dim or model.multiple_of",
+            )
+    if config.vlm is not None:
+        for name, degree in (("pp", dist.pp), ("tp", dist.tp)):
+            if degree > 1:
+                raise ConfigError(
+                    f"distributed.{name}",
+                    degree,
+                    "1 for a vision-language model ([vlm])",
+                    "the vision encoder, the adapter and the cross-attention blocks are "
+                    "not split into pipeline stages or tensor-parallel shards; use "
+                    "distributed.dp_shard (FSDP) to spread a VLM over devices",
+                )
+    check_context_parallel(dist, model, train, config.vlm is not None)
+    check_pipeline_layout(config)
+    check_pipeline_schedule(dist, train, dist.resolved_dp(world_size))
+    check_expert_layout(config, shape["dp_shard"])
+    sharded = shape["dp_shard"] * dist.cp > 1  # FSDP shards over dp_shard x cp
+    if config.optimizer.name == "muon" and (sharded or dist.tp > 1):
+        raise ConfigError(
+            "optimizer.name",
+            "muon",
+            "an optimizer other than 'muon' when parameters are sharded "
+            "(distributed.dp_shard * distributed.cp > 1 or distributed.tp > 1)",
+            "Muon orthogonalises whole matrices and each rank holds only a shard; "
+            "use 'adamw', or data parallelism by replication (distributed.dp_replicate)",
+        )
+    dp = dist.resolved_dp(world_size)
+    if train.global_batch_size and train.global_batch_size % dp:
+        raise ConfigError(
+            "train.global_batch_size",
+            train.global_batch_size,
+            f"a multiple of the data-parallel degree {dp} (dp_replicate * dp_shard)",
+            "the global batch does not split evenly over the data-parallel ranks",
+        )
+
+
+def check_pipeline_layout(config: JobConfig) -> None:
+    """Pipeline parallelism against the model and the job: split points only with pp > 1,
+    a layer per stage, no tied embedding or document masking, whole rounds of micro-batches."""
+    dist, model, train = config.distributed, config.model, config.train
+    if dist.pp == 1:
+        if dist.pp_split_points:
+            raise ConfigError(
+                "distributed.pp_split_points",
+                dist.pp_split_points,
+                "[] when distributed.pp = 1",
+            )
+        return
+    stages = dist.num_stages
+    if stages > model.n_layers:
+        raise ConfigError(
+            "distributed.pp",
+            dist.pp,
+            f"pp * stages per rank ({stages}) <= model.n_layers = {model.n_layers}",
+            "every pipeline stage needs at least one layer",
+        )
+    points = dist.pp_split_points
+    if points and (len(points) != stages - 1 or points[-1] >= model.n_layers):
+        raise ConfigError(
+            "distributed.pp_split_points",
+            points,
+            f"{stages - 1} increasing layer indices in [1, {model.n_layers - 1}] "
+            f"(one per stage after the first, {stages} stages)",
+        )
+    if model.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings",
+            True,
+            "false with distributed.pp > 1",
+            "the embedding and the output head live on different pipeline stages",
+        )
+    if config.data.document_masking:
+        raise ConfigError(
+            "data.document_masking",
+            True,
+            "false with distributed.pp > 1",
+            "pipeline stages pass hidden states only, not the document ids: set "
+            "data.document_masking = false to train across document boundaries",
+        )
+    if train.grad_accum_steps < dist.pp or train.grad_accum_steps % dist.pp:
+        raise ConfigError(
+            "train.grad_accum_steps",
+            train.grad_accum_steps,
+            f"a multiple of distributed.pp = {dist.pp}",
+            "the pipeline's micro-batches are the step's micro-batches; each stage "
+            "needs whole rounds of them",
+        )
+
+
+def check_expert_layout(config: JobConfig, dp_shard: int) -> None:
+    """MoE against the layout: expert parallelism splits the experts over data-parallel
+    shard ranks (of each pipeline stage); tensor parallelism does not split experts."""
+    dist, model = config.distributed, config.model
+    if not model.is_moe:
+        if dist.ep > 1:
+            raise ConfigError(
+                "distributed.ep",
+                dist.ep,
+                "1 for a dense model (model.num_experts = 0)",
+                "expert parallelism splits the experts of MoE layers",
+            )
+        return
+    if dist.tp > 1:
+        raise ConfigError(
+            "distributed.tp",
+            dist.tp,
+            "1 with an MoE model (model.num_experts > 0)",
+            "experts are not split by tensor parallelism; use distributed.ep to split "
+            "the experts over ranks",
+        )
+    if model.num_experts % dist.ep:
+        raise ConfigError(
+            "distributed.ep",
+            dist.ep,
+            f"a divisor of model.num_experts = {model.num_experts}",
+            "each expert-parallel rank holds the same number of whole experts",
+        )
+    if dp_shard % dist.ep:
+        raise ConfigError(
+            "distributed.ep",
+            dist.ep,
+            f"a divisor of distributed.dp_shard = {dp_shard}",
+            "expert-parallel ranks are data-parallel shard ranks that exchange tokens",
+        )

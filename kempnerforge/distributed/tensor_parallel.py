@@ -1,0 +1,190 @@
+"""apply_tp: Megatron-style tensor parallelism of the decoder blocks, embedding and head,
+with or without sequence parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from kempnerforge.distributed.blocks import model_stages, transformer_blocks
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool | None = None
+) -> None:
+    """Shard every block's projections over ``tp_mesh`` (Megatron layout), in place.
+
+    Attention wq/wk/wv and feed-forward w1/w3 split their output features (column-wise),
+    wo and w2 their input features (row-wise), so each block needs one reduction after
+    attention and one after the feed-forward. The embedding is split by vocabulary rows
+    and the head by vocabulary columns (unevenly when tp does not divide the vocabulary);
+    the head's own forward gathers whole logits, while the model's loss from labels is
+    vocabulary-parallel (model/vocab_parallel_loss.py). A tied embedding stays one
+    parameter.
+
+    With sequence parallelism (default for a whole model) the residual stream between
+    blocks is a DTensor split along the sequence: the norms run on their sequence shard,
+    and a block gathers the sequence only for the projections. The stream stays a
+    DTensor (not its local shard) so any sequence length works, also one tp does not
+    divide (a sample's prompt). A pipeline stage that lacks the embedding or the head
+    passes plain tensors between stages, so it gets plain TP: replicated activations.
+    """
+    stages = model_stages(model)
+    if sequence_parallel is None:
+        sequence_parallel = all(has_both_ends(stage) for stage in stages)
+    block_plan = _sequence_parallel_block_plan() if sequence_parallel else _plain_block_plan()
+    for _, block in transformer_blocks(model):
+        parallelize_module(block, tp_mesh, block_plan)
+    for stage in stages:
+        _apply_tp_to_ends(stage, tp_mesh, sequence_parallel)
+
+
+def has_both_ends(stage: nn.Module) -> bool:
+    """Whether ``stage`` holds both the embedding and the head, so its stream may stay a
+    sequence-sharded DTensor from end to end."""
+    return getattr(stage, "tok_embeddings", None) is not None and (
+        getattr(stage, "output", None) is not None
+    )
+
+
+class ReplicatedParallel(ParallelStyle):
+    """A module whose parameters stay whole on every tensor-parallel rank, as Replicate
+    DTensors: plain (replicated) tensors in and out, computed identically on every rank.
+
+    Every parameter must be a DTensor once tensor parallelism is on: the foreach optimizers
+    and gradient clipping cannot mix DTensors and plain tensors in one call. The gradient
+    of a replicated weight needs no reduction, since every rank computes all of it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Typed loosely: torch annotates input_fn as returning None, yet uses its result.
+        input_fn: Any = _replicate_inputs
+        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=_local_output)
+
+
+def _replicate_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _plain_block_plan() -> dict[str, ParallelStyle]:
+    """Projections sharded, activations replicated in and out of each sublayer (the norms
+    too, as replicated DTensors).
+
+    Each sublayer turns its input into one Replicate DTensor that its column-wise
+    projections share: their input gradients then add up as partial sums, and the
+    backward reduces them once per sublayer (2 all-reduces per block). Left to the
+    projections, each would wrap the plain input itself and reduce its own gradient
+    (5 per block).
+    """
+    whole = Replicate()
+    return {
+        "attention_norm": ReplicatedParallel(),
+        "ffn_norm": ReplicatedParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(whole, None, None, None),
+            desired_input_layouts=(whole, None, None, None),
+        ),
+        "feed_forward": PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(whole,)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
+    """The plain plan plus sequence-sharded norms and residual stream.
+
+    Attention is called as attention(x, cos, sin, mask): only x is gathered along the
+    sequence; the RoPE tables and the mask are already whole on every rank. The row-wise
+    projections reduce-scatter back onto the sequence shard and return a DTensor, so the
+    residual add sees DTensors on both sides.
+    """
+    sequence = Shard(1)
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(sequence, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(sequence,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+    }
+
+
+def _apply_tp_to_ends(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Embedding, final norm and head of one stage; the head's forward returns whole logits
+    (a plain tensor), for callers that want logits; the loss from labels bypasses it and
+    stays on each rank's vocabulary shard (model/vocab_parallel_loss.py).
+
+    The vocabulary is split even when tp does not divide it (DTensor shards unevenly):
+    every parameter is then a DTensor, which the foreach optimizers and gradient
+    clipping need (they cannot mix DTensors with plain tensors in one call).
+    """
+    embedding: Any = getattr(stage, "tok_embeddings", None)
+    head: Any = getattr(stage, "output", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    styles = {
+        "tok_embeddings": _embedding_style(sequence_parallel),
+        "norm": SequenceParallel() if sequence_parallel else ReplicatedParallel(),
+        "output": _head_style(sequence_parallel),
+    }
+    plan: dict[str, ParallelStyle] = {
+        name: style
+        for name, style in styles.items()
+        if style is not None and getattr(stage, name, None) is not None
+    }
+    if plan:
+        parallelize_module(stage, tp_mesh, plan)
+    if tied and head is not None and embedding is not None:
+        # parallelize_module replaced each module's weight with its own DTensor; both are
+        # Shard(0) over the vocabulary, so one of them serves both.
+        head.weight = embedding.weight
+
+
+def _embedding_style(sequence_parallel: bool) -> ParallelStyle:
+    """Token ids are whole on every rank; the output goes to the residual stream's layout."""
+    if sequence_parallel:
+        return RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    return RowwiseParallel(input_layouts=Replicate())
+
+
+def _head_style(sequence_parallel: bool) -> ParallelStyle:
+    """Whole logits on every rank from a head split over the vocabulary."""
+    input_layout = Shard(1) if sequence_parallel else Replicate()
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate())

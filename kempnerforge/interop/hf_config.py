@@ -1,0 +1,184 @@
+"""config.json both ways for every layout here: the keys they share, written from a
+ModelConfig, and HFConfig's checked reads of a folder's config.json back into one."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError
+
+
+def special_ids_json(ids: dict[str, int]) -> dict[str, int | None]:
+    """bos/eos/pad token ids for config.json (None when the tokenizer is unknown)."""
+    return {k: ids.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def common_config_json(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[str, Any]:
+    """The config.json keys every layout here shares, from our config.
+
+    RoPE is written both ways: ``rope_parameters`` (transformers 5) and ``rope_theta``
+    (earlier releases); ``dtype`` and ``torch_dtype`` likewise name fp32.
+    """
+    return {
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+        **special_ids_json(special_ids),
+    }
+
+
+# --- Reading config.json ------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+class HFConfig:
+    """A config.json with typed, checked access: each bad value names its key and file."""
+
+    def __init__(self, data: dict[str, Any], folder: str | os.PathLike[str]) -> None:
+        self.data = data
+        self.path = Path(folder) / CONFIG_JSON
+
+    def error(self, key: str, problem: str) -> HFFolderError:
+        return HFFolderError(self.path, f"{key} = {self.data.get(key)!r}: {problem}")
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.data.get(key)
+        if value is None and default is not _REQUIRED:
+            return default
+        return value
+
+    def get_int(self, key: str, default: Any = _REQUIRED) -> int:
+        value = self._get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.error(key, "expected an integer")
+        return value
+
+    def get_float(self, key: str, default: Any = _REQUIRED) -> float:
+        value = self._get(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self.error(key, "expected a number")
+        if not math.isfinite(value):
+            raise self.error(key, "expected a finite number")
+        return float(value)
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, "expected true or false")
+        return value
+
+    def require(self, key: str, allowed: Any, default: Any, why: str) -> None:
+        """Refuse a value other than ``allowed``; an absent key counts as ``default``
+        (None: the key must be present)."""
+        value = self.data.get(key, default)
+        if value != allowed:
+            raise self.error(key, f"expected {allowed!r}: {why}")
+
+
+def check_model_type(hf: HFConfig, model_type: str, architecture: str) -> None:
+    """Refuse a folder whose model_type / architectures name another model."""
+    found = hf.data.get("model_type")
+    architectures = hf.data.get("architectures") or []
+    if found != model_type:
+        raise hf.error("model_type", f"expected {model_type!r} ({architecture})")
+    if architectures and architecture not in architectures:
+        raise HFFolderError(
+            hf.path, f"architectures = {architectures!r}: expected [{architecture!r}]"
+        )
+
+
+def rope_theta(hf: HFConfig, partial_default: float = 1.0, theta_default: Any = 10000.0) -> float:
+    """The RoPE base; refuses RoPE scaling and partial rotation, which our RoPE lacks.
+
+    ``theta_default`` is used when config.json gives no base (None: required)."""
+    params = hf.data.get("rope_parameters")
+    scaling = hf.data.get("rope_scaling")
+    if isinstance(params, dict):
+        key, found = "rope_parameters", params
+    elif isinstance(scaling, dict):
+        key, found = "rope_scaling", scaling
+    else:
+        key, found = "rope_parameters", {}
+    rope_type = found.get("rope_type", found.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise hf.error(
+            key,
+            f"RoPE type {rope_type!r} is not supported: kempnerforge's RoPE is the plain "
+            "(default) one, without frequency scaling",
+        )
+    partial = found.get("partial_rotary_factor", hf.data.get("partial_rotary_factor"))
+    if (partial_default if partial is None else partial) != 1.0:
+        raise hf.error(
+            key,
+            f"partial_rotary_factor {partial_default if partial is None else partial} is not "
+            "supported: kempnerforge rotates every channel of a head",
+        )
+    theta = found.get("rope_theta", hf.data.get("rope_theta", theta_default))
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or not theta > 0:
+        raise hf.error(key, f"rope_theta {theta!r}: expected a number > 0")
+    return float(theta)
+
+
+def common_model_fields(
+    hf: HFConfig, *, llama_defaults: bool, partial_default: float = 1.0
+) -> dict[str, Any]:
+    """ModelConfig fields from the keys every layout shares; refuses what we cannot build.
+
+    With ``llama_defaults`` an absent key takes Llama's long-standing default (key/value
+    heads = heads, eps 1e-6, RoPE base 10000); otherwise the keys that decide the function
+    must be present (save_pretrained always writes them), since class defaults differ.
+    """
+    dim, heads = hf.get_int("hidden_size"), hf.get_int("num_attention_heads")
+    required: Any = _REQUIRED
+    kv_heads = hf.get_int("num_key_value_heads", heads if llama_defaults else required)
+    if heads <= 0 or dim % heads:
+        raise hf.error("num_attention_heads", f"expected a divisor of hidden_size = {dim}")
+    head_dim = hf.data.get("head_dim")
+    if head_dim is not None and head_dim != dim // heads:
+        raise hf.error(
+            "head_dim",
+            f"expected hidden_size / num_attention_heads = {dim // heads}: kempnerforge "
+            "derives the head size from the width",
+        )
+    hf.require("hidden_act", "silu", "silu", "kempnerforge's feed-forward is SwiGLU (SiLU gate)")
+    return {
+        "dim": dim,
+        "n_layers": hf.get_int("num_hidden_layers"),
+        "n_heads": heads,
+        "n_kv_heads": None if kv_heads == heads else kv_heads,
+        "vocab_size": hf.get_int("vocab_size"),
+        "max_seq_len": hf.get_int("max_position_embeddings", 2048),
+        "rope_theta": rope_theta(hf, partial_default, 10000.0 if llama_defaults else None),
+        "norm_eps": hf.get_float("rms_norm_eps", 1e-6 if llama_defaults else required),
+        "tie_embeddings": hf.get_bool("tie_word_embeddings", False),
+    }
+
+
+def build_model_config(fields: dict[str, Any], hf: HFConfig) -> ModelConfig:
+    """ModelConfig(**fields); a value our config refuses names the file it came from."""
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise HFFolderError(hf.path, f"describes a model kempnerforge cannot build: {e}") from None

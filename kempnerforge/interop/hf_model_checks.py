@@ -1,0 +1,150 @@
+"""Which ModelConfig fields a Hugging Face model carries, and the checks that a model, the
+config it is exported with and a folder it is loaded from describe the same function."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.core.errors import ConfigError
+from kempnerforge.model.transformer import Transformer
+
+ARCH_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "ffn_hidden_dim",
+    "ffn_multiplier",
+    "multiple_of",
+    "tie_embeddings",
+    "num_experts",
+    "moe_top_k",
+    "moe_frequency",
+    "moe_router",
+    "moe_shared_experts",
+    "moe_expert_hidden_dim",
+)
+"""ModelConfig fields that shape the weights or the function they compute."""
+TRAINING_FIELDS = (
+    "init_std",
+    "moe_capacity_factor",
+    "moe_aux_loss_weight",
+    "moe_aux_loss_level",
+    "moe_router_z_loss_weight",
+    "moe_bias_update_rate",
+    "moe_bias_schedule",
+)
+"""ModelConfig fields that only change how the weights are trained; the exported model is
+dropless (as our own generation is), whatever moe_capacity_factor says."""
+
+
+def check_text_model(model: nn.Module, *, whole: bool = True) -> Transformer:
+    """``model`` as a decoder-only Transformer (``whole``: with every layer, embedding and
+    head, not a pipeline stage), or a ConfigError saying why not."""
+    if not isinstance(model, Transformer):
+        raise ConfigError(
+            "vlm",
+            type(model).__name__,
+            "a text-only job (no [vlm] table): a decoder-only Transformer",
+            "the Hugging Face export writes causal language models; a vision-language "
+            "model's encoder, adapter and cross-attention blocks have no place in them",
+        )
+    if not whole:
+        return model
+    missing = model.tok_embeddings is None or model.norm is None or model.output is None
+    if missing or len(model.layers) != model.cfg.n_layers:
+        raise ConfigError(
+            "distributed.pp",
+            "a pipeline stage",
+            "the whole model in one process",
+            "export a model built with build_model(config.model), not one pipeline stage",
+        )
+    return model
+
+
+def check_known_fields(cfg: ModelConfig) -> None:
+    """Refuse a ModelConfig field this exporter does not know, unless it has its default.
+
+    A feature added to the model later (a new norm, a bias) then stops the export with a
+    ConfigError naming it, instead of being silently dropped from the written model.
+    """
+    known = set(ARCH_FIELDS) | set(TRAINING_FIELDS)
+    for field in dataclasses.fields(cfg):
+        if field.name in known or not field.init:
+            continue
+        default = (
+            field.default_factory()
+            if field.default_factory is not dataclasses.MISSING
+            else field.default
+        )
+        value = getattr(cfg, field.name)
+        if value != default:
+            raise ConfigError(
+                f"model.{field.name}",
+                value,
+                f"its default {default!r} for a Hugging Face export",
+                "the exporter has no Hugging Face counterpart for this setting",
+            )
+
+
+def check_built_from(model: Transformer, cfg: ModelConfig) -> None:
+    """Refuse a ``cfg`` that is not the config ``model`` was built from: config.json would
+    then describe another model than the tensors written beside it."""
+    built, given = function_fields(model.cfg), function_fields(cfg)
+    for field in sorted(built.keys() | given.keys()):
+        if built.get(field) != given.get(field):
+            name = field.split(".", 1)[1]
+            raise ConfigError(
+                field,
+                getattr(cfg, name),
+                f"{getattr(model.cfg, name)!r}, as the model being exported was built",
+                "pass the ModelConfig the model was built from",
+            )
+
+
+def function_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The values that decide the weights' shapes and meaning, keyed by config field."""
+    values: dict[str, Any] = {
+        "model.dim": cfg.dim,
+        "model.n_layers": cfg.n_layers,
+        "model.n_heads": cfg.n_heads,
+        "model.n_kv_heads": cfg.kv_heads,
+        "model.vocab_size": cfg.vocab_size,
+        "model.rope_theta": cfg.rope_theta,
+        "model.norm_eps": cfg.norm_eps,
+        "model.tie_embeddings": cfg.tie_embeddings,
+        "model.num_experts": cfg.num_experts,
+    }
+    if cfg.num_moe_layers < cfg.n_layers:
+        values["model.ffn_hidden_dim"] = cfg.hidden_dim
+    if cfg.is_moe:
+        values["model.moe_top_k"] = cfg.moe_top_k
+        values["model.moe_router"] = cfg.moe_router
+        values["model.moe_frequency"] = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+        values["model.moe_shared_experts"] = cfg.moe_shared_experts
+        values["model.moe_expert_hidden_dim"] = cfg.expert_hidden_dim
+    return values
+
+
+def check_same_model(job: ModelConfig, found: ModelConfig, folder: str | os.PathLike[str]) -> None:
+    """Refuse a job config whose model differs from the folder's, naming the field."""
+    ours, theirs = function_fields(job), function_fields(found)
+    for field in ours.keys() | theirs.keys():
+        if ours.get(field) != theirs.get(field):
+            name = field.split(".", 1)[1]
+            value = getattr(found, name)
+            raise ConfigError(
+                field,
+                getattr(job, name),
+                f"{value!r}, as the Hugging Face model {folder} has it",
+                f"set --{field}={value} (kempnerforge import-hf writes the whole [model] table)",
+            )
