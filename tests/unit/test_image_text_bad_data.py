@@ -13,7 +13,8 @@ from kempnerforge.config.vlm import VisionEncoderConfig, VLMConfig, resolve_visi
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.bad_windows import BAD_DATA_FILE, BadWindow
 from kempnerforge.data.image_text import ImageTextDataset, SyntheticImageTextDataset
-from kempnerforge.data.pipeline import DataPipeline, build_image_text_pipeline
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.data.pipeline_build import build_image_text_pipeline
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.training.session import BatchStream
 from tests.support.image_pairs import write_pairs
