@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,13 +118,7 @@ def finish_router_step(
     nudge = cfg.moe_router == "sigmoid" and cfg.moe_bias_update_rate > 0
     if not layers or not (nudge or with_metrics):
         return None
-    rows = []
-    for layer in layers:
-        t = layer.totals
-        assert t is not None
-        scalars = torch.stack([t.aux_loss, t.z_loss, t.dropped, t.assignments, t.micro_batches])
-        rows.append(torch.cat([t.load, scalars]))
-    totals = torch.stack(rows)
+    totals = _totals_rows(layers)
     if group is not None:
         dist.all_reduce(totals, group=group)
     experts = cfg.num_experts
@@ -138,6 +133,38 @@ def finish_router_step(
     if stage_group is not None:
         totals = _sum_over_stages(model, totals, cfg, stage_group)
     return _metrics_row(totals.tolist(), experts)
+
+
+def _totals_rows(layers: list[MoEFeedForward]) -> torch.Tensor:
+    """(layers, E + 5) fp64: each layer's step load, then its aux loss, z-loss, dropped
+    assignments, assignments and micro-batches."""
+    rows = []
+    for layer in layers:
+        t = layer.totals
+        assert t is not None
+        scalars = torch.stack([t.aux_loss, t.z_loss, t.dropped, t.assignments, t.micro_batches])
+        rows.append(torch.cat([t.load, scalars]))
+    return torch.stack(rows)
+
+
+def sum_step_totals(model: nn.Module, sum_: Callable[[torch.Tensor], None]) -> None:
+    """Sum every MoE layer's step totals in place with ``sum_``, one collective of (MoE
+    layers, E + 5) values.
+
+    Replica groups sum them over the step's quorum before it commits: the sigmoid routers'
+    bias step then moves every group's biases by the same amount (the whole job's load,
+    not this group's share), so the groups' models stay equal, and the router metrics are
+    the job's.
+    """
+    layers = [layer for layer in moe_layers(model) if layer.totals is not None]
+    if not layers:
+        return
+    rows = _totals_rows(layers)
+    sum_(rows)
+    experts = rows.shape[1] - 5
+    for layer, row in zip(layers, rows, strict=True):
+        aux, z, dropped, assignments, micro = row[experts:].unbind()
+        layer.totals = StepTotals(row[:experts], aux, z, dropped, assignments, micro)
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -68,9 +68,10 @@ def finish_step(
     ``loss_sum`` is this rank's summed loss (zero on a pipeline stage without the head).
     It is summed over the data-parallel (and context-parallel) group, then over the
     pipeline group, then over the replica groups, so every rank reports the global
-    token-weighted mean that one process would; the gradients are summed over the replica
-    groups before the clip, and the gradient norm is global over every mesh, stage and
-    group (total_grad_norm). Two votes are taken over the world in one all-reduce: stop
+    token-weighted mean that one process would; the gradients (and an MoE model's router
+    totals, which the bias step reads) are summed over the replica groups before the clip,
+    and the gradient norm is global over every mesh, stage and group (total_grad_norm).
+    Two votes are taken over the world in one all-reduce: stop
     (any rank asked to) and whether any rank's background checkpoint write is still
     running. All of it comes to the host together, in the step's one read. The votes are
     left with the shutdown handler and the checkpoint manager, so neither the loop's stop
@@ -87,6 +88,7 @@ def finish_step(
             dist.all_reduce(loss_sum, group=group)
     session.replicas.sum_(loss_sum)
     session.replicas.sum_gradients(session.model)
+    session.replicas.sum_router_totals(session.model)
     grad_norm = total_grad_norm(session.model, session.config.train.grad_clip_norm)
     votes = torch.tensor(
         [float(handler.requested), float(checkpointer.writing)], device=runtime.device

@@ -34,6 +34,12 @@ class TorchftReplicas(Replicas):
 
         self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
 
+    def sum_router_totals(self, model: torch.nn.Module) -> None:
+        """One all-reduce of every MoE layer's step totals (router_step.sum_step_totals)."""
+        from kempnerforge.model.router_step import sum_step_totals
+
+        sum_step_totals(model, self.sum_)
+
     def sum_gradients(self, model: torch.nn.Module) -> None:
         """One all-reduce of every gradient of this rank (local shards), flattened."""
         from torch.distributed.tensor import DTensor

@@ -168,7 +168,7 @@ class Replicas:
 
     This base is the ordinary job, one launch, so it reduces nothing. Fault-tolerant
     replica groups (training/replica_manager.py) sum over the groups of the step's quorum;
-    the step bodies call the same two methods either way.
+    the step bodies call the same methods either way.
     """
 
     num_groups: int = 1
@@ -183,6 +183,10 @@ class Replicas:
 
     def sum_gradients(self, model: torch.nn.Module) -> None:
         """Sum the gradients of ``model`` in place over the replica groups (nothing with one)."""
+
+    def sum_router_totals(self, model: torch.nn.Module) -> None:
+        """Sum the step totals of ``model``'s MoE routers (their expert loads) in place over
+        the replica groups (nothing with one)."""
 
 
 _ONE_LAUNCH = Replicas()

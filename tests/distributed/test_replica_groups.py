@@ -10,11 +10,19 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 
 from kempnerforge.resilience.exit_codes import PREEMPTED
 from tests.support.data_files import write_token_dir
 from tests.support.metrics_rows import read_rows, train_rows
-from tests.support.replica_groups import ReplicaJob, child_pids, kill, losses, replica_steps
+from tests.support.replica_groups import (
+    DEBUG_MOE,
+    ReplicaJob,
+    child_pids,
+    kill,
+    losses,
+    replica_steps,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -238,3 +246,40 @@ def test_a_mixtures_per_dataset_metrics_count_every_groups_share(tmp_path, data)
                 assert rows[0][step][key] == pytest.approx(
                     rows[1][step][key], rel=1e-12, nan_ok=True
                 ), key
+
+
+def test_the_sigmoid_routers_biases_move_alike_in_every_group(tmp_path, data, monkeypatch):
+    """The bias step reads the job's expert load (summed over the groups before the step
+    commits), not the group's share, so the two groups' biases stay bitwise equal; the
+    router metrics are the job's too."""
+    monkeypatch.setenv("KF_TEST_BIAS_DIR", str(tmp_path))
+    steps = 5
+    extra = (
+        f"--train.max_steps={steps}",
+        "--model.moe_router=sigmoid",
+        "--model.moe_aux_loss_weight=0",
+        "--model.moe_expert_hidden_dim=32",
+        "--model.moe_bias_update_rate=0.01",
+        "--train.hooks=['tests.support.replica_groups:SlowSteps', "
+        "'tests.support.replica_groups:RouterBiases']",
+    )
+    with ReplicaJob(tmp_path, data, *extra) as run:
+        run.args[0] = DEBUG_MOE
+        run.start(0, 1)
+        run.finish()
+    both = 0
+    for step in range(1, steps + 1):
+        saved = [tmp_path / f"g{g}-step{step}.pt" for g in (0, 1)]
+        if not all(path.exists() for path in saved):
+            continue  # a group that joined with its peer's state took its first steps there
+        first, second = (torch.load(path, weights_only=True) for path in saved)
+        assert len(first) == 2 and any(bool(b.abs().sum() > 0) for b in first)
+        for a, b in zip(first, second, strict=True):
+            assert torch.equal(a, b), step
+        both += 1
+    assert both >= 3
+    rows = [{r["step"]: r for r in train_rows(run.run_dir(g))} for g in (0, 1)]
+    tokens_per_step = NUM_SLOTS * 4 * 32 * 2  # slots x batch x seq x top-2 assignments
+    for step in rows[0].keys() & rows[1].keys():
+        assert rows[0][step]["moe/load"] == rows[1][step]["moe/load"]
+        assert sum(map(sum, rows[0][step]["moe/load"])) == 2 * tokens_per_step  # 2 layers

@@ -12,12 +12,15 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from tests.support.metrics_rows import read_rows, train_rows
 from tests.support.tiny import tiny_run
 
 REPO = pathlib.Path(__file__).parents[2]
 DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+DEBUG_MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 PAUSE_ENV = "KF_TEST_STEP_PAUSE_S"
 """How long each step of a group pauses (SlowSteps; default 0.5 s): the test's kills and
 relaunches then land mid-run on a loaded 2-core machine too."""
@@ -28,6 +31,21 @@ class SlowSteps(TrainingHook):
 
     def on_step_end(self, ctx: StepContext) -> None:
         time.sleep(float(os.environ.get(PAUSE_ENV, "0.5")))
+
+
+class RouterBiases(TrainingHook):
+    """After each step, save the sigmoid routers' expert biases to
+    ``$KF_TEST_BIAS_DIR/g<replica group>-step<step>.pt``, for comparing groups."""
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        biases = [
+            m.expert_bias.detach().clone()
+            for m in ctx.model.modules()
+            if getattr(m, "expert_bias", None) is not None
+        ]
+        group = os.environ["KEMPNERFORGE_REPLICA_GROUP"]
+        path = pathlib.Path(os.environ["KF_TEST_BIAS_DIR"]) / f"g{group}-step{ctx.step}.pt"
+        torch.save(biases, path)
 
 
 def free_port() -> int:
