@@ -15,6 +15,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import TrainingSession, run_training_loop
 from kempnerforge.training.resume import resume_session
+from tests.support.faults import crash_at_step
 from tests.support.image_pairs import write_pairs
 from tests.support.metrics_rows import events
 from tests.support.tiny import tiny_run
@@ -116,14 +117,7 @@ def test_after_a_crash_and_resume_the_recorded_pairs_read_their_stand_ins(tmp_pa
     assert first.data.sampler is not None
     poisoned_pair = first.data.sampler.rank_index(0, 2 * BATCH + 1)
     first.loss_fn = PoisonedPairs(first.loss_fn, clean_pairs(first), [poisoned_pair])
-    inner = first.step_fn
-
-    def crash_after_step_three(session: TrainingSession, step: int):
-        if step == 3:  # the fault was recorded at step 3; no checkpoint since step 2
-            raise RuntimeError("the node went away")
-        return inner(session, step)
-
-    first.step_fn = crash_after_step_three
+    crash_at_step(first, 3)  # the fault was recorded at step 3; no checkpoint since step 2
     with first.tracker, pytest.raises(RuntimeError, match="went away"):
         run_training_loop(first)
     bad = {w.window for w in read_bad_data(first.checkpointer.directory)}

@@ -12,6 +12,7 @@ import signal
 import time
 
 from kempnerforge.training.hooks import StepContext, TrainingHook
+from kempnerforge.training.session import TrainingSession
 
 FSIZE_RANK_ENV = "KF_TEST_FSIZE_RANK"
 FSIZE_FROM_ENV = "KF_TEST_FSIZE_LIMIT_AT"
@@ -69,3 +70,17 @@ class SleepOnOneRank(TrainingHook):
     def on_step_end(self, ctx: StepContext) -> None:
         if self.active and ctx.step in self.at:
             sleep_through_the_collective(3600)
+
+
+def crash_at_step(session: TrainingSession, step: int) -> None:
+    """Make ``session``'s step body raise RuntimeError("the node went away") when the loop
+    asks for ``step`` (0-based, so the steps before it are taken): a process lost mid-run,
+    after whatever it last saved."""
+    inner = session.step_fn
+
+    def crashing(s: TrainingSession, at: int):
+        if at == step:
+            raise RuntimeError("the node went away")
+        return inner(s, at)
+
+    session.step_fn = crashing

@@ -23,6 +23,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import resume_session
 from tests.conftest import synthetic_documents
+from tests.support.faults import crash_at_step
 from tests.support.metrics_rows import events, train_rows
 from tests.support.tiny import tiny_run
 
@@ -122,14 +123,7 @@ def test_a_crash_and_resume_before_the_fault_never_feeds_the_bad_windows_again(
     dataset = first.data.dataset
     poisoned_window = _window_at(first, 0, 2 * BATCH + 1)
     first.loss_fn = PoisonedWindows(first.loss_fn, dataset, [poisoned_window])
-    inner = first.step_fn
-
-    def crash_after_step_three(session, step):
-        if step == 3:  # the fault was recorded at step 3; no checkpoint since step 2
-            raise RuntimeError("the node went away")
-        return inner(session, step)
-
-    first.step_fn = crash_after_step_three
+    crash_at_step(first, 3)  # the fault was recorded at step 3; no checkpoint since step 2
     with first.tracker, pytest.raises(RuntimeError, match="went away"):
         run_training_loop(first)
     bad = {w.window for w in read_bad_data(first.checkpointer.directory)}
