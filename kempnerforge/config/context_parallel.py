@@ -56,7 +56,6 @@ def check_context_parallel(
             model.is_moe and model.moe_aux_loss_level == "sequence",
             "a sequence-level balancing loss",
         ),
-        ("train.compile", train.compile, "compiled blocks"),
         ("[vlm]", is_vlm, "a vision-language model"),
     )
     for other, present, what in refused:
@@ -65,7 +64,7 @@ def check_context_parallel(
                 _FIELD,
                 cp,
                 f"1 with {what} ({other})",
-                "context parallelism runs with data, tensor and pipeline parallelism and "
-                "with MoE models without expert parallelism; set distributed.cp = 1 or "
-                "leave the other out",
+                "context parallelism runs with data, tensor and pipeline parallelism, "
+                "compiled blocks and MoE models without expert parallelism; set "
+                "distributed.cp = 1 or leave the other out",
             )

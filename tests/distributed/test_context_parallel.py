@@ -1,17 +1,23 @@
 """Context parallelism (distributed.cp) against one process: the attention exchange, the
-real build and loop with document masking, GQA and gradient accumulation, FSDP beside it,
-eval, the end-of-run sample, and checkpoints resumed across cp and one process."""
+real build and loop with document masking, GQA, gradient accumulation and compiled blocks,
+FSDP beside it, eval, the end-of-run sample, and checkpoints resumed across cp and one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.distributed.parallelize import apply_compile
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
-from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
+from kempnerforge.model.sequence_split import (
+    SequenceSplit,
+    set_sequence_split,
+    whole_sequences,
+)
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
@@ -29,8 +35,9 @@ STEPS = 4
 CP2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 
 
-def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
-    """The same model, batch and summed loss run whole and as this rank's slice."""
+def _exchange_matches_one_process(rank: int, world_size: int, backend: str | None) -> dict:
+    """The same model, batch and summed loss run whole and as this rank's slice; with a
+    ``backend``, the sliced blocks run compiled, and then whole again (whole_sequences)."""
     torch.manual_seed(0)
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
     model = Transformer(cfg)
@@ -41,6 +48,9 @@ def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
     whole_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     set_sequence_split(model, SequenceSplit(dist.group.WORLD, rank, world_size))
+    if backend is not None:
+        torch._dynamo.reset()
+        apply_compile(model, backend=backend)
     local = 16 // world_size
     part = slice(rank * local, (rank + 1) * local)
     logits = model(ids[:, part], doc_ids)
@@ -49,20 +59,31 @@ def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad)  # the cp ranks' gradients sum to the whole sequence's
         grads[name] = param.grad
+    with torch.no_grad(), whole_sequences(model):
+        unsplit = model(ids, doc_ids)
     return {
         "logits": (logits.detach(), whole_logits[:, part]),
+        "unsplit": (unsplit, whole_logits),
         "grads": (grads, whole_grads),
+        "graph_breaks": sum(counters["graph_break"].values()),
     }
 
 
-def test_exchanged_attention_gives_each_rank_its_slice_of_one_process_with_packed_documents():
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_exchanged_attention_gives_each_rank_its_slice_of_one_process_with_packed_documents(
+    backend,
+):
     """GQA (4 query, 2 key/value heads) and three documents in a row: each cp rank's logits
-    are its positions of the whole-sequence forward, and the gradients sum to its."""
-    for record in run_distributed(_exchange_matches_one_process, 2):
+    are its positions of the whole-sequence forward, and the gradients sum to its. Compiled
+    blocks trace the all-to-alls into their graph (no graph break) and recompile when
+    whole_sequences switches the split off."""
+    for record in run_distributed(_exchange_matches_one_process, 2, backend):
         torch.testing.assert_close(*record["logits"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(*record["unsplit"], atol=1e-5, rtol=0)
         grads, whole = record["grads"]
         for name, grad in grads.items():
             torch.testing.assert_close(grad, whole[name], atol=1e-5, rtol=1e-4, msg=name)
+        assert record["graph_breaks"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +102,11 @@ def base(token_dirs) -> list[str]:
     )
 
 
-def _run(base: list[str], run_dir, world_size: int, *extra: str, **kwargs) -> list[dict]:
+def _run(
+    base: list[str], run_dir, world_size: int, *extra: str, timeout_s: float = 120.0, **kwargs
+) -> list[dict]:
     overrides = [*base, f"--train.run_dir={run_dir}", *extra]
-    return run_distributed(train_on_ranks, world_size, overrides, kwargs)
+    return run_distributed(train_on_ranks, world_size, overrides, kwargs, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +268,17 @@ def test_the_end_of_run_sample_under_context_parallelism_is_one_process_sample(
         _sample_on_ranks, 2, [*base, *sample, *CP2, "--train.run_dir=" + str(tmp_path / "cp")]
     )
     assert one and ranks == [one, one]
+
+
+def test_compiled_blocks_under_context_parallelism_train_like_one_process(
+    base, reference, tmp_path
+) -> None:
+    """train.compile with cp 2: each block compiles with its four all-to-alls inside the
+    graph (functional collectives), and training and eval equal one eager process."""
+    layout = [*CP2, "--train.compile=true"]
+    ranks = _run(base, tmp_path / "cp", 2, *layout, timeout_s=600)
+    _assert_matches(ranks, reference)
+    evals = [r["eval_loss"] for r in eval_rows(tmp_path / "cp")]
+    torch.testing.assert_close(
+        torch.tensor(evals), torch.tensor(reference["eval"]), atol=LOSS_TOL, rtol=0
+    )

@@ -55,11 +55,6 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "(model.moe_aux_loss_level)",
         ),
         (
-            ["--distributed.cp=2", "--train.compile=true"],
-            2,
-            "distributed.cp = 2: expected 1 with compiled blocks (train.compile)",
-        ),
-        (
             ["--distributed.cp=2", "--distributed.dp_shard=2"],
             2,
             "distributed.dp_shard = 2: expected dp_replicate * dp_shard * cp * tp * pp == "
@@ -92,6 +87,10 @@ def test_context_parallelism_leaves_the_data_parallel_degree_and_the_global_batc
         "tp": 1,
     }
     assert config.distributed.resolved_dp(4) == 2
+
+
+def test_context_parallelism_runs_with_compiled_blocks():
+    load_config(None, [*GQA, "--distributed.cp=2", "--train.compile=true"]).validate(2)
 
 
 def test_a_negative_cp_is_a_config_error():
