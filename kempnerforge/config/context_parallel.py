@@ -51,11 +51,6 @@ def check_context_parallel(
             )
     refused = (
         ("distributed.ep", dist.ep > 1, "expert parallelism"),
-        (
-            "model.moe_aux_loss_level",
-            model.is_moe and model.moe_aux_loss_level == "sequence",
-            "a sequence-level balancing loss",
-        ),
         ("[vlm]", is_vlm, "a vision-language model"),
     )
     for other, present, what in refused:

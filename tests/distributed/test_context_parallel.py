@@ -23,7 +23,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.sample import sample_text
 from tests.support.dist import run_distributed
-from tests.support.metrics_rows import eval_rows
+from tests.support.metrics_rows import eval_rows, train_rows
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_on_ranks
 
@@ -194,6 +194,27 @@ def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tm
     ]
     (one,) = _run(base, tmp_path / "one", 1, *moe)
     ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    _assert_matches(ranks, one)
+
+
+def test_a_sequence_level_balancing_loss_under_context_parallelism_trains_like_one_process(
+    base, tmp_path
+) -> None:
+    """Each cp rank holds half of every sequence: the loss's per-sequence expert shares
+    are summed over the cp pair (one all-reduce per layer), so the logged balancing loss,
+    the losses and the gradient norms are one process's."""
+    moe = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--model.moe_expert_hidden_dim=16",
+        "--model.moe_aux_loss_level=sequence",
+        "--model.moe_aux_loss_weight=0.5",
+        "--eval.interval=0",
+    ]
+    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    aux = [[r["moe/aux_loss"] for r in train_rows(d)] for d in (tmp_path / "one", tmp_path / "cp")]
+    torch.testing.assert_close(torch.tensor(aux[1]), torch.tensor(aux[0]), atol=1e-6, rtol=0)
     _assert_matches(ranks, one)
 
 

@@ -44,17 +44,6 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "distributed.cp = 2: expected 1 with expert parallelism (distributed.ep)",
         ),
         (
-            [
-                "--distributed.cp=2",
-                "--model.num_experts=4",
-                "--model.moe_top_k=2",
-                "--model.moe_aux_loss_level=sequence",
-            ],
-            2,
-            "distributed.cp = 2: expected 1 with a sequence-level balancing loss "
-            "(model.moe_aux_loss_level)",
-        ),
-        (
             ["--distributed.cp=2", "--distributed.dp_shard=2"],
             2,
             "distributed.dp_shard = 2: expected dp_replicate * dp_shard * cp * tp * pp == "
@@ -89,8 +78,10 @@ def test_context_parallelism_leaves_the_data_parallel_degree_and_the_global_batc
     assert config.distributed.resolved_dp(4) == 2
 
 
-def test_context_parallelism_runs_with_compiled_blocks():
+def test_context_parallelism_runs_with_compiled_blocks_and_a_sequence_level_balancing_loss():
     load_config(None, [*GQA, "--distributed.cp=2", "--train.compile=true"]).validate(2)
+    moe = ["--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_aux_loss_level=sequence"]
+    load_config(None, [*GQA, "--distributed.cp=2", *moe]).validate(2)
 
 
 def test_a_negative_cp_is_a_config_error():
