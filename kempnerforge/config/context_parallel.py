@@ -49,17 +49,14 @@ def check_context_parallel(
                 "attention gives each context-parallel rank whole heads of the full "
                 "sequence, so cp can be at most the key/value heads",
             )
-    refused = (
-        ("distributed.ep", dist.ep > 1, "expert parallelism"),
-        ("[vlm]", is_vlm, "a vision-language model"),
-    )
+    refused = (("[vlm]", is_vlm, "a vision-language model"),)
     for other, present, what in refused:
         if present:
             raise ConfigError(
                 _FIELD,
                 cp,
                 f"1 with {what} ({other})",
-                "context parallelism runs with data, tensor and pipeline parallelism, "
-                "compiled blocks and MoE models without expert parallelism; set "
-                "distributed.cp = 1 or leave the other out",
+                "context parallelism runs with data, tensor, pipeline and expert "
+                "parallelism, compiled blocks and MoE models; set distributed.cp = 1 or "
+                "leave the other out",
             )

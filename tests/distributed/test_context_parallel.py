@@ -197,6 +197,76 @@ def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tm
     _assert_matches(ranks, one)
 
 
+def _group_ranks(rank: int, world_size: int, overrides: list[str]) -> dict[str, list[int]]:
+    config = load_config(None, overrides)
+    config.validate(world_size)
+    runtime = init_runtime(config.distributed, "cpu")
+    groups = {name: runtime.group(name) for name in ("cp", "ep", "efsdp")}
+    return {
+        name: [rank] if group is None else dist.get_process_group_ranks(group)
+        for name, group in groups.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("ep", "ep_groups", "efsdp_groups"),
+    [
+        (2, [[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+        (4, [[0, 1, 2, 3]] * 4, [[0], [1], [2], [3]]),
+    ],
+    ids=["ep2", "ep4"],
+)
+def test_expert_parallel_ranks_split_the_shard_and_context_parallel_ranks(
+    ep, ep_groups, efsdp_groups
+) -> None:
+    """cp 2 x dp_shard 2 on 4 ranks (rank = 2 * shard + cp): the ep peers are consecutive
+    ranks of dp_shard x cp, so ep 2 exchanges tokens within each cp pair and FSDP shards
+    the experts across the pairs, and ep 4 spans all four."""
+    overrides = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--distributed.cp=2",
+        "--distributed.dp_shard=2",
+        f"--distributed.ep={ep}",
+    ]
+    ranks = run_distributed(_group_ranks, 4, overrides)
+    assert [r["cp"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["ep"] for r in ranks] == ep_groups
+    assert [r["efsdp"] for r in ranks] == efsdp_groups
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--distributed.dp_shard=1", "--distributed.ep=2"],
+        ["--distributed.dp_shard=2", "--distributed.ep=2", "--train.batch_size=2"],
+        ["--distributed.dp_shard=2", "--distributed.ep=4", "--train.batch_size=2"],
+    ],
+    ids=["cp2-ep2", "cp2-dp2-ep2", "cp2-dp2-ep4"],
+)
+def test_an_moe_model_with_expert_parallelism_under_context_parallelism_trains_like_one_process(
+    base, tmp_path, layout
+) -> None:
+    """Each cp rank routes its own slice's tokens and exchanges them with its ep peers:
+    the ep ranks are consecutive ranks of dp_shard x cp (the cp pair; or every rank, across
+    the data-parallel pair), and FSDP shards the experts over the rest. The balancing
+    loss is the sequence-level one, so its counts are summed over cp beside the exchange."""
+    moe = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--model.moe_expert_hidden_dim=16",
+        "--model.moe_router=sigmoid",
+        "--model.moe_bias_update_rate=0.01",
+        "--model.moe_aux_loss_level=sequence",
+        "--model.moe_aux_loss_weight=0.1",
+        "--eval.interval=0",
+    ]
+    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    world = 2 if "--distributed.dp_shard=1" in layout else 4
+    ranks = _run(base, tmp_path / "cp", world, *moe, "--distributed.cp=2", *layout)
+    _assert_matches(ranks, one)
+
+
 def test_a_sequence_level_balancing_loss_under_context_parallelism_trains_like_one_process(
     base, tmp_path
 ) -> None:

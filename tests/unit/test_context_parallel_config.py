@@ -35,13 +35,14 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
         (
             [
                 "--distributed.cp=2",
-                "--distributed.dp_shard=2",
-                "--distributed.ep=2",
+                "--distributed.dp_shard=1",
+                "--distributed.ep=4",
                 "--model.num_experts=4",
                 "--model.moe_top_k=2",
             ],
-            4,
-            "distributed.cp = 2: expected 1 with expert parallelism (distributed.ep)",
+            2,
+            "distributed.ep = 4: expected a divisor of distributed.dp_shard * distributed.cp "
+            "= 1 * 2 (expert-parallel ranks are data-parallel shard (and context-parallel)",
         ),
         (
             ["--distributed.cp=2", "--distributed.dp_shard=2"],
