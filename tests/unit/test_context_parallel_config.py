@@ -45,6 +45,11 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "= 1 * 2 (expert-parallel ranks are data-parallel shard (and context-parallel)",
         ),
         (
+            ["--distributed.cp=2", "--vision_encoder.type=random", "--vlm.max_text_len=8"],
+            2,
+            "distributed.cp = 2: expected 1 with a vision-language model ([vlm])",
+        ),
+        (
             ["--distributed.cp=2", "--distributed.dp_shard=2"],
             2,
             "distributed.dp_shard = 2: expected dp_replicate * dp_shard * cp * tp * pp == "
