@@ -17,8 +17,8 @@ _FIELD = "distributed.cp"
 def check_context_parallel(
     dist: DistributedConfig, model: ModelConfig, train: TrainConfig, is_vlm: bool
 ) -> None:
-    """Refuse a cp the sequence or the heads cannot split, and the combinations that do not
-    run under context parallelism.
+    """Refuse a cp the sequence or the heads cannot split, and a vision-language model,
+    which does not run under context parallelism.
 
     Each cp rank holds seq_len / cp positions of every sequence; attention exchanges them
     for n_heads / cp query heads and kv_heads / cp key/value heads of the whole sequence
@@ -49,23 +49,11 @@ def check_context_parallel(
                 "attention gives each context-parallel rank whole heads of the full "
                 "sequence, so cp can be at most the key/value heads",
             )
-    refused = (
-        ("distributed.ep", dist.ep > 1, "expert parallelism"),
-        (
-            "model.moe_aux_loss_level",
-            model.is_moe and model.moe_aux_loss_level == "sequence",
-            "a sequence-level balancing loss",
-        ),
-        ("train.compile", train.compile, "compiled blocks"),
-        ("[vlm]", is_vlm, "a vision-language model"),
-    )
-    for other, present, what in refused:
-        if present:
-            raise ConfigError(
-                _FIELD,
-                cp,
-                f"1 with {what} ({other})",
-                "context parallelism runs with data, tensor and pipeline parallelism and "
-                "with MoE models without expert parallelism; set distributed.cp = 1 or "
-                "leave the other out",
-            )
+    if is_vlm:
+        raise ConfigError(
+            _FIELD,
+            cp,
+            "1 with a vision-language model ([vlm])",
+            "context parallelism runs with data, tensor, pipeline and expert parallelism, "
+            "compiled blocks and MoE models; set distributed.cp = 1 or leave [vlm] out",
+        )

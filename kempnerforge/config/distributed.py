@@ -42,8 +42,9 @@ class DistributedConfig:
     heads. 1 to 2**31 - 1."""
     ep: int = 1
     """Expert-parallel degree: the routed experts of every MoE layer are split over this
-    many of the dp_shard ranks, which send each token to the rank holding its expert
-    (all-to-all) and back. Must divide dp_shard and model.num_experts; 1 to 2**31 - 1."""
+    many of the dp_shard ranks (dp_shard x cp ranks with context parallelism), which send
+    each token to the rank holding its expert (all-to-all) and back. Must divide dp_shard
+    (times cp) and model.num_experts; 1 to 2**31 - 1."""
     cp: int = 1
     """Context-parallel degree: each of these processes holds a 1/cp slice of every
     sequence and attention exchanges heads for the whole sequence (all-to-all); they hold

@@ -137,7 +137,8 @@ def check_pipeline_layout(config: JobConfig) -> None:
 
 def check_expert_layout(config: JobConfig, dp_shard: int) -> None:
     """MoE against the layout: expert parallelism splits the experts over data-parallel
-    shard ranks (of each pipeline stage); tensor parallelism does not split experts."""
+    shard and context-parallel ranks (of each pipeline stage); tensor parallelism does not
+    split experts."""
     dist, model = config.distributed, config.model
     if not model.is_moe:
         if dist.ep > 1:
@@ -163,10 +164,16 @@ def check_expert_layout(config: JobConfig, dp_shard: int) -> None:
             f"a divisor of model.num_experts = {model.num_experts}",
             "each expert-parallel rank holds the same number of whole experts",
         )
-    if dp_shard % dist.ep:
+    # Context-parallel peers route their own tokens, so they count as shard ranks here.
+    shard_ranks = dp_shard * dist.cp
+    if shard_ranks % dist.ep:
+        where = f"distributed.dp_shard = {dp_shard}"
+        if dist.cp > 1:
+            where = f"distributed.dp_shard * distributed.cp = {dp_shard} * {dist.cp}"
         raise ConfigError(
             "distributed.ep",
             dist.ep,
-            f"a divisor of distributed.dp_shard = {dp_shard}",
-            "expert-parallel ranks are data-parallel shard ranks that exchange tokens",
+            f"a divisor of {where}",
+            "expert-parallel ranks are data-parallel shard (and context-parallel) ranks "
+            "that exchange tokens",
         )

@@ -2,10 +2,12 @@
 
 The expert weights become DTensors sharded on the expert dimension over the ``ep`` mesh,
 so each rank stores and computes E / ep experts, and the layer sends every token copy to
-the rank of its expert and back (model/token_exchange.py). FSDP then shards the expert
-weights further over ``efsdp``, the ranks that hold the same experts; the router, the
-shared experts and the rest of the block are sharded over every data-parallel rank as in
-a dense model. Checkpoints hold the full expert tensors, so they load in any layout.
+the rank of its expert and back (model/token_exchange.py). Under context parallelism the
+``ep`` ranks are taken from dp_shard x cp: a cp rank routes its own slice's tokens.
+FSDP then shards the expert weights further over ``efsdp``, the ranks that hold the
+same experts; the router, the shared experts and the rest of the block are sharded over
+every data-parallel rank as in a dense model. Checkpoints hold the full expert tensors,
+so they load in any layout.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
     Meant for the model still on the meta device (nothing is allocated or sent). FSDP
     averages the expert gradients over the ``efsdp`` ranks only, while every other
-    gradient is averaged over all data-parallel ranks, ``ep`` times as many; each
-    expert's gradient already sums the tokens of its ``ep`` peers, so the layer scales it
-    by 1 / ep and both end up as the same token mean.
+    gradient is averaged over all data-parallel (and context-parallel) ranks, ``ep``
+    times as many; each expert's gradient already sums the tokens of its ``ep`` peers,
+    so the layer scales it by 1 / ep and both end up as the same token mean.
     """
     ep = ep_mesh.size()
     for layer in moe_layers(model):

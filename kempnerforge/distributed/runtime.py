@@ -50,9 +50,10 @@ class RuntimeContext:
     from the job's mesh is deprecated. None otherwise."""
     expert_mesh: Any = None
     """With expert parallelism (distributed.ep > 1): the ranks as a mesh of ``pp``,
-    ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group into
-    the ranks that hold different experts and ``efsdp`` counts the ranks holding the same
-    ones (FSDP shards the expert weights over them). None otherwise."""
+    ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group
+    (dp_shard_cp under context parallelism) into the ranks that hold different experts
+    and ``efsdp`` counts the ranks holding the same ones (FSDP shards the expert weights
+    over them). None otherwise."""
     side_group: Any = None
     """A gloo group over the world beside the default one, created once, for work off the
     training step: finding unresponsive ranks after a failed collective
@@ -147,12 +148,13 @@ def build_expert_mesh(
 
     Collective over the world. Expert parallelism runs without tensor parallelism
     (JobConfig.validate), so the world is the pipeline stages times the data-parallel
-    ranks, and rank r sits at the same place here as in the job's mesh: its ``ep`` peers
-    are consecutive ranks of one dp_shard group of one stage.
+    and context-parallel ranks, and rank r sits at the same place here as in the job's
+    mesh: its ``ep`` peers are consecutive ranks of one dp_shard x cp group (dp_shard_cp)
+    of one stage. Context-parallel peers route their own tokens like shard ranks.
     """
     if cfg.ep == 1:
         return None
-    shard = cfg.resolved_dp_shard(world_size)
+    shard = cfg.resolved_dp_shard(world_size) * cfg.cp
     shape = (cfg.pp, cfg.dp_replicate, shard // cfg.ep, cfg.ep)
     names = ("pp", "dp_replicate", "efsdp", "ep")
     return init_device_mesh(device.type, shape, mesh_dim_names=names)

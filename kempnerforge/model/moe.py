@@ -32,6 +32,7 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.experts import GroupedExperts
 from kempnerforge.model.mlp import SwiGLU
+from kempnerforge.model.sequence_split import SequenceSplit, active_split
 from kempnerforge.model.token_exchange import combine_tokens, dispatch_tokens
 
 
@@ -101,7 +102,8 @@ class MoEFeedForward(nn.Module):
     ``ep_group`` (set by the parallelizer) is the process group the experts are split
     over, None when this rank holds every expert; ``balance_group`` the data-parallel
     group whose load counts the token-level balancing loss sums, so the loss is the one
-    a single process would compute over the whole batch.
+    a single process would compute over the whole batch; ``sequence_split`` (context
+    parallelism) the group each sequence is split over, for the sequence-level loss.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -121,6 +123,9 @@ class MoEFeedForward(nn.Module):
             self.shared = SwiGLU(cfg.dim, cfg.moe_shared_experts * cfg.expert_hidden_dim)
         self.ep_group: dist.ProcessGroup | None = None
         self.balance_group: dist.ProcessGroup | None = None
+        self.sequence_split: SequenceSplit | None = None
+        """Under context parallelism: the group each sequence is split over, whose
+        per-sequence expert counts the sequence-level balancing loss sums."""
         self.last: RouterStats | None = None
         """The latest forward's losses and counts."""
         self.totals: StepTotals | None = None
@@ -228,12 +233,22 @@ class MoEFeedForward(nn.Module):
 
         Token level: f from the load summed over the data-parallel ranks (in training),
         P over this rank's tokens, so the ranks' mean loss equals the whole batch's.
-        Sequence level: f and P per sequence, averaged over sequences.
+        Sequence level: f and P per sequence, averaged over sequences; under context
+        parallelism (in training) f counts the whole sequence, summed over the cp group
+        in one all-reduce, and P this rank's slice of it.
         """
         experts, k = self.num_experts, self.top_k
         if self.aux_level == "sequence":
             one_hot = F.one_hot(routing.expert_ids.reshape(batch, seq * k), experts)
-            share = one_hot.sum(1).float() / (seq * k)  # (batch, E)
+            counts = one_hot.sum(1).float()  # (batch, E), no gradient
+            split = active_split(self)
+            if split is not None and self.training and torch.is_grad_enabled():
+                # This rank holds a slice of each sequence: f is the whole sequence's.
+                dist.all_reduce(counts, group=split.group)
+            share = counts / counts.sum(-1, keepdim=True)
+            # P over this rank's positions: the loss is linear in P, so the mean of the
+            # context-parallel ranks' losses (their gradients are averaged) is the
+            # whole sequence's, and P needs no exchange.
             mean_prob = routing.probs.reshape(batch, seq, experts).mean(1)
             return experts * (share * mean_prob).sum(-1).mean()
         counts = load.to(torch.float32).detach()

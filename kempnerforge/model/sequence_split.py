@@ -8,7 +8,8 @@ and the matching key/value heads, so grouped-query pairs stay together); attenti
 over the whole sequence with the same causal or document mask as one process, and one
 all-to-all brings its output back to "my positions, every head". Every rank does the same
 work whatever its slice, so causal attention needs no load balancing. Both directions are
-differentiable: backward runs the mirrored exchange.
+differentiable: backward runs the mirrored exchange. The exchange is a functional
+collective, which torch.compile traces, so a compiled block keeps it inside its graph.
 """
 
 from __future__ import annotations

@@ -1,23 +1,29 @@
 """Context parallelism (distributed.cp) against one process: the attention exchange, the
-real build and loop with document masking, GQA and gradient accumulation, FSDP beside it,
-eval, the end-of-run sample, and checkpoints resumed across cp and one process."""
+real build and loop with document masking, GQA, gradient accumulation and compiled blocks,
+FSDP beside it, eval, the end-of-run sample, and checkpoints resumed across cp and one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.distributed.parallelize import apply_compile
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
-from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
+from kempnerforge.model.sequence_split import (
+    SequenceSplit,
+    set_sequence_split,
+    whole_sequences,
+)
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.sample import sample_text
 from tests.support.dist import run_distributed
-from tests.support.metrics_rows import eval_rows
+from tests.support.metrics_rows import eval_rows, train_rows
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_on_ranks
 
@@ -29,8 +35,9 @@ STEPS = 4
 CP2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 
 
-def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
-    """The same model, batch and summed loss run whole and as this rank's slice."""
+def _exchange_matches_one_process(rank: int, world_size: int, backend: str | None) -> dict:
+    """The same model, batch and summed loss run whole and as this rank's slice; with a
+    ``backend``, the sliced blocks run compiled, and then whole again (whole_sequences)."""
     torch.manual_seed(0)
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
     model = Transformer(cfg)
@@ -41,6 +48,9 @@ def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
     whole_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     set_sequence_split(model, SequenceSplit(dist.group.WORLD, rank, world_size))
+    if backend is not None:
+        torch._dynamo.reset()
+        apply_compile(model, backend=backend)
     local = 16 // world_size
     part = slice(rank * local, (rank + 1) * local)
     logits = model(ids[:, part], doc_ids)
@@ -49,20 +59,31 @@ def _exchange_matches_one_process(rank: int, world_size: int) -> dict:
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad)  # the cp ranks' gradients sum to the whole sequence's
         grads[name] = param.grad
+    with torch.no_grad(), whole_sequences(model):
+        unsplit = model(ids, doc_ids)
     return {
         "logits": (logits.detach(), whole_logits[:, part]),
+        "unsplit": (unsplit, whole_logits),
         "grads": (grads, whole_grads),
+        "graph_breaks": sum(counters["graph_break"].values()),
     }
 
 
-def test_exchanged_attention_gives_each_rank_its_slice_of_one_process_with_packed_documents():
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_exchanged_attention_gives_each_rank_its_slice_of_one_process_with_packed_documents(
+    backend,
+):
     """GQA (4 query, 2 key/value heads) and three documents in a row: each cp rank's logits
-    are its positions of the whole-sequence forward, and the gradients sum to its."""
-    for record in run_distributed(_exchange_matches_one_process, 2):
+    are its positions of the whole-sequence forward, and the gradients sum to its. Compiled
+    blocks trace the all-to-alls into their graph (no graph break) and recompile when
+    whole_sequences switches the split off."""
+    for record in run_distributed(_exchange_matches_one_process, 2, backend):
         torch.testing.assert_close(*record["logits"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(*record["unsplit"], atol=1e-5, rtol=0)
         grads, whole = record["grads"]
         for name, grad in grads.items():
             torch.testing.assert_close(grad, whole[name], atol=1e-5, rtol=1e-4, msg=name)
+        assert record["graph_breaks"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +102,11 @@ def base(token_dirs) -> list[str]:
     )
 
 
-def _run(base: list[str], run_dir, world_size: int, *extra: str, **kwargs) -> list[dict]:
+def _run(
+    base: list[str], run_dir, world_size: int, *extra: str, timeout_s: float = 120.0, **kwargs
+) -> list[dict]:
     overrides = [*base, f"--train.run_dir={run_dir}", *extra]
-    return run_distributed(train_on_ranks, world_size, overrides, kwargs)
+    return run_distributed(train_on_ranks, world_size, overrides, kwargs, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +197,97 @@ def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tm
     _assert_matches(ranks, one)
 
 
+def _group_ranks(rank: int, world_size: int, overrides: list[str]) -> dict[str, list[int]]:
+    config = load_config(None, overrides)
+    config.validate(world_size)
+    runtime = init_runtime(config.distributed, "cpu")
+    groups = {name: runtime.group(name) for name in ("cp", "ep", "efsdp")}
+    return {
+        name: [rank] if group is None else dist.get_process_group_ranks(group)
+        for name, group in groups.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("ep", "ep_groups", "efsdp_groups"),
+    [
+        (2, [[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+        (4, [[0, 1, 2, 3]] * 4, [[0], [1], [2], [3]]),
+    ],
+    ids=["ep2", "ep4"],
+)
+def test_expert_parallel_ranks_split_the_shard_and_context_parallel_ranks(
+    ep, ep_groups, efsdp_groups
+) -> None:
+    """cp 2 x dp_shard 2 on 4 ranks (rank = 2 * shard + cp): the ep peers are consecutive
+    ranks of dp_shard x cp, so ep 2 exchanges tokens within each cp pair and FSDP shards
+    the experts across the pairs, and ep 4 spans all four."""
+    overrides = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--distributed.cp=2",
+        "--distributed.dp_shard=2",
+        f"--distributed.ep={ep}",
+    ]
+    ranks = run_distributed(_group_ranks, 4, overrides)
+    assert [r["cp"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["ep"] for r in ranks] == ep_groups
+    assert [r["efsdp"] for r in ranks] == efsdp_groups
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--distributed.dp_shard=1", "--distributed.ep=2"],
+        ["--distributed.dp_shard=2", "--distributed.ep=2", "--train.batch_size=2"],
+        ["--distributed.dp_shard=2", "--distributed.ep=4", "--train.batch_size=2"],
+    ],
+    ids=["cp2-ep2", "cp2-dp2-ep2", "cp2-dp2-ep4"],
+)
+def test_an_moe_model_with_expert_parallelism_under_context_parallelism_trains_like_one_process(
+    base, tmp_path, layout
+) -> None:
+    """Each cp rank routes its own slice's tokens and exchanges them with its ep peers:
+    the ep ranks are consecutive ranks of dp_shard x cp (the cp pair; or every rank, across
+    the data-parallel pair), and FSDP shards the experts over the rest. The balancing
+    loss is the sequence-level one, so its counts are summed over cp beside the exchange."""
+    moe = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--model.moe_expert_hidden_dim=16",
+        "--model.moe_router=sigmoid",
+        "--model.moe_bias_update_rate=0.01",
+        "--model.moe_aux_loss_level=sequence",
+        "--model.moe_aux_loss_weight=0.1",
+        "--eval.interval=0",
+    ]
+    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    world = 2 if "--distributed.dp_shard=1" in layout else 4
+    ranks = _run(base, tmp_path / "cp", world, *moe, "--distributed.cp=2", *layout)
+    _assert_matches(ranks, one)
+
+
+def test_a_sequence_level_balancing_loss_under_context_parallelism_trains_like_one_process(
+    base, tmp_path
+) -> None:
+    """Each cp rank holds half of every sequence: the loss's per-sequence expert shares
+    are summed over the cp pair (one all-reduce per layer), so the logged balancing loss,
+    the losses and the gradient norms are one process's."""
+    moe = [
+        "--model.num_experts=4",
+        "--model.moe_top_k=2",
+        "--model.moe_expert_hidden_dim=16",
+        "--model.moe_aux_loss_level=sequence",
+        "--model.moe_aux_loss_weight=0.5",
+        "--eval.interval=0",
+    ]
+    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    aux = [[r["moe/aux_loss"] for r in train_rows(d)] for d in (tmp_path / "one", tmp_path / "cp")]
+    torch.testing.assert_close(torch.tensor(aux[1]), torch.tensor(aux[0]), atol=1e-6, rtol=0)
+    _assert_matches(ranks, one)
+
+
 def test_context_parallel_beside_tensor_parallel_on_four_ranks_trains_like_one_process(
     base, tmp_path
 ) -> None:
@@ -245,3 +359,17 @@ def test_the_end_of_run_sample_under_context_parallelism_is_one_process_sample(
         _sample_on_ranks, 2, [*base, *sample, *CP2, "--train.run_dir=" + str(tmp_path / "cp")]
     )
     assert one and ranks == [one, one]
+
+
+def test_compiled_blocks_under_context_parallelism_train_like_one_process(
+    base, reference, tmp_path
+) -> None:
+    """train.compile with cp 2: each block compiles with its four all-to-alls inside the
+    graph (functional collectives), and training and eval equal one eager process."""
+    layout = [*CP2, "--train.compile=true"]
+    ranks = _run(base, tmp_path / "cp", 2, *layout, timeout_s=600)
+    _assert_matches(ranks, reference)
+    evals = [r["eval_loss"] for r in eval_rows(tmp_path / "cp")]
+    torch.testing.assert_close(
+        torch.tensor(evals), torch.tensor(reference["eval"]), atol=LOSS_TOL, rtol=0
+    )

@@ -35,29 +35,19 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
         (
             [
                 "--distributed.cp=2",
-                "--distributed.dp_shard=2",
-                "--distributed.ep=2",
+                "--distributed.dp_shard=1",
+                "--distributed.ep=4",
                 "--model.num_experts=4",
                 "--model.moe_top_k=2",
             ],
-            4,
-            "distributed.cp = 2: expected 1 with expert parallelism (distributed.ep)",
+            2,
+            "distributed.ep = 4: expected a divisor of distributed.dp_shard * distributed.cp "
+            "= 1 * 2 (expert-parallel ranks are data-parallel shard (and context-parallel)",
         ),
         (
-            [
-                "--distributed.cp=2",
-                "--model.num_experts=4",
-                "--model.moe_top_k=2",
-                "--model.moe_aux_loss_level=sequence",
-            ],
+            ["--distributed.cp=2", "--vision_encoder.type=random", "--vlm.max_text_len=8"],
             2,
-            "distributed.cp = 2: expected 1 with a sequence-level balancing loss "
-            "(model.moe_aux_loss_level)",
-        ),
-        (
-            ["--distributed.cp=2", "--train.compile=true"],
-            2,
-            "distributed.cp = 2: expected 1 with compiled blocks (train.compile)",
+            "distributed.cp = 2: expected 1 with a vision-language model ([vlm])",
         ),
         (
             ["--distributed.cp=2", "--distributed.dp_shard=2"],
@@ -92,6 +82,12 @@ def test_context_parallelism_leaves_the_data_parallel_degree_and_the_global_batc
         "tp": 1,
     }
     assert config.distributed.resolved_dp(4) == 2
+
+
+def test_context_parallelism_runs_with_compiled_blocks_and_a_sequence_level_balancing_loss():
+    load_config(None, [*GQA, "--distributed.cp=2", "--train.compile=true"]).validate(2)
+    moe = ["--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_aux_loss_level=sequence"]
+    load_config(None, [*GQA, "--distributed.cp=2", *moe]).validate(2)
 
 
 def test_a_negative_cp_is_a_config_error():
