@@ -21,9 +21,11 @@ def check_context_parallel(
     which does not run under context parallelism.
 
     Each cp rank holds seq_len / cp positions of every sequence; attention exchanges them
-    for n_heads / cp query heads and kv_heads / cp key/value heads of the whole sequence
-    (all-to-all), so both head counts must divide by cp, and by tp * cp where tensor
-    parallelism splits them first.
+    for n_heads / cp query heads of the whole sequence and their key/value heads
+    (all-to-all), so cp must divide the query heads (per tp rank, where tensor parallelism
+    splits them first), and divide the key/value heads or be a multiple of them: with
+    fewer key/value heads than ranks, each is repeated to the ranks whose query heads read
+    it (model/sequence_split.py).
     """
     cp = dist.cp
     if cp == 1:
@@ -35,20 +37,24 @@ def check_context_parallel(
             f"a divisor of train.seq_len = {train.seq_len}",
             "each context-parallel rank holds an equal slice of every sequence",
         )
-    for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
-        # Tensor parallelism has split the heads first (JobConfig checked tp divides them).
-        local = heads // dist.tp
-        if local % cp:
-            where = f"model.{name} = {heads}"
-            if dist.tp > 1:
-                where = f"model.{name} / distributed.tp = {heads} / {dist.tp} = {local}"
-            raise ConfigError(
-                _FIELD,
-                cp,
-                f"a divisor of {where}",
-                "attention gives each context-parallel rank whole heads of the full "
-                "sequence, so cp can be at most the key/value heads",
-            )
+    # Tensor parallelism has split the heads first (JobConfig checked tp divides them).
+    local_heads, local_kv = model.n_heads // dist.tp, model.kv_heads // dist.tp
+    if local_heads % cp:
+        raise ConfigError(
+            _FIELD,
+            cp,
+            f"a divisor of {_heads_where('n_heads', model.n_heads, dist.tp)}",
+            "attention gives each context-parallel rank whole query heads of the full "
+            "sequence, so cp can be at most the query heads",
+        )
+    if local_kv % cp and cp % local_kv:
+        raise ConfigError(
+            _FIELD,
+            cp,
+            f"a divisor or a multiple of {_heads_where('n_kv_heads', model.kv_heads, dist.tp)}",
+            "each context-parallel rank takes whole key/value heads, or one head that "
+            "several ranks share (repeated to them) when there are fewer heads than ranks",
+        )
     if is_vlm:
         raise ConfigError(
             _FIELD,
@@ -57,3 +63,10 @@ def check_context_parallel(
             "context parallelism runs with data, tensor, pipeline and expert parallelism, "
             "compiled blocks and MoE models; set distributed.cp = 1 or leave [vlm] out",
         )
+
+
+def _heads_where(name: str, heads: int, tp: int) -> str:
+    """How a head count reads in a message, per tensor-parallel rank when tp splits it."""
+    if tp > 1:
+        return f"model.{name} / distributed.tp = {heads} / {tp} = {heads // tp}"
+    return f"model.{name} = {heads}"

@@ -12,6 +12,7 @@ from kempnerforge.model.sequence_split import (
     SequenceSplit,
     active_split,
     heads_to_sequence,
+    kv_sequence_to_heads,
     sequence_to_heads,
 )
 
@@ -92,7 +93,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         split = active_split(self)
         if split is not None:
-            q, k, v = (sequence_to_heads(t, split) for t in (q, k, v))
+            q = sequence_to_heads(q, split)
+            k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         n_rep = q.shape[1] // k.shape[1]
         if mask is None:

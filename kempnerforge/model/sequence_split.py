@@ -4,7 +4,9 @@ attention trades it for whole-sequence heads (all-to-all) and back.
 Rank r of a ``cp``-rank group holds positions ``[r * s, (r + 1) * s)`` of every sequence
 (``s = seq_len / cp``). Before attention, one all-to-all per q, k and v turns "my positions,
 every head" into "every position, my heads" (query heads ``[r * H / cp, (r + 1) * H / cp)``
-and the matching key/value heads, so grouped-query pairs stay together); attention then runs
+and the matching key/value heads, so grouped-query pairs stay together; with fewer
+key/value heads than ranks, each is repeated so that every rank gets the one its query
+heads read); attention then runs
 over the whole sequence with the same causal or document mask as one process, and one
 all-to-all brings its output back to "my positions, every head". Every rank does the same
 work whatever its slice, so causal attention needs no load balancing. Both directions are
@@ -84,6 +86,21 @@ def sequence_to_heads(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
     send = x.reshape(batch, local_len, cp, heads // cp, dim).permute(2, 0, 1, 3, 4)
     got = _exchange(send.contiguous(), split.group)
     return got.permute(1, 0, 2, 3, 4).reshape(batch, cp * local_len, heads // cp, dim)
+
+
+def kv_sequence_to_heads(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """sequence_to_heads for key/value heads, which may be fewer than the ranks.
+
+    With ``kv`` heads and ``cp`` a multiple of ``kv``, each head is repeated ``cp / kv``
+    times first, so rank r receives one head, the one its query heads read (``r // (cp /
+    kv)``: query heads ``[r * H / cp, (r + 1) * H / cp)`` all fall in that head's
+    group). The exchange then carries ``cp / kv`` copies of each head instead of one; the
+    copies' gradients sum back into the head's.
+    """
+    heads = x.shape[2]
+    if heads < split.size:
+        x = x.repeat_interleave(split.size // heads, dim=2)
+    return sequence_to_heads(x, split)
 
 
 def heads_to_sequence(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:

@@ -35,11 +35,15 @@ STEPS = 4
 CP2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 
 
-def _exchange_matches_one_process(rank: int, world_size: int, backend: str | None) -> dict:
+def _exchange_matches_one_process(
+    rank: int, world_size: int, backend: str | None, kv_heads: int = 2
+) -> dict:
     """The same model, batch and summed loss run whole and as this rank's slice; with a
     ``backend``, the sliced blocks run compiled, and then whole again (whole_sequences)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
+    cfg = ModelConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, vocab_size=64, max_seq_len=16
+    )
     model = Transformer(cfg)
     ids = torch.randint(0, 64, (2, 16))
     doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 11 + [1] * 5])
@@ -84,6 +88,16 @@ def test_exchanged_attention_gives_each_rank_its_slice_of_one_process_with_packe
         for name, grad in grads.items():
             torch.testing.assert_close(grad, whole[name], atol=1e-5, rtol=1e-4, msg=name)
         assert record["graph_breaks"] == 0
+
+
+def test_one_key_value_head_shared_by_the_context_parallel_ranks_gives_one_process() -> None:
+    """4 query heads and 1 key/value head over 2 cp ranks: the head is repeated to both
+    (each rank's 2 query heads read it), and the copies' gradients sum back into it."""
+    for record in run_distributed(_exchange_matches_one_process, 2, None, 1):
+        torch.testing.assert_close(*record["logits"], atol=1e-5, rtol=0)
+        grads, whole = record["grads"]
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, whole[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -292,11 +306,12 @@ def test_context_parallel_beside_tensor_parallel_on_four_ranks_trains_like_one_p
     base, tmp_path
 ) -> None:
     """cp 2 x tp 2: tensor parallelism splits the heads, then cp exchanges each tp rank's
-    heads over its cp peers (4 heads and 4 key/value heads: one per rank)."""
-    mha = ["--model.n_kv_heads=4", "--eval.interval=0", "--train.max_steps=3"]
-    (one,) = _run(base, tmp_path / "one", 1, *mha)
+    heads over its cp peers (4 query heads, 2 key/value heads: each tp rank holds one
+    key/value head, which its two cp ranks share)."""
+    gqa = ["--eval.interval=0", "--train.max_steps=3"]
+    (one,) = _run(base, tmp_path / "one", 1, *gqa)
     layout = ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1"]
-    ranks = _run(base, tmp_path / "cp-tp", 4, *mha, *layout)
+    ranks = _run(base, tmp_path / "cp-tp", 4, *gqa, *layout)
     _assert_matches(ranks, one, steps=3)
 
 

@@ -21,16 +21,16 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "distributed.cp = 3: expected a divisor of train.seq_len = 256",
         ),
         (
-            [*GQA, "--distributed.cp=4"],
-            4,
-            "distributed.cp = 4: expected a divisor of model.n_kv_heads = 2 (attention gives "
-            "each context-parallel rank whole heads",
+            ["--model.dim=96", "--model.n_heads=6", "--model.n_kv_heads=3", "--distributed.cp=2"],
+            2,
+            "distributed.cp = 2: expected a divisor or a multiple of model.n_kv_heads = 3 "
+            "(each context-parallel rank takes whole key/value heads, or one head",
         ),
         (
-            [*GQA, "--distributed.cp=2", "--distributed.tp=2"],
-            4,
-            "distributed.cp = 2: expected a divisor of model.n_kv_heads / distributed.tp = "
-            "2 / 2 = 1",
+            [*GQA, "--distributed.cp=4", "--distributed.tp=2"],
+            8,
+            "distributed.cp = 4: expected a divisor of model.n_heads / distributed.tp = "
+            "4 / 2 = 2 (attention gives each context-parallel rank whole query heads",
         ),
         (
             [
@@ -93,3 +93,15 @@ def test_context_parallelism_runs_with_compiled_blocks_and_a_sequence_level_bala
 def test_a_negative_cp_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^distributed.cp = 0: expected"):
         load_config(None, ["--distributed.cp=0"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size"),
+    [
+        ([*GQA, "--distributed.cp=4"], 4),  # 2 key/value heads, each shared by 2 ranks
+        ([*GQA, "--distributed.cp=2", "--distributed.tp=2"], 4),  # 1 per tp rank, shared
+        (["--model.n_heads=4", "--model.n_kv_heads=1", "--distributed.cp=4"], 4),
+    ],
+)
+def test_fewer_key_value_heads_than_context_parallel_ranks_are_shared(overrides, world_size):
+    load_config(None, overrides).validate(world_size)
