@@ -1,7 +1,8 @@
 """Context parallelism: give a model its SequenceSplit and each rank its slice of a batch.
 
 The ``cp`` ranks of a mesh read the same batches (they share a data-parallel rank); each
-keeps its contiguous 1/cp of every sequence's positions (slice_batch), and the model
+keeps its contiguous 1/cp of every sequence's positions (slice_batch; a vision-language
+model's sequence counts its image tokens before the text), and the model
 exchanges attention heads over the ``cp`` group (model/sequence_split.py). They hold the
 same weights, so FSDP shards and averages over ``dp_shard_cp`` (fsdp.py), and the
 step's loss and token counts are summed over ``dp_cp`` (training/accumulate.py).
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
+from kempnerforge.model.sequence_split import SequenceSplit, held_span, set_sequence_split
 
 SPLIT_KEYS = ("input_ids", "labels")
 """Per-position batch entries each cp rank keeps a slice of. ``doc_ids`` stays whole:
@@ -28,18 +29,27 @@ def apply_cp(model: nn.Module, runtime: RuntimeContext) -> None:
     set_sequence_split(model, SequenceSplit(group, runtime.cp_rank, runtime.cp_size))
 
 
-def slice_batch(batch: dict[str, torch.Tensor], runtime: RuntimeContext) -> dict[str, torch.Tensor]:
-    """This rank's slice of a (batch, seq) batch: positions ``[r * s, (r + 1) * s)`` of
-    input_ids and labels for cp rank r and ``s = seq / cp``; the batch itself without cp.
+def slice_batch(
+    batch: dict[str, torch.Tensor], runtime: RuntimeContext, prefix_len: int = 0
+) -> dict[str, torch.Tensor]:
+    """This rank's slice of a (batch, seq) batch: the input_ids and labels of its positions
+    of the model's sequence; the batch itself without cp.
 
-    JobConfig.validate checked that cp divides train.seq_len.
+    The model's sequence is ``prefix_len`` positions it makes itself (a joint decoder's
+    image tokens), then the batch's ``seq`` positions; cp rank r holds its positions
+    ``[r * s, (r + 1) * s)`` with ``s = (prefix_len + seq) / cp`` (held_span). Without a
+    prefix those are input_ids' and labels' positions ``[r * s, (r + 1) * s)``; with one,
+    a rank whose positions are all image tokens keeps no text, and the rank where the text
+    starts fewer than ``s`` ids. Everything else (doc_ids, pixel_values) stays whole.
+    JobConfig.validate checked that cp divides the sequence.
     """
     if runtime.cp_size == 1:
         return batch
     out = dict(batch)
     for key in SPLIT_KEYS:
         if key in batch:
-            local_len = batch[key].shape[1] // runtime.cp_size
-            first = runtime.cp_rank * local_len
-            out[key] = batch[key][:, first : first + local_len]
+            seq_len = batch[key].shape[1]
+            end = prefix_len + seq_len
+            held = held_span(runtime.cp_rank, runtime.cp_size, end, prefix_len, end)
+            out[key] = batch[key][:, held]
     return out

@@ -49,6 +49,20 @@ class SequenceSplit:
         return self.rank * local_len
 
 
+def held_span(rank: int, size: int, seq_len: int, start: int, stop: int) -> slice:
+    """The part of positions ``[start, stop)`` of a ``seq_len``-long sequence that rank
+    ``rank`` of a ``size``-rank group holds, relative to ``start``.
+
+    Rank r holds ``[r * s, (r + 1) * s)`` with ``s = seq_len / size``; ``[start, stop)`` is
+    one segment of the sequence (a vision-language model's image tokens, or the text after
+    them), so the answer may be empty. With one rank it is the whole segment.
+    """
+    local_len = seq_len // size
+    first = min(max(rank * local_len, start), stop)
+    last = min(max((rank + 1) * local_len, start), stop)
+    return slice(first - start, last - start)
+
+
 def active_split(module: nn.Module) -> SequenceSplit | None:
     """The module's SequenceSplit while it is in effect; None otherwise."""
     split = getattr(module, "sequence_split", None)
