@@ -49,8 +49,10 @@ class DistributedConfig:
     """Context-parallel degree: each of these processes holds a 1/cp slice of every
     sequence and attention exchanges heads for the whole sequence (all-to-all); they hold
     the same weights and count as data-parallel peers in the gradient reduction. Must
-    divide train.seq_len and each tp rank's query heads, and divide its key/value heads or
-    be a multiple of them (a head is then repeated to the ranks that share it); 1 to
+    divide train.seq_len (a vision-language model's decoder sequence instead: image
+    tokens + vlm.max_text_len with the joint decoder, vlm.max_text_len with
+    cross-attention) and each tp rank's query heads, and divide its key/value heads or be
+    a multiple of them (a head is then repeated to the ranks that share it); 1 to
     2**31 - 1."""
     pp: int = 1
     """Pipeline-parallel degree (processes along the pipeline); 1 to 2**31 - 1."""

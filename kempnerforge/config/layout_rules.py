@@ -58,7 +58,7 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
                     "not split into pipeline stages or tensor-parallel shards; use "
                     "distributed.dp_shard (FSDP) to spread a VLM over devices",
                 )
-    check_context_parallel(dist, model, train, config.vlm is not None)
+    check_context_parallel(config)
     check_pipeline_layout(config)
     check_pipeline_schedule(dist, train, dist.resolved_dp(world_size))
     check_expert_layout(config, shape["dp_shard"])

@@ -71,6 +71,9 @@ class DataPipeline:
     bos_per_document: bool = False
     bad_windows: BadWindows = field(default_factory=BadWindows)
     """Windows recorded as bad data: the training datasets read a stand-in for each."""
+    prefix_len: int = 0
+    """Positions the model puts before each batch's input_ids in its sequence (a joint
+    decoder's image tokens): context parallelism splits that whole sequence."""
 
     def add_bad_windows(self, windows: list[BadWindow]) -> list[BadWindow]:
         """Skip ``windows`` from the next batch drawn on; return the ones not known before.

@@ -159,12 +159,14 @@ def build_image_text_pipeline(
     dp_size: int = 1,
     model_vocab_size: int | None = None,
     with_train: bool = True,
+    prefix_len: int = 0,
 ) -> DataPipeline:
     """A vision-language job's data: image-text pairs from vlm.data (or synthetic ones),
     tokenised with data.tokenizer, read in data.shuffle order by data.num_workers workers.
 
     The held-out sets come from vlm.eval_data (or the synthetic held-out set); [[eval.sets]]
     name prepared token directories, which a vision-language job does not read.
+    ``prefix_len`` is the model's image tokens before the text (DataPipeline.prefix_len).
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
     check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
@@ -198,6 +200,7 @@ def build_image_text_pipeline(
         dp_rank=dp_rank,
         dp_size=dp_size,
         bos_per_document=True,
+        prefix_len=prefix_len,
     )
 
 

@@ -20,6 +20,7 @@ from kempnerforge.config.vlm import (
 from kempnerforge.model.adapter import ImageAdapter, build_adapter
 from kempnerforge.model.cross_attention import GatedCrossAttentionBlock
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
+from kempnerforge.model.sequence_split import SequenceSplit, active_split, held_span
 from kempnerforge.model.transformer import Transformer, flops_per_token
 from kempnerforge.model.vision import VisionEncoder, build_vision_encoder
 
@@ -62,6 +63,12 @@ class VisionLanguageModel(nn.Module):
         """'joint_decoder' or 'cross_attention'."""
         self.spec = spec
         """The encoder's input and output shape."""
+        self.max_text_len = vlm_cfg.max_text_len
+        """Text tokens per sample in training and eval (vlm.max_text_len): under context
+        parallelism each rank's input_ids are its part of that many."""
+        self.sequence_split: SequenceSplit | None = None
+        """Under context parallelism: the decoder's sequence (image tokens, then the text)
+        is split over the cp ranks as a text model's is; shared with the decoder."""
         device = torch.get_default_device()
         with torch.device("meta"):
             self._build(model_cfg, encoder_cfg, adapter_cfg, vlm_cfg, spec)
@@ -141,13 +148,17 @@ class VisionLanguageModel(nn.Module):
         already shifted (labels[:, i] is the token after input_ids[:, i]); nothing is
         shifted here. With ``labels`` the HeadLoss over the text positions is returned
         instead, computed chunk by chunk as Transformer.forward does (see head_loss.py).
-        No host syncs: only shapes are read.
+        Under context parallelism input_ids and labels are this rank's part of the text
+        (distributed/context_parallel.py slice_batch), possibly none of it, and so is the
+        result (see held_image_positions). No host syncs: only shapes are read.
         """
         _check_batch(pixel_values, input_ids, labels)
+        # Every cp rank encodes the whole images: the encoder and adapter are not split.
         image = self.adapter(self.encoder(pixel_values))
         text = self.decoder.embed(input_ids)
+        held = self.held_image_positions(input_ids.shape[1])
         if self.cross_attention is None:
-            h = torch.cat([image.to(text.dtype), text], dim=1)
+            h = torch.cat([image[:, held].to(text.dtype), text], dim=1)
             h = self._run_decoder(h, None)
         else:
             blocks = self.cross_attention
@@ -157,10 +168,34 @@ class VisionLanguageModel(nn.Module):
                 return blocks[key](hidden, image) if key in blocks else hidden
 
             h = self._run_decoder(text, cross_attend)
-        return self.decoder.apply_head(h[:, self.num_image_tokens :], labels, loss_spec)
+        return self.decoder.apply_head(h[:, held.stop - held.start :], labels, loss_spec)
+
+    def held_image_positions(self, text_len: int) -> slice:
+        """The image tokens this rank's decoder sequence holds, for ``text_len`` text ids.
+
+        All of them (none with cross-attention) on whole sequences. Under context
+        parallelism the sequence of image tokens then ``max_text_len`` text positions is
+        split as slice_batch splits it (held_span): the rank holds a contiguous part of
+        it, possibly image tokens only or text only, and ``text_len`` must be its text.
+        """
+        split = active_split(self)
+        image_len = self.num_image_tokens
+        if split is None:
+            return slice(0, image_len)
+        seq_len = image_len + self.max_text_len
+        text = held_span(split.rank, split.size, seq_len, image_len, seq_len)
+        if text.stop - text.start != text_len:
+            raise ValueError(
+                f"input_ids has {text_len} positions; under context parallelism cp rank "
+                f"{split.rank} of {split.size} holds {text.stop - text.start} of the "
+                f"{image_len} image + {self.max_text_len} text positions (vlm.max_text_len; "
+                "slice whole captions with slice_batch)"
+            )
+        return held_span(split.rank, split.size, seq_len, 0, image_len)
 
     def _run_decoder(self, h: torch.Tensor, after_layer: AfterLayer | None) -> torch.Tensor:
-        """The decoder's blocks over the residual stream h, causal, RoPE from position 0."""
+        """The decoder's blocks over the residual stream h, causal, RoPE from position 0
+        (under context parallelism from the global position of the rank's first)."""
         seq_len = h.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(

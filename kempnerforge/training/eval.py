@@ -55,7 +55,7 @@ def evaluate(
         runtime.device,
         group=runtime.group("dp_cp"),
         global_batch=eval_global_batch(config, runtime.dp_size),
-        batch_slice=functools.partial(slice_batch, runtime=runtime),
+        batch_slice=functools.partial(slice_batch, runtime=runtime, prefix_len=data.prefix_len),
     )
 
 

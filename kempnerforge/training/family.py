@@ -181,19 +181,21 @@ def build_vision_language_model(config: JobConfig) -> VisionLanguageModel:
 def build_image_text_data(
     config: JobConfig, runtime: RuntimeContext, with_train: bool
 ) -> DataPipeline:
-    """Image-text pairs of vlm.data and vlm.eval_data (or synthetic ones)."""
+    """Image-text pairs of vlm.data and vlm.eval_data (or synthetic ones); batches are
+    sliced for context parallelism after the joint decoder's image tokens."""
     assert config.vlm is not None
-    tc = config.train
+    tc, spec = config.train, config.vision_spec()
     return build_image_text_pipeline(
         config.data,
         config.vlm,
-        config.vision_spec(),
+        spec,
         batch_size=tc.batch_size,
         seed=tc.seed,
         dp_rank=runtime.dp_rank,
         dp_size=runtime.dp_size,
         model_vocab_size=config.model.vocab_size,
         with_train=with_train,
+        prefix_len=config.decoder_positions(spec) - config.vlm.max_text_len,
     )
 
 

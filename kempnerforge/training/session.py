@@ -132,7 +132,7 @@ class BatchStream:
         else:
             batch = self._timed_next_batch()
             if self._runtime is not None:
-                batch = slice_batch(batch, self._runtime)
+                batch = slice_batch(batch, self._runtime, self._pipeline.prefix_len)
         if self._attempt is not None:
             self._attempt.append(batch)
         return batch

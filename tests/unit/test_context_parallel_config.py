@@ -10,6 +10,14 @@ from kempnerforge.core.errors import ConfigError
 
 # The default model has 4 query heads and 4 key/value heads; train.seq_len is 256 there.
 GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
+# A vision-language job of 9 image tokens (a 3 x 3 grid) and 7 text tokens: 16 positions in
+# the joint decoder, 7 in the cross-attention decoder.
+VLM = [
+    "--vision_encoder.type=random",
+    "--vision_encoder.num_tokens=9",
+    "--vision_encoder.image_size=36",
+    "--vlm.max_text_len=7",
+]
 
 
 @pytest.mark.parametrize(
@@ -45,9 +53,28 @@ GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
             "= 1 * 2 (expert-parallel ranks are data-parallel shard (and context-parallel)",
         ),
         (
-            ["--distributed.cp=2", "--vision_encoder.type=random", "--vlm.max_text_len=8"],
+            ["--distributed.cp=2", *VLM, "--vlm.max_text_len=10"],
             2,
-            "distributed.cp = 2: expected 1 with a vision-language model ([vlm])",
+            "distributed.cp = 2: expected a divisor of the joint decoder's sequence, image "
+            "tokens + vlm.max_text_len = 9 + 10 = 19 (each context-parallel rank holds",
+        ),
+        (
+            [
+                "--distributed.cp=2",
+                *VLM,
+                "--vlm.max_text_len=8",
+                "--adapter.type=pool",
+                "--adapter.pool_window=3",
+            ],
+            2,
+            "distributed.cp = 2: expected a divisor of the joint decoder's sequence, image "
+            "tokens + vlm.max_text_len = 1 + 8 = 9",
+        ),
+        (
+            ["--distributed.cp=2", *VLM, "--vlm.arch=cross_attention"],
+            2,
+            "distributed.cp = 2: expected a divisor of vlm.max_text_len = 7 (the "
+            "cross-attention decoder's sequence)",
         ),
         (
             ["--distributed.cp=2", "--distributed.dp_shard=2"],
@@ -105,3 +132,11 @@ def test_a_negative_cp_is_a_config_error():
 )
 def test_fewer_key_value_heads_than_context_parallel_ranks_are_shared(overrides, world_size):
     load_config(None, overrides).validate(world_size)
+
+
+def test_context_parallelism_splits_a_joint_decoder_sequence_the_text_alone_would_not():
+    """cp 2 divides the joint decoder's 9 + 7 = 16 positions, not the 7 text tokens: the
+    rule is on the sequence the decoder runs."""
+    config = load_config(None, ["--distributed.cp=2", *VLM])
+    config.validate(2)
+    assert config.distributed.mesh_shape(2)["cp"] == 2

@@ -1,0 +1,133 @@
+"""Context parallelism (distributed.cp) for vision-language models against one process: the
+joint decoder's sequence (image tokens, then the text) and the cross-attention decoder's
+text split over two gloo ranks, through the real build, loop, eval and end-of-run sample."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kempnerforge.config.loader import load_config
+from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
+from kempnerforge.training.build import build_session
+from kempnerforge.training.loop import run_training_loop
+from kempnerforge.training.sample import sample_text
+from tests.support.dist import run_distributed
+from tests.support.metrics_rows import eval_rows
+from tests.support.tiny import tiny_run
+from tests.support.train_run import train_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+LOSS_TOL = 2e-5
+"""The layout-equality tolerance of tests/distributed/test_train_distributed.py."""
+STEPS = 4
+IMAGE_TOKENS = 16
+"""The random encoder's tokens per image (the default 4 x 4 grid), kept by the mlp adapter."""
+CP2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
+
+
+def base(run_dir, *extra: str) -> list[str]:
+    """Every group trains (the encoder too, so its gradient is checked as well), eval every
+    two steps on the synthetic held-out pairs."""
+    return tiny_run(
+        run_dir,
+        None,
+        "--vision_encoder.type=random",
+        "--vlm.synthetic_samples=64",
+        "--vlm.freeze=[]",
+        "--vlm.cross_attention_every_n_layers=1",
+        f"--train.max_steps={STEPS}",
+        "--train.sample_tokens=0",
+        "--train.deterministic=true",
+        "--scheduler.warmup_steps=1",
+        "--optimizer.lr=2e-2",
+        "--eval.interval=2",
+        "--eval.steps=2",
+        *extra,
+    )
+
+
+def _run(run_dir, world_size: int, *extra: str, **kwargs) -> list[dict]:
+    return run_distributed(train_on_ranks, world_size, base(run_dir, *extra), kwargs)
+
+
+def _assert_matches(ranks: list[dict], reference: dict) -> None:
+    for record in ranks:
+        assert record["losses"] == ranks[0]["losses"]
+        assert record["grad_norms"] == ranks[0]["grad_norms"]
+        assert len(record["losses"]) == STEPS
+        # Each supervised text token is counted once, on the cp rank that holds it.
+        assert record["tokens_seen"] == reference["tokens_seen"]
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(
+            torch.tensor(ranks[0][key]), torch.tensor(reference[key]), atol=LOSS_TOL, rtol=0
+        )
+
+
+@pytest.mark.parametrize(
+    ("arch", "text_len", "text_held"),
+    [
+        # 16 image + 40 text positions, 28 a rank: rank 0 holds the image and 12 text ids.
+        ("joint_decoder", 40, [(0, 12), (12, 40)]),
+        # 16 + 16, 16 a rank: rank 0 holds the image alone, rank 1 the text alone.
+        ("joint_decoder", 16, [(0, 0), (0, 16)]),
+        # 16 + 8, 12 a rank: rank 0 holds 12 image tokens, rank 1 the last 4 and the text.
+        ("joint_decoder", 8, [(0, 0), (0, 8)]),
+        ("cross_attention", 40, [(0, 20), (20, 40)]),
+    ],
+    ids=[
+        "joint-image-and-text-on-rank-0",
+        "joint-image-only-on-rank-0",
+        "joint-image-on-both-ranks",
+        "cross-attention",
+    ],
+)
+def test_two_context_parallel_ranks_train_and_evaluate_a_vlm_like_one_process(
+    tmp_path, arch, text_len, text_held
+) -> None:
+    """Each cp rank encodes the whole images and keeps its positions of the decoder's
+    sequence: the losses, gradient norms and eval losses are one process's, and the text
+    ids each rank read are its part of the caption (none where it holds only image tokens)."""
+    extra = (f"--vlm.arch={arch}", f"--vlm.max_text_len={text_len}")
+    (one,) = _run(tmp_path / "one", 1, *extra, record_batches=True)
+    ranks = _run(tmp_path / "cp", 2, *extra, *CP2, record_batches=True)
+    _assert_matches(ranks, one)
+    for record, (first, stop) in zip(ranks, text_held, strict=True):
+        for mine, whole in zip(record["batches"], one["batches"], strict=True):
+            assert torch.equal(mine, whole[:, first:stop])
+    evals = [[r["eval_loss"] for r in eval_rows(tmp_path / d)] for d in ("one", "cp")]
+    assert len(evals[0]) == STEPS // 2
+    torch.testing.assert_close(
+        torch.tensor(evals[1]), torch.tensor(evals[0]), atol=LOSS_TOL, rtol=0
+    )
+
+
+def test_a_joint_decoder_under_context_and_data_parallelism_on_four_ranks_trains_like_one_process(
+    tmp_path,
+) -> None:
+    """cp 2 x dp_shard 2: each data-parallel pair of cp ranks reads half of the batch, and
+    FSDP shards and averages the encoder, adapter and decoder over all four ranks."""
+    extra = ("--vlm.max_text_len=40", "--eval.interval=0")
+    (one,) = _run(tmp_path / "one", 1, *extra)
+    layout = ["--distributed.cp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]
+    _assert_matches(_run(tmp_path / "cp-dp", 4, *extra, *layout), one)
+
+
+def _sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | None:
+    config = load_config(None, overrides)
+    config.validate(world_size_from_env())
+    session = build_session(config, init_runtime(config.distributed, "cpu"))
+    with session.tracker:
+        # Trained a little, so the greedy caption depends on the image and the context.
+        run_training_loop(session, step=0, tokens_seen=0)
+    return sample_text(session)
+
+
+def test_the_caption_sample_under_context_parallelism_is_one_process_sample(tmp_path) -> None:
+    """The sample decodes whole windows on every cp rank (whole_sequences switches the
+    vision-language model's split off, decoder and all)."""
+    sample = ["--vlm.max_text_len=40", "--train.sample_tokens=8", "--eval.interval=0"]
+    (one,) = run_distributed(_sample_on_ranks, 1, base(tmp_path / "one", *sample))
+    ranks = run_distributed(_sample_on_ranks, 2, [*base(tmp_path / "cp", *sample), *CP2])
+    assert one and ranks == [one, one]
