@@ -20,6 +20,7 @@ from kempnerforge.optim.optimizer import OPTIMIZERS
 from kempnerforge.optim.scheduler import SCHEDULES
 from kempnerforge.training.float8 import check_float8
 from kempnerforge.training.hooks import hook_class
+from kempnerforge.training.layout import PIPELINE_STAGES, layout_of
 
 
 def preflight(config: JobConfig) -> None:
@@ -52,7 +53,7 @@ def check_sequence_split(config: JobConfig, torch_version: str) -> None:
     parallelism (tensor parallelism without pipeline stages) on a torch older than
     UNEVEN_SEQUENCE_TORCH, whose first step would fail inside the attention projections."""
     tp, seq_len = config.distributed.tp, config.train.seq_len
-    if tp == 1 or config.distributed.pp > 1 or seq_len % tp == 0:
+    if tp == 1 or layout_of(config) is PIPELINE_STAGES or seq_len % tp == 0:
         return
     if torch_release(torch_version) >= UNEVEN_SEQUENCE_TORCH:
         return
