@@ -8,6 +8,7 @@ marker, so a test can kill the process mid-save; ``KEMPNERFORGE_FAULT_SAVE_DELAY
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -59,17 +61,43 @@ class PendingSave:
     report names a full disk, which DCP's message alone does not)."""
 
 
+def _new_stager() -> DefaultStager:
+    """Synchronous staging, no pinned/shared memory: what works on CPU and GPU alike."""
+    return DefaultStager(StagingOptions(False, False, False, False))
+
+
+@functools.cache
+def stager_outlives_a_stage() -> bool:
+    """Whether one DefaultStager can stage twice, keeping its buffers for the next save.
+
+    torch 2.11's DefaultStager closes its StateDictStager at the end of every stage (to
+    break a reference cycle): the buffers are dropped and so is its copy table, and the
+    next stage with it fails (KeyError: <class 'type'>). There every save needs a stager
+    of its own. Found out once per process by staging a one-element state twice.
+    """
+    stager = _new_stager()
+    try:
+        for _ in range(2):
+            stager.stage({"probe": [torch.zeros(1)]})
+    except Exception:  # any failure to stage again: a fresh stager per save is always right
+        return False
+    finally:
+        stager.close()
+    return True
+
+
 class BackgroundWriter:
     """Starts DCP async saves and finishes each on a thread of its own.
 
     Before ``start`` returns, every tensor is copied into CPU staging buffers, so later
-    in-place updates of parameters or optimizer moments never reach the files. The
-    buffers are kept and reused by the next save (a copy into memory already mapped is
-    several times faster than into fresh memory): async mode holds one CPU copy of the
-    model and optimizer state for the writer's life. The caller must not start a save
-    before the previous one is done, as the copy overwrites its buffers. The returned
-    future is done after DCP has written and fsynced the files and the fault delay (if
-    any) has passed, never on the caller's thread.
+    in-place updates of parameters or optimizer moments never reach the files. Where
+    torch allows it (stager_outlives_a_stage) the buffers are kept and reused by the next
+    save (a copy into memory already mapped is several times faster than into fresh
+    memory): async mode then holds one CPU copy of the model and optimizer state for the
+    writer's life. The caller must not start a save before the previous one is done, as
+    the copy overwrites its buffers. The returned future is done after DCP has written
+    and fsynced the files and the fault delay (if any) has passed, never on the caller's
+    thread.
     """
 
     def __init__(self) -> None:
@@ -94,10 +122,10 @@ class BackgroundWriter:
             warnings.filterwarnings(
                 "ignore", message=r".*assuming the intent is to save in a single process.*"
             )
-        if self._stager is None:
-            # Synchronous staging, no pinned/shared memory: what works on CPU and GPU alike.
-            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kempnerforge-checkpoint")
+        if self._stager is None or not stager_outlives_a_stage():
+            self._stager = _new_stager()
         upload = dcp_async_save(
             state_dict,
             storage_writer=writer,

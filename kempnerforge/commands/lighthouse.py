@@ -7,6 +7,7 @@ Building the parser imports no torch; the run imports torchft.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import signal
 import socket
 import threading
@@ -51,6 +52,13 @@ def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(
                 flag, value, f"an integer >= {low}" + (" and <= 65535" * (name == "port"))
             )
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "torchft",
+            None,
+            "the installed package (the lighthouse is torchft's)",
+            "install the ft extra: pip install 'kempnerforge[ft]'",
+        )
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -276,6 +277,21 @@ class PipelineBundle:
         return values
 
 
+class _Stage(PipelineStage):
+    """torch's PipelineStage without the start-up sends between two stages of one rank.
+
+    torch 2.11's schedules open their first step with a batched send and receive between
+    every two adjacent stages, also two on the same rank (the V-shaped schedules put
+    stages 1 and 2 on one rank). gloo cannot send to its own rank ("Pair is not
+    connected"), and two stages of one rank hand their tensors over in memory anyway, so
+    those sends are left out. Later torch opens the step otherwise and never asks for them.
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 def build_pipeline(
     stage_modules: Sequence[nn.Module],
     stage_ids: list[int],
@@ -304,7 +320,7 @@ def build_pipeline(
     group = runtime.group("pp")
     # Typed loosely: the schedules take a list of torch's private stage base class.
     stages: list[Any] = [
-        PipelineStage(module, stage_id, num_stages, runtime.device, group=group)
+        _Stage(module, stage_id, num_stages, runtime.device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
     loss = _ScaledLoss(loss_fn)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kempnerforge.optim.multi_tensor import bucket, use_foreach, with_grad
+from kempnerforge.optim.multi_tensor import bucket, foreach_or_loop, use_foreach, with_grad
 
 
 class Lion(torch.optim.Optimizer):
@@ -92,9 +92,18 @@ def _foreach_update(
 ) -> None:
     lr, wd = group["lr"], group["weight_decay"]
     beta1, beta2 = group["betas"]
-    update = torch._foreach_lerp(grads, moms, beta1)
-    torch._foreach_sign_(update)
+    update = foreach_or_loop("lerp", _lerp_each, grads, moms, beta1)
+    foreach_or_loop("sign_", _sign_each, update)
     if wd != 0:
         torch._foreach_mul_(params, 1 - lr * wd)
     torch._foreach_add_(params, update, alpha=-lr)
     torch._foreach_lerp_(moms, grads, 1 - beta2)
+
+
+def _lerp_each(starts: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> list:
+    return [torch.lerp(s, e, weight) for s, e in zip(starts, ends, strict=True)]
+
+
+def _sign_each(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.sign_()

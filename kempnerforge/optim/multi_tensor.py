@@ -1,6 +1,6 @@
 """What the foreach optimizers share: which parameters of a group get a step, how their
-tensors split into lists one foreach call accepts, which path a list takes, and the one
-list op DTensor lacks."""
+tensors split into lists one foreach call accepts, which path a list takes, and the list
+ops DTensor lacks."""
 
 # torch._foreach_* are the multi-tensor ops torch's own optimizers run on, but torch's
 # type stubs do not export underscored names.
@@ -8,6 +8,7 @@ list op DTensor lacks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,3 +74,27 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         return
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+DTENSOR_LACKS: set[str] = set()
+"""The foreach ops (names after ``_foreach_``) this torch's DTensor refused for want of a
+sharding rule; later torch generates rules for every foreach op, torch 2.11 lists some."""
+
+
+def foreach_or_loop(name: str, loop: Callable[..., Any], *args: Any) -> Any:
+    """``torch._foreach_<name>(*args)``, or ``loop(*args)`` (the same op, one tensor at a
+    time) for DTensor lists where this torch's DTensor has no sharding rule for it.
+
+    DTensor checks for the rule before it computes anything, so a refused call changed no
+    tensor; the refusal is remembered and the op takes the loop from then on.
+    """
+    dtensors = isinstance(args[0][0], DTensor)
+    if dtensors and name in DTENSOR_LACKS:
+        return loop(*args)
+    try:
+        return getattr(torch, f"_foreach_{name}")(*args)
+    except NotImplementedError:
+        if not dtensors:
+            raise
+        DTENSOR_LACKS.add(name)
+        return loop(*args)

@@ -20,16 +20,51 @@ from kempnerforge.optim.optimizer import OPTIMIZERS
 from kempnerforge.optim.scheduler import SCHEDULES
 from kempnerforge.training.float8 import check_float8
 from kempnerforge.training.hooks import hook_class
+from kempnerforge.training.layout import PIPELINE_STAGES, layout_of
 
 
 def preflight(config: JobConfig) -> None:
-    """Raise the ConfigError the build would raise later for a bad name or hook, or for
-    train.float8 where FP8 cannot run (the device, torchao, the dims)."""
+    """Raise the ConfigError the build would raise later for a bad name or hook, for
+    train.float8 where FP8 cannot run (the device, torchao, the dims), or for what this
+    torch cannot run."""
     OPTIMIZERS.get(config.optimizer.name)
     SCHEDULES.get(config.scheduler.name)
     for path in config.train.hooks:
         hook_class(path)
     check_float8(config)
+    check_sequence_split(config, torch.__version__)
+
+
+UNEVEN_SEQUENCE_TORCH = (2, 13)
+"""The first torch tested to gather a sequence that tp does not divide into a tensor its
+linear layers can read: torch 2.11 keeps the padded shard's strides ("view size is not
+compatible"); 2.12 is untested."""
+
+
+def torch_release(torch_version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: '2.11.0+cu130' -> (2, 11); a nightly of a
+    release counts as that release."""
+    major, minor = torch_version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_sequence_split(config: JobConfig, torch_version: str) -> None:
+    """Refuse a train.seq_len that distributed.tp does not divide under sequence
+    parallelism (tensor parallelism without pipeline stages) on a torch older than
+    UNEVEN_SEQUENCE_TORCH, whose first step would fail inside the attention projections."""
+    tp, seq_len = config.distributed.tp, config.train.seq_len
+    if tp == 1 or layout_of(config) is PIPELINE_STAGES or seq_len % tp == 0:
+        return
+    if torch_release(torch_version) >= UNEVEN_SEQUENCE_TORCH:
+        return
+    needed = ".".join(map(str, UNEVEN_SEQUENCE_TORCH))
+    raise ConfigError(
+        "train.seq_len",
+        seq_len,
+        f"a multiple of distributed.tp = {tp} on torch {torch_version}",
+        f"sequence parallelism splits each sequence over the tp ranks, and torch before "
+        f"{needed} cannot gather one they do not divide; or use torch {needed} or newer",
+    )
 
 
 # fp32 weights and gradients plus two fp32 moments per parameter (AdamW; Lion and Muon

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kempnerforge.optim.lion import Lion
+from kempnerforge.optim.multi_tensor import DTENSOR_LACKS, foreach_or_loop
 from kempnerforge.optim.muon import Muon
 from kempnerforge.optim.optimizer import fused_adamw_supported
 from kempnerforge.optim.schedule_free import ScheduleFreeAdamW
@@ -60,6 +61,7 @@ def _sharded_against_the_loop(rank: int, world_size: int) -> dict[str, bool]:
         torch.nn.Parameter(distribute_tensor(torch.zeros(*s), mesh, [Shard(0)])) for s in SHAPES
     ]
     agree = {"auto_adamw_is_fused": fused_adamw_supported([{"params": shards}])}
+    agree["refused_foreach_takes_the_loop"] = _refused_foreach_takes_the_loop(mesh)
     for name, make in CASES.items():
         expected = _run(make, False, None)
         for foreach in (True, None):
@@ -69,6 +71,26 @@ def _sharded_against_the_loop(rank: int, world_size: int) -> dict[str, bool]:
                 for a, e in zip(actual, expected, strict=True)
             )
     return agree
+
+
+def _refused_foreach_takes_the_loop(mesh) -> bool:
+    """DTensor has no sharding rule for the foreach copy in any torch this runs on: the
+    copy happens one tensor at a time, and the refusal is remembered."""
+    gen = torch.Generator().manual_seed(1)
+    src = [distribute_tensor(torch.randn(*s, generator=gen), mesh, [Shard(0)]) for s in SHAPES]
+    dst = [distribute_tensor(torch.zeros(*s), mesh, [Shard(0)]) for s in SHAPES]
+    loops = []
+
+    def copy_each(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        loops.append(len(dst))
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    for _ in range(2):
+        foreach_or_loop("copy_", copy_each, dst, src)
+    pairs = zip(dst, src, strict=True)
+    copied = all(torch.equal(d.full_tensor(), s.full_tensor()) for d, s in pairs)
+    return copied and loops == [len(SHAPES)] * 2 and "copy_" in DTENSOR_LACKS
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +105,7 @@ def test_sharded_parameters_step_like_the_loop_on_full_tensors(agreement, case):
 
 def test_auto_adamw_takes_the_fused_kernel_for_cpu_dtensors(agreement):
     assert [rank["auto_adamw_is_fused"] for rank in agreement] == [True, True]
+
+
+def test_a_foreach_op_dtensor_refuses_runs_one_tensor_at_a_time(agreement):
+    assert [rank["refused_foreach_takes_the_loop"] for rank in agreement] == [True, True]

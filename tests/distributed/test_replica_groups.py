@@ -4,6 +4,7 @@ against the uninterrupted run's."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import signal
@@ -24,7 +25,11 @@ from tests.support.replica_groups import (
     replica_steps,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs the ft extra"),
+]
 
 MAX_STEPS = 24
 NUM_SLOTS = 2  # two groups x grad_accum_steps 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -11,6 +13,10 @@ from kempnerforge.core.errors import ConfigError
 from kempnerforge.training.resume_guard import check_config_changes, global_batch
 
 FT = ["--fault_tolerance.enabled=true", "--fault_tolerance.lighthouse=http://lh:29510"]
+needs_torchft = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None,
+    reason="validating enabled replica groups needs torchft (the ft extra)",
+)
 
 
 def test_off_by_default_keeps_the_run_directory_and_the_global_batch():
@@ -21,6 +27,7 @@ def test_off_by_default_keeps_the_run_directory_and_the_global_batch():
     assert config.num_replica_groups == 1
 
 
+@needs_torchft
 def test_each_group_has_its_own_run_directory_and_shares_the_checkpoints(monkeypatch):
     monkeypatch.setenv("KEMPNERFORGE_REPLICA_GROUP", "1")
     config = load_config(None, ["--train.name=x", *FT, "--fault_tolerance.num_replica_groups=2"])
@@ -60,6 +67,14 @@ def test_enabled_without_a_group_id_or_lighthouse_names_what_to_set(monkeypatch)
         config.validate(1)
 
 
+def test_enabled_without_torchft_names_the_ft_extra(monkeypatch):
+    monkeypatch.setenv("KEMPNERFORGE_REPLICA_GROUP", "0")
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as where the extra is not installed
+    config = load_config(None, FT)
+    with pytest.raises(ConfigError, match=r"fault_tolerance.enabled = True: expected false, or "):
+        config.validate(1)
+
+
 def test_pipeline_parallelism_is_refused_with_replica_groups(monkeypatch):
     monkeypatch.setenv("KEMPNERFORGE_REPLICA_GROUP", "0")
     config = load_config(None, [*FT, "--distributed.pp=2", "--model.n_layers=2"])
@@ -67,6 +82,7 @@ def test_pipeline_parallelism_is_refused_with_replica_groups(monkeypatch):
         config.validate(2)
 
 
+@needs_torchft
 def test_the_global_batch_counts_every_designed_group(monkeypatch):
     monkeypatch.setenv("KEMPNERFORGE_REPLICA_GROUP", "0")
     base = [*FT, "--fault_tolerance.num_replica_groups=2", "--train.batch_size=4"]

@@ -9,9 +9,11 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torchft.checkpointing.http_transport import HTTPTransport
 
-from kempnerforge.distributed.live_state import (
+pytest.importorskip("torchft", reason="the live state travels over torchft (the ft extra)")
+from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
+
+from kempnerforge.distributed.live_state import (  # noqa: E402
     WeightsOnlyHTTPTransport,
     load_model_state,
     load_optimizer_state,

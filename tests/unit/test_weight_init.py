@@ -44,7 +44,8 @@ def _take(full: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
 def _placement_choices(ndim: int) -> list[Placement]:
     choices: list[Placement] = [Replicate()]
     for dim in range(ndim):
-        choices += [Shard(dim), _StridedShard(dim, split_factor=2), _StridedShard(dim, sf=3)]
+        choices += [Shard(dim)]
+        choices += [_StridedShard(dim, split_factor=f) for f in (2, 3)]
     return choices
 
 
