@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -142,14 +144,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command.preloads_allocator:
         warnings.filterwarnings("ignore", category=FutureWarning)
     try:
-        return getattr(importlib.import_module(command.module), command.run)(args, extra)
+        code = getattr(importlib.import_module(command.module), command.run)(args, extra)
     except BaseException as error:
         reported = exit_codes.report(error)
         if reported is None:
             raise
         code, line = reported
         print(f"kempnerforge: {line}", file=sys.stderr)
-        return code
+    if argv is None:  # this process is the command: it may end itself
+        _exit_now_after_a_process_group(code)
+    return code
+
+
+def _exit_now_after_a_process_group(code: int) -> None:
+    """End the process with ``code`` at once, without Python's finalisation, when it has
+    left a process group (distributed/runtime.py left_a_process_group says why); the
+    output streams and log handlers are flushed first. Nothing else needs finalising by
+    then: the run has closed its metrics, checkpoints and exit-code file."""
+    # Only a command that imported the runtime can have joined a group; importing it here
+    # would load torch for every command.
+    runtime = sys.modules.get("kempnerforge.distributed.runtime")
+    if runtime is None or not runtime.left_a_process_group():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ def _train_under(
                     session, step=step, tokens_seen=tokens_seen
                 )
             ended_together = True
+            # The loader's workers stop now: the process may end without finalisation
+            # (cli.main), which would leave them to notice their parent is gone.
+            session.batches.reset()
             if shutdown.requested:
                 return exit_codes.PREEMPTED
             if runtime.is_main:

@@ -229,6 +229,9 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
     )
 
 
+_left_a_process_group = False
+
+
 def teardown_runtime(runtime: RuntimeContext, *, together: bool = False) -> None:
     """Leave the process group, if this process joined one.
 
@@ -236,7 +239,22 @@ def teardown_runtime(runtime: RuntimeContext, *, together: bool = False) -> None
     no rank tears its connections down while a peer still uses them: a peer's backend
     thread that sees a connection vanish mid-operation can abort its process.
     """
+    global _left_a_process_group
     if dist.is_available() and dist.is_initialized():
         if together and runtime.side_group is not None:
             dist.barrier(group=runtime.side_group)
         dist.destroy_process_group()
+        _left_a_process_group = True
+
+
+def left_a_process_group() -> bool:
+    """Whether this process has left a process group (teardown_runtime).
+
+    Such a process should end without Python's finalisation (cli.main does): a gloo
+    worker thread can still be dropping its last reference to a finished collective
+    after the group is gone, and if that happens while the interpreter finalises, the
+    thread is forced out inside a destructor that may not throw and the process dies of
+    SIGABRT (exit 134) after its work was done, which would turn a saved, preempted run's
+    75 into a failure that no launcher requeues.
+    """
+    return _left_a_process_group

@@ -26,6 +26,7 @@ from tests.e2e.test_signals import (
     logged_steps,
     wait_until,
 )
+from tests.support.exit_marks import ATEXIT_DIR_ENV
 from tests.support.metrics_rows import events
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -177,3 +178,32 @@ def test_a_lost_peer_ends_the_run_within_the_timeout_naming_it(tmp_path, builtin
     else:
         assert "rank(s) 1 did not respond" in line or "exited" in line
         assert elapsed < TIMEOUT_S + 20, stderr[-3000:]
+
+
+def test_ranks_end_without_finalisation_once_they_left_their_process_group(
+    tmp_path, builtin_cache, monkeypatch
+):
+    """A rank that left its process group ends at once (cli.main): no gloo thread can then
+    abort it during the interpreter's finalisation, after its work is done (exit 134 in
+    place of its code). Its output, metrics and exit code are complete; an atexit handler
+    does not run. One process, which joined no group, finalises as usual."""
+    monkeypatch.setenv(ATEXIT_DIR_ENV, str(tmp_path))
+    hook = "--train.hooks=['tests.support.exit_marks:MarkAtExit']"
+    run = start_torchrun(tmp_path / "run", builtin_cache, *LAYOUT, "--train.max_steps=3", hook)
+    assert run.finish() == 0, run.err()[-3000:]
+    assert rank_code(run) == exit_codes.FINISHED
+    assert "finished at step 3" in run.stdout.read_text()
+    assert logged_steps(tmp_path / "run") == [1, 2, 3]
+    assert not list(tmp_path.glob("atexit-*"))
+
+    one = subprocess.run(
+        [sys.executable, "-m", "kempnerforge", "train", DEBUG, *COMMON, "--train.max_steps=1"]
+        + [f"--train.run_dir={tmp_path / 'one'}", "--train.batch_size=1", hook],
+        cwd=REPO,
+        env={**os.environ, "KEMPNERFORGE_CACHE": str(builtin_cache)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert (tmp_path / "atexit-rank0").read_text() == "finalised\n"
