@@ -15,7 +15,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import TrainingSession, run_training_loop
 from kempnerforge.training.resume import resume_session
-from tests.support.faults import crash_at_step
+from tests.support.faults import PoisonedSamples, crash_at_step
 from tests.support.image_pairs import write_pairs
 from tests.support.metrics_rows import events
 from tests.support.tiny import tiny_run
@@ -51,23 +51,6 @@ def make_session(overrides: list[str]) -> TrainingSession:
     return build_session(config, RuntimeContext())
 
 
-class PoisonedPairs:
-    """Test-only bad data: the loss is NaN on every micro-batch holding one of ``pairs``
-    (found by its caption's labels, so it follows the pair wherever the data order puts
-    it). Records every label row it is given."""
-
-    def __init__(self, real, dataset: ImageTextDataset, pairs: list[int]) -> None:
-        self.real = real
-        self.poison = {dataset[p]["labels"].numpy().tobytes() for p in pairs}
-        self.rows: list[bytes] = []
-
-    def __call__(self, logits, labels):
-        rows = [row.numpy().tobytes() for row in labels]
-        self.rows += rows
-        loss = self.real(logits, labels)
-        return loss * float("nan") if self.poison & set(rows) else loss
-
-
 def clean_pairs(session: TrainingSession) -> ImageTextDataset:
     dataset = session.data.dataset
     assert isinstance(dataset, ImageTextDataset)
@@ -91,7 +74,7 @@ def test_a_poisoned_pair_is_recorded_and_never_read_again(tmp_path, index):
     sampler = session.data.sampler
     assert sampler is not None and sampler.samples_per_rank == PAIRS
     poisoned_pair = sampler.rank_index(0, 2 * BATCH + 1)  # read by step 3
-    poisoned = PoisonedPairs(session.loss_fn, clean_pairs(session), [poisoned_pair])
+    poisoned = PoisonedSamples(session.loss_fn, clean_pairs(session), [poisoned_pair])
     session.loss_fn = poisoned
     with session.tracker:
         assert run_training_loop(session)[0] == 24
@@ -116,7 +99,7 @@ def test_after_a_crash_and_resume_the_recorded_pairs_read_their_stand_ins(tmp_pa
     first = make_session(overrides)
     assert first.data.sampler is not None
     poisoned_pair = first.data.sampler.rank_index(0, 2 * BATCH + 1)
-    first.loss_fn = PoisonedPairs(first.loss_fn, clean_pairs(first), [poisoned_pair])
+    first.loss_fn = PoisonedSamples(first.loss_fn, clean_pairs(first), [poisoned_pair])
     crash_at_step(first, 3)  # the fault was recorded at step 3; no checkpoint since step 2
     with first.tracker, pytest.raises(RuntimeError, match="went away"):
         run_training_loop(first)
@@ -125,7 +108,7 @@ def test_after_a_crash_and_resume_the_recorded_pairs_read_their_stand_ins(tmp_pa
 
     resumed = make_session(overrides)
     clean = clean_pairs(resumed)
-    watcher = PoisonedPairs(resumed.loss_fn, clean, [poisoned_pair])
+    watcher = PoisonedSamples(resumed.loss_fn, clean, [poisoned_pair])
     resumed.loss_fn = watcher
     with resumed.tracker:
         step, tokens_seen = resume_session(resumed)

@@ -10,6 +10,9 @@ import os
 import resource
 import signal
 import time
+from typing import Any
+
+import torch
 
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.session import TrainingSession
@@ -84,3 +87,20 @@ def crash_at_step(session: TrainingSession, step: int) -> None:
         return inner(s, at)
 
     session.step_fn = crashing
+
+
+class PoisonedSamples:
+    """Bad data for tests, as a loss function: NaN on every micro-batch that holds one of
+    ``samples`` of ``dataset`` (found by its labels row, so it follows the sample wherever
+    the data order puts it), else ``real``'s loss. Records every labels row it is given."""
+
+    def __init__(self, real: Any, dataset: Any, samples: list[int]) -> None:
+        self.real = real
+        self.poison = {dataset[i]["labels"].numpy().tobytes() for i in samples}
+        self.rows: list[bytes] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = [row.numpy().tobytes() for row in labels]
+        self.rows += rows
+        loss = self.real(logits, labels)
+        return loss * float("nan") if self.poison & set(rows) else loss

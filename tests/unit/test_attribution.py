@@ -23,7 +23,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume import resume_session
 from tests.conftest import synthetic_documents
-from tests.support.faults import crash_at_step
+from tests.support.faults import PoisonedSamples, crash_at_step
 from tests.support.metrics_rows import events, train_rows
 from tests.support.tiny import tiny_run
 
@@ -53,23 +53,6 @@ def _session(overrides: list[str]):
     return build_session(config, RuntimeContext())
 
 
-class PoisonedWindows:
-    """Test-only bad data: the loss is NaN on every micro-batch holding one of ``windows``
-    (found by content, so it follows the window wherever the data order puts it). Records
-    every label row it is given."""
-
-    def __init__(self, real, dataset: MemoryMappedDataset, windows: list[int]):
-        self.real = real
-        self.poison = {dataset[w]["labels"].numpy().tobytes() for w in windows}
-        self.rows: list[bytes] = []
-
-    def __call__(self, logits, labels):
-        rows = [row.numpy().tobytes() for row in labels]
-        self.rows += rows
-        loss = self.real(logits, labels)
-        return loss * float("nan") if self.poison & set(rows) else loss
-
-
 def _window_at(session, epoch: int, position: int) -> int:
     return session.data.sampler.rank_index(epoch, position)
 
@@ -89,7 +72,7 @@ def test_a_fault_that_repeats_is_the_datas_and_its_windows_are_never_read_again(
     per_epoch = session.data.sampler.samples_per_rank // BATCH
     assert 2 * per_epoch < 60  # every window comes round at least twice more
     poisoned_window = _window_at(session, 0, 2 * BATCH + 1)  # read by step 3
-    poisoned = PoisonedWindows(session.loss_fn, session.data.dataset, [poisoned_window])
+    poisoned = PoisonedSamples(session.loss_fn, session.data.dataset, [poisoned_window])
     session.loss_fn = poisoned
     with session.tracker:
         assert run_training_loop(session)[0] == 60
@@ -122,7 +105,7 @@ def test_a_crash_and_resume_before_the_fault_never_feeds_the_bad_windows_again(
     first = _session(overrides)
     dataset = first.data.dataset
     poisoned_window = _window_at(first, 0, 2 * BATCH + 1)
-    first.loss_fn = PoisonedWindows(first.loss_fn, dataset, [poisoned_window])
+    first.loss_fn = PoisonedSamples(first.loss_fn, dataset, [poisoned_window])
     crash_at_step(first, 3)  # the fault was recorded at step 3; no checkpoint since step 2
     with first.tracker, pytest.raises(RuntimeError, match="went away"):
         run_training_loop(first)
@@ -131,7 +114,7 @@ def test_a_crash_and_resume_before_the_fault_never_feeds_the_bad_windows_again(
 
     resumed = _session(overrides)
     clean = MemoryMappedDataset(small_data[0], SEQ)
-    watcher = PoisonedWindows(resumed.loss_fn, clean, [poisoned_window])
+    watcher = PoisonedSamples(resumed.loss_fn, clean, [poisoned_window])
     resumed.loss_fn = watcher
     with resumed.tracker:
         step, tokens_seen = resume_session(resumed)
