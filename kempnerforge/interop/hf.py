@@ -22,7 +22,7 @@ from kempnerforge.interop.hf_llama import (
     import_llama,
     load_llama_into,
 )
-from kempnerforge.interop.hf_model_checks import check_known_fields, function_fields
+from kempnerforge.interop.hf_model_checks import check_known_fields, differing_field
 from kempnerforge.interop.hf_moe import export_moe, import_moe, load_moe_into
 from kempnerforge.interop.hf_moe_config import ARCHITECTURES, moe_model_type
 
@@ -61,17 +61,15 @@ def check_recorded_model(
         trained = build_dataclass(ModelConfig, saved, prefix="model.")
     except ConfigError:
         return  # recorded by a release with other fields: the weight load still checks shapes
-    ours, theirs = function_fields(model_cfg), function_fields(trained)
-    for field in sorted(ours.keys() | theirs.keys()):
-        if ours.get(field) != theirs.get(field):
-            name = field.split(".", 1)[1]
-            raise ConfigError(
-                field,
-                getattr(model_cfg, name),
-                f"{getattr(trained, name)!r}, the value {checkpoint} was trained with",
-                "the weights compute another model under this value; fix --config or "
-                "drop the override",
-            )
+    differs = differing_field(model_cfg, trained)
+    if differs is not None:
+        field, name = differs
+        raise ConfigError(
+            field,
+            getattr(model_cfg, name),
+            f"{getattr(trained, name)!r}, the value {checkpoint} was trained with",
+            "the weights compute another model under this value; fix --config or drop the override",
+        )
 
 
 def export_hf(

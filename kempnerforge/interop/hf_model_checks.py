@@ -99,16 +99,15 @@ def check_known_fields(cfg: ModelConfig) -> None:
 def check_built_from(model: Transformer, cfg: ModelConfig) -> None:
     """Refuse a ``cfg`` that is not the config ``model`` was built from: config.json would
     then describe another model than the tensors written beside it."""
-    built, given = function_fields(model.cfg), function_fields(cfg)
-    for field in sorted(built.keys() | given.keys()):
-        if built.get(field) != given.get(field):
-            name = field.split(".", 1)[1]
-            raise ConfigError(
-                field,
-                getattr(cfg, name),
-                f"{getattr(model.cfg, name)!r}, as the model being exported was built",
-                "pass the ModelConfig the model was built from",
-            )
+    differs = differing_field(cfg, model.cfg)
+    if differs is not None:
+        field, name = differs
+        raise ConfigError(
+            field,
+            getattr(cfg, name),
+            f"{getattr(model.cfg, name)!r}, as the model being exported was built",
+            "pass the ModelConfig the model was built from",
+        )
 
 
 def function_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -135,16 +134,25 @@ def function_fields(cfg: ModelConfig) -> dict[str, Any]:
     return values
 
 
+def differing_field(ours: ModelConfig, theirs: ModelConfig) -> tuple[str, str] | None:
+    """The first function field (in name order) where two configs build different models,
+    as (config field, ModelConfig attribute), e.g. ("model.dim", "dim"); None if none."""
+    a, b = function_fields(ours), function_fields(theirs)
+    for field in sorted(a.keys() | b.keys()):
+        if a.get(field) != b.get(field):
+            return field, field.split(".", 1)[1]
+    return None
+
+
 def check_same_model(job: ModelConfig, found: ModelConfig, folder: str | os.PathLike[str]) -> None:
     """Refuse a job config whose model differs from the folder's, naming the field."""
-    ours, theirs = function_fields(job), function_fields(found)
-    for field in ours.keys() | theirs.keys():
-        if ours.get(field) != theirs.get(field):
-            name = field.split(".", 1)[1]
-            value = getattr(found, name)
-            raise ConfigError(
-                field,
-                getattr(job, name),
-                f"{value!r}, as the Hugging Face model {folder} has it",
-                f"set --{field}={value} (kempnerforge import-hf writes the whole [model] table)",
-            )
+    differs = differing_field(job, found)
+    if differs is not None:
+        field, name = differs
+        value = getattr(found, name)
+        raise ConfigError(
+            field,
+            getattr(job, name),
+            f"{value!r}, as the Hugging Face model {folder} has it",
+            f"set --{field}={value} (kempnerforge import-hf writes the whole [model] table)",
+        )
