@@ -60,7 +60,7 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
                 )
     check_context_parallel(config)
     check_pipeline_layout(config)
-    check_pipeline_schedule(dist, train, dist.resolved_dp(world_size))
+    check_pipeline_schedule(dist, train, dist.resolved_dp(world_size) * dist.cp)
     check_expert_layout(config, shape["dp_shard"])
     sharded = shape["dp_shard"] * dist.cp > 1  # FSDP shards over dp_shard x cp
     if config.optimizer.name == "muon" and (sharded or dist.tp > 1):

@@ -97,14 +97,19 @@ def test_train_fields_a_schedule_cannot_run_are_refused(overrides, message):
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
-def test_zero_bubble_schedules_are_refused_with_data_parallelism(schedule):
+@pytest.mark.parametrize("sharding", [[], ["--distributed.cp=2"]])
+def test_zero_bubble_schedules_are_refused_where_fsdp_wraps_the_stages(schedule, sharding):
+    """FSDP shards the stages over the data-parallel ranks, or over the context-parallel
+    ones (which train as one process otherwise: cp=2 with zbv once lost the last stage's
+    gradients without a word)."""
     overrides = [f"--distributed.pp_schedule={schedule}", "--train.grad_accum_steps=4"]
-    config = load_config(None, [*PIPELINE, *overrides])
+    config = load_config(None, [*PIPELINE, *overrides, *sharding])
     with pytest.raises(ConfigError) as info:
-        config.validate(4)  # dp_shard = -1 takes the 2 ranks pp leaves
+        config.validate(4)  # dp_shard = -1 takes the 2 ranks pp leaves, or cp takes them
     assert str(info.value).startswith(
         f"distributed.pp_schedule = {schedule!r}: expected 'gpipe', '1f1b' or "
-        "'interleaved_1f1b' with data parallelism (dp_replicate * dp_shard = 2)"
+        "'interleaved_1f1b' with data or context parallelism "
+        "(dp_replicate * dp_shard * cp = 2)"
     )
     load_config(None, [*PIPELINE, *overrides, "--distributed.tp=2"]).validate(4)
 
