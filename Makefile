@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 BIN := $(VENV)/bin
 
-.PHONY: train test lint typecheck install install-dev bench clean
+.PHONY: train test test-layouts lint typecheck install install-dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ typecheck: install-dev
 
 test: lint typecheck
 	$(BIN)/python -m pytest
+
+# Every parallel layout of 2 to 4 processes that validation accepts, for the dense, MoE and
+# vision-language debug configs with and without accumulation, trained against one process
+# (about half an hour on 2 cores); records what passed in tests/layouts/checked.txt.
+test-layouts: install-dev
+	$(BIN)/python -m tests.layouts.run_sweep
 
 bench: install
 	$(BIN)/python bench/throughput.py

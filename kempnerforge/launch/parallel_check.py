@@ -132,12 +132,15 @@ def per_rank_batch_size(batch_size: int, layout: Layout) -> int:
 
 
 def grad_accum_for(grad_accum_steps: int, layouts: Sequence[Layout]) -> int:
-    """train.grad_accum_steps for every run: the config's, unless a pipeline layout needs a
-    multiple of its pp (then the least common multiple of those pp degrees)."""
+    """train.grad_accum_steps for every run: the config's, unless a pipeline layout needs
+    more (a multiple of its pp; with 'dualpipev' also at least its 2 * pp stages). Then the
+    least multiple of every pp degree that is enough for each."""
     pps = [layout.pp for layout in layouts if layout.pp > 1]
-    if all(grad_accum_steps % pp == 0 for pp in pps):
+    least = max((2 * lay.pp for lay in layouts if lay.schedule == "dualpipev"), default=1)
+    if grad_accum_steps >= least and all(grad_accum_steps % pp == 0 for pp in pps):
         return grad_accum_steps
-    return math.lcm(*pps)
+    step = math.lcm(*pps)
+    return step * math.ceil(least / step)
 
 
 def pipeline_overrides(
@@ -162,8 +165,7 @@ def pipeline_overrides(
     return overrides, notes
 
 
-def train_command(
-    config: str,
+def run_overrides(
     layout: Layout,
     overrides: Sequence[str],
     *,
@@ -171,16 +173,9 @@ def train_command(
     steps: int,
     run_dir: str,
 ) -> list[str]:
-    """The `kempnerforge train` command line of one run; torchrun for a layout."""
-    torchrun = ["torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world_size}"]
-    launcher = [] if layout is REFERENCE else [*torchrun, "-m"]
+    """The --section.field=value arguments of one run: the check's own, then the layout's,
+    then what every run shares; the config a launch of this layout validates."""
     return [
-        sys.executable,
-        "-m",
-        *launcher,
-        "kempnerforge",
-        "train",
-        config,
         *overrides,
         *layout.overrides(),
         *COMMON_OVERRIDES,
@@ -188,6 +183,14 @@ def train_command(
         f"--train.max_steps={steps}",
         f"--train.run_dir={run_dir}",
     ]
+
+
+def train_command(config: str, layout: Layout, overrides: Sequence[str]) -> list[str]:
+    """The `kempnerforge train` command line of one run (``overrides`` from run_overrides);
+    torchrun for a layout."""
+    torchrun = ["torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world_size}"]
+    launcher = [] if layout is REFERENCE else [*torchrun, "-m"]
+    return [sys.executable, "-m", *launcher, "kempnerforge", "train", config, *overrides]
 
 
 StepRows = dict[int, tuple[float | None, float | None]]
@@ -223,6 +226,8 @@ class Comparison:
     """Why the layout fails regardless of the tolerance (its run failed, steps missing)."""
     output: str = ""
     """The end of a failed run's output."""
+    refused: bool = False
+    """Whether a launch of this layout would refuse its config (``problem`` says why)."""
 
     def passed(self, tolerance: float) -> bool:
         if self.problem or self.loss_diff is None or self.grad_norm_diff is None:
@@ -258,7 +263,7 @@ def format_table(comparisons: Sequence[Comparison], tolerance: float, steps: int
     ]
     table: list[tuple[str, ...]] = [header]
     for c in comparisons:
-        result = "PASS" if c.passed(tolerance) else "FAIL"
+        result = "REFUSED" if c.refused else "PASS" if c.passed(tolerance) else "FAIL"
         diffs = (_number(c.loss_diff), _number(c.grad_norm_diff))
         table.append((c.layout.text, str(c.layout.world_size), *diffs, result))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]

@@ -10,6 +10,10 @@ import sys
 
 import pytest
 
+from tests.layouts.run_sweep import passed_layouts
+from tests.layouts.test_layout_sweep import recorded_layouts
+from tests.layouts.variants import sweep_argv
+
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).parents[2]
@@ -44,7 +48,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
     rows = {}
     for line in lines[start + 1 :]:
         cells = line.split()
-        if len(cells) == 5 and cells[-1] in ("PASS", "FAIL"):
+        if len(cells) == 5 and cells[-1] in ("PASS", "FAIL", "REFUSED"):
             rows[cells[0]] = cells
     return rows
 
@@ -121,7 +125,9 @@ def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
         assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
 
 
-def test_failing_layout_is_reported_with_its_error_and_exit_1(tmp_path, builtin_cache):
+def test_a_refused_layout_is_reported_with_its_config_error_and_exit_1(tmp_path, builtin_cache):
+    """Checked before anything runs, with the launch's own checks: no run, not even the
+    reference, when every named layout is refused."""
     runs = tmp_path / "runs"
     proc = check_parallel(
         "--layouts",
@@ -134,9 +140,26 @@ def test_failing_layout_is_reported_with_its_error_and_exit_1(tmp_path, builtin_
         cache=builtin_cache,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
-    rows = table_rows(proc.stdout)
-    assert rows["tp=3"] == ["tp=3", "3", "-", "-", "FAIL"]
-    # The ranks' own one-line config error, not only torchrun's summary.
-    assert "tp=3: the run failed (exit code 1)" in proc.stdout
-    assert "distributed.tp = 3" in proc.stdout
-    assert (runs / "reference" / "metrics.jsonl").exists()
+    assert table_rows(proc.stdout)["tp=3"] == ["tp=3", "3", "-", "-", "REFUSED"]
+    assert "tp=3 (3 processes): REFUSED distributed.tp = 3: expected a divisor of" in proc.stdout
+    assert not (runs / "reference").exists()
+
+
+def test_every_accepted_two_process_layout_trains_as_one_process(tmp_path, builtin_cache):
+    """The layout sweep's sample in the suite: the dense config with accumulation, every
+    layout of 2 processes (each mesh dimension, and pp with each schedule)."""
+    env = {**os.environ, "KEMPNERFORGE_CACHE": str(builtin_cache)}
+    env.pop("OMP_NUM_THREADS", None)  # torchrun gives each rank one thread of its own
+    argv = sweep_argv("dense-accum", "--nproc", "2")  # the later --nproc wins
+    proc = subprocess.run(
+        [sys.executable, "-m", "kempnerforge", "check-parallel", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "sweep: 10 accepted layouts checked, 10 pass, 0 fail; 0 refused" in proc.stdout
+    passed = set(passed_layouts(proc.stdout))
+    assert len(passed) == 10 and passed <= recorded_layouts()["dense-accum"]

@@ -93,6 +93,15 @@ def test_grad_accum_becomes_a_multiple_of_every_pp_only_when_needed():
     assert pc.grad_accum_for(1, layouts[:1]) == 1
 
 
+def test_grad_accum_gives_dualpipev_a_micro_batch_per_stage():
+    """DualPipeV feeds both ends of its V at once: 2 * pp micro-batches at least."""
+    dualpipev = pc.parse_layout("pp=2,schedule=dualpipev")
+    assert pc.grad_accum_for(1, [dualpipev]) == 4
+    assert pc.grad_accum_for(2, [dualpipev]) == 4
+    assert pc.grad_accum_for(6, [dualpipev]) == 6
+    assert pc.grad_accum_for(1, [dualpipev, pc.parse_layout("pp=3")]) == 6
+
+
 def test_pipeline_layouts_change_every_run_only_when_needed():
     plain = [pc.parse_layout("dp_shard=2")]
     assert pc.pipeline_overrides(1, True, plain) == ([], [])
@@ -107,7 +116,8 @@ def test_pipeline_layouts_change_every_run_only_when_needed():
 def test_train_command_runs_layouts_under_torchrun_and_the_reference_alone():
     common = dict(batch_size=8, steps=3, run_dir="/r")
     layout = pc.parse_layout("dp_shard=2,tp=2")
-    command = pc.train_command("c.toml", layout, ["--model.dim=64"], **common)
+    overrides = pc.run_overrides(layout, ["--model.dim=64"], **common)
+    command = pc.train_command("c.toml", layout, overrides)
     assert command[:6] == [
         sys.executable,
         "-m",
@@ -123,7 +133,8 @@ def test_train_command_runs_layouts_under_torchrun_and_the_reference_alone():
     assert tail[-3:] == ["--train.batch_size=4", "--train.max_steps=3", "--train.run_dir=/r"]
     for setting in ("--metrics.log_interval=1", "--train.deterministic=true", "--eval.interval=0"):
         assert setting in tail
-    reference = pc.train_command("c.toml", pc.REFERENCE, [], **common)
+    reference_overrides = pc.run_overrides(pc.REFERENCE, [], **common)
+    reference = pc.train_command("c.toml", pc.REFERENCE, reference_overrides)
     assert reference[:4] == [sys.executable, "-m", "kempnerforge", "train"]
     assert "--distributed.dp_shard=1" in reference and "--train.batch_size=8" in reference
 
@@ -198,6 +209,8 @@ def test_format_table_states_the_measure_and_marks_each_layout():
         (["c.toml", "--layouts", "tp=2", "--tolerance", "nan"], "--tolerance must be a number"),
         (["c.toml", "--layouts", "dp_shard=4", "--nproc", "2"], "needs 4 processes"),
         (["c.toml", "--layouts", "tp=x"], "--layouts = 'tp=x': expected"),
+        (["c.toml", "--layouts", "all", "tp=2"], "--layouts all takes no other layout"),
+        (["c.toml", "--layouts", "tp=2", "tp=2"], "names the same layout twice"),
     ],
 )
 def test_main_refuses_bad_arguments_with_one_line_and_exit_2(argv, message, capsys):
@@ -241,3 +254,47 @@ def test_output_tail_shows_the_ranks_error_not_the_launchers():
     ]
     assert "*" not in pc.output_tail(text, lines=5)
     assert pc.output_tail("a\nb\nc", lines=2) == "    b\n    c"
+
+
+def test_sweep_layouts_cover_every_mesh_schedule_and_expert_degree():
+    from kempnerforge.launch.layout_sweep import sweep_layouts
+
+    dense = [layout.text for layout in sweep_layouts(2, moe=False)]
+    # 5 mesh dimensions of 2, the pipeline one once per schedule (6).
+    assert len(dense) == len(set(dense)) == 4 + 6
+    assert {"tp=2", "cp=2", "dp_shard=2", "dp_replicate=2", "pp=2,schedule=zbv"} <= set(dense)
+    moe = [layout.text for layout in sweep_layouts(2, moe=True)]
+    assert {"dp_shard=2,ep=2", "cp=2,ep=2"} <= set(moe) and len(moe) == len(dense) + 2
+    # Worlds of 3 and 4: 5 + 15 meshes, 1 + 5 of them pipelined.
+    assert len(sweep_layouts(4, moe=False)) == 60
+    for layout in sweep_layouts(4, moe=True):  # each text reads back as its layout
+        assert pc.parse_layout(layout.text) == layout
+
+
+def test_refused_layouts_are_named_with_the_launchs_error():
+    from kempnerforge.launch.layout_sweep import format_refusals, refusal_of
+
+    def refuse_tp(layout):
+        if layout.tp > 1:
+            raise ConfigError("distributed.tp", layout.tp, "1")
+
+    assert refusal_of(pc.parse_layout("dp_shard=2"), refuse_tp) is None
+    refusal = refusal_of(pc.parse_layout("tp=2"), refuse_tp)
+    assert refusal is not None and refusal.field == "distributed.tp"
+    assert (
+        format_refusals([refusal]) == "tp=2 (2 processes): REFUSED distributed.tp = 2: expected 1"
+    )
+    refused = pc.Comparison(pc.parse_layout("tp=2"), problem="refused", refused=True)
+    table = pc.format_table([refused], tolerance=1e-4, steps=3).splitlines()
+    assert table[2].split() == ["tp=2", "2", "-", "-", "REFUSED"]
+
+
+def test_main_lists_accepted_and_refused_layouts_without_running_them(tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text("[model]\nn_heads = 4\nn_kv_heads = 4\n")
+    argv = [str(config), "--layouts", "tp=2", "tp=3", "--dry-run", "--runs-dir", str(tmp_path)]
+    assert check_parallel(argv) == 0
+    out = capsys.readouterr().out
+    assert "tp=3 (3 processes): REFUSED distributed.tp = 3: expected a divisor of" in out
+    assert "accepted (1): tp=2" in out
+    assert not (tmp_path / "reference").exists()

@@ -1,0 +1,51 @@
+"""The configs the layout sweep runs: dense, Mixture-of-Experts and vision-language, each
+without gradient accumulation (document masking on, as the debug configs have it) and with
+12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4, with
+document masking off, which pipeline stages need). Sizes are tiny so a run takes seconds:
+8 layers (a stage each at pp = 4 with 2 stages per rank), a batch of 12 (divided by every
+data-parallel degree up to 4) and a sequence that cp up to 4 divides."""
+
+from __future__ import annotations
+
+import pathlib
+
+REPO = pathlib.Path(__file__).parents[2]
+MAX_WORLD = 4
+"""Largest world size swept."""
+STEPS = 3
+"""Optimizer steps each layout trains and compares."""
+
+_TINY = ["--model.dim=64", "--model.n_layers=8", "--model.n_heads=4", "--train.batch_size=12"]
+_NO_ACCUM = ["--train.grad_accum_steps=1"]
+_ACCUM = ["--train.grad_accum_steps=12", "--data.document_masking=false"]
+_DENSE = [*_TINY, "--train.seq_len=48"]
+_MOE = [*_DENSE, "--model.moe_expert_hidden_dim=32"]
+# The decoder sequence is the image's 16 tokens and 32 of text: 48, divided by cp up to 4.
+_VLM = [*_TINY, "--vlm.max_text_len=32"]
+
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    # Full attention heads without accumulation; grouped key/value heads (2 for 4 query
+    # heads, which cp = 4 repeats) with it.
+    "dense": ("configs/train/debug.toml", [*_DENSE, "--model.n_kv_heads=4", *_NO_ACCUM]),
+    "dense-accum": ("configs/train/debug.toml", [*_DENSE, "--model.n_kv_heads=2", *_ACCUM]),
+    "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
+    "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),
+    "vlm": ("configs/train/vlm_debug.toml", [*_VLM, "--model.n_kv_heads=4", *_NO_ACCUM]),
+    "vlm-accum": ("configs/train/vlm_debug.toml", [*_VLM, "--model.n_kv_heads=2", *_ACCUM]),
+}
+
+
+def sweep_argv(variant: str, *extra: str) -> list[str]:
+    """`kempnerforge check-parallel` arguments that sweep ``variant``'s layouts."""
+    config, overrides = VARIANTS[variant]
+    return [
+        str(REPO / config),
+        "--layouts",
+        "all",
+        "--nproc",
+        str(MAX_WORLD),
+        "--steps",
+        str(STEPS),
+        *overrides,
+        *extra,
+    ]
