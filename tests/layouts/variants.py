@@ -1,4 +1,5 @@
-"""The configs the layout sweep runs: dense, Mixture-of-Experts and vision-language, each
+"""The configs the layout sweep runs: dense, Mixture-of-Experts and vision-language (the
+joint decoder, and cross-attention with accumulation), each
 without gradient accumulation (document masking on, as the debug configs have it) and with
 12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4, with
 document masking off, which pipeline stages need). Sizes are tiny so a run takes seconds:
@@ -20,7 +21,8 @@ _NO_ACCUM = ["--train.grad_accum_steps=1"]
 _ACCUM = ["--train.grad_accum_steps=12", "--data.document_masking=false"]
 _DENSE = [*_TINY, "--train.seq_len=48"]
 _MOE = [*_DENSE, "--model.moe_expert_hidden_dim=32"]
-# The decoder sequence is the image's 16 tokens and 32 of text: 48, divided by cp up to 4.
+# The joint decoder's sequence is the image's 16 tokens and 32 of text: 48; cross-attention
+# splits the 32 text tokens. cp up to 4 divides both.
 _VLM = [*_TINY, "--vlm.max_text_len=32"]
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
@@ -30,8 +32,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dense-accum": ("configs/train/debug.toml", [*_DENSE, "--model.n_kv_heads=2", *_ACCUM]),
     "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),
+    # The joint decoder without accumulation; cross-attention blocks with it.
     "vlm": ("configs/train/vlm_debug.toml", [*_VLM, "--model.n_kv_heads=4", *_NO_ACCUM]),
-    "vlm-accum": ("configs/train/vlm_debug.toml", [*_VLM, "--model.n_kv_heads=2", *_ACCUM]),
+    "vlm-cross-accum": (
+        "configs/train/vlm_debug.toml",
+        [*_VLM, "--vlm.arch=cross_attention", "--model.n_kv_heads=2", *_ACCUM],
+    ),
 }
 
 
