@@ -11,6 +11,7 @@ import importlib.util
 import signal
 import socket
 import threading
+from typing import Any
 
 from kempnerforge.core.errors import ConfigError
 
@@ -59,14 +60,7 @@ def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
             "the installed package (the lighthouse is torchft's)",
             "install the ft extra: pip install 'kempnerforge[ft]'",
         )
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(
-        bind=f"[::]:{args.port}",
-        min_replicas=args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    )
+    server = _start_server(args)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -76,3 +70,28 @@ def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
     stop.wait()
     server.shutdown()
     return 0
+
+
+def _start_server(args: argparse.Namespace) -> Any:
+    """torchft's LighthouseServer on ``args.port``; a port another process holds is the
+    user's to change, so it is a ConfigError naming --port, not a traceback."""
+    from torchft.coordination import LighthouseServer
+
+    try:
+        return LighthouseServer(
+            bind=f"[::]:{args.port}",
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        )
+    except RuntimeError as error:
+        # torchft's Rust server reports a failed bind as a RuntimeError carrying the OS text.
+        if "address already in use" not in str(error).lower():
+            raise
+        raise ConfigError(
+            "--port",
+            args.port,
+            "a port no other process listens on",
+            "it is in use, perhaps by another lighthouse: pick another --port, "
+            "or --port=0 for any free one",
+        ) from error

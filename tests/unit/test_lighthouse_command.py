@@ -1,9 +1,11 @@
-"""`kempnerforge lighthouse`: serves until stopped, and refuses bad flags with exit 2."""
+"""`kempnerforge lighthouse`: serves until stopped, and refuses bad flags and a port in use
+with exit 2."""
 
 from __future__ import annotations
 
 import importlib.util
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -47,3 +49,25 @@ def test_it_serves_its_status_page_and_stops_on_sigterm():
         assert lighthouse.wait(timeout=20) == 0
     finally:
         lighthouse.kill()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs the ft extra")
+def test_a_port_in_use_exits_2_with_one_line_naming_it():
+    # Held the way the lighthouse binds it (every IPv6 and IPv4 address), so the bind fails
+    # whatever the machine's dual-stack setting.
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "kempnerforge", "lighthouse", f"--port={port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"kempnerforge: error: --port = {port}: expected a port no other process listens on "
+        "(it is in use, perhaps by another lighthouse: pick another --port, or --port=0 for "
+        "any free one)"
+    ]
