@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 def train_epilog() -> str:
     """The help's closing paragraph: how overrides are written, every section of JobConfig
-    (read from it, so a new section is listed without an edit here), the reference, exit codes.
+    (read from it, so a new section is listed without an edit here), the reference, and the
+    exit codes (read from resilience/exit_codes.py, so a new code is listed too).
     """
     fields = dataclasses.fields(JobConfig)
     always = ", ".join(f"[{f.name}]" for f in fields if f.default is not None)
@@ -36,9 +37,9 @@ def train_epilog() -> str:
         "--train.name=run1, --optimizer.betas='[0.9,0.95]': quote a value with brackets, "
         f"braces, quotes or spaces for the shell). Sections: {always}, and the optional "
         f"{optional}. Every field, its default and its meaning: docs/config.md "
-        "(or python -m kempnerforge.config.reference). Exit codes: 0 finished, 1 failed, "
-        "2 bad config or data, 3 stopped by non-finite losses, 75 preempted (requeue), 77 a step "
-        "hung (stacks in <run_dir>/hangs/; requeue)."
+        "(or python -m kempnerforge.config.reference). Exit codes: "
+        + ", ".join(f"{code} {meaning}" for code, meaning in exit_codes.SUMMARY.items())
+        + "."
     )
 
 

@@ -66,6 +66,19 @@ HANG = 77
 INTERRUPTED = 130
 """Interrupted (Ctrl-C) outside a training run, which would have saved and exited 75."""
 
+SUMMARY: dict[int, str] = {
+    FINISHED: "finished",
+    FAILED: "failed",
+    CONFIG_ERROR: "bad config or data",
+    NAN_ABORT: "stopped by non-finite losses",
+    PREEMPTED: "preempted (requeue)",
+    HARDWARE_FAULT: "suspected hardware fault (requeue on other nodes)",
+    HANG: "a step hung (stacks in <run_dir>/hangs/; requeue)",
+    INTERRUPTED: "interrupted (Ctrl-C) before or outside training",
+}
+"""Every exit code with its meaning in a few words: `train --help` prints it, and a test
+holds the tables of README.md and docs/ to the same codes."""
+
 # OS errors that say something about the machine (a full disk, a missing permission),
 # reported in one line with the path; other OS errors are bugs and keep their traceback.
 MACHINE_ERRNOS = {
