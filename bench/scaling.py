@@ -189,7 +189,7 @@ def main() -> None:
     row(
         "process groups joined (world-wide)",
         [f"{steps['groups_joined']} ({steps['world_groups']})"] * same,
-        "simulated (HSDP x TP; PP adds its own dimension's group)",
+        "simulated (HSDP x TP; PP's `pp` group replaces the size-1 one)",
     )
     row(
         "`new_group` calls at start-up, CPU (gloo)",

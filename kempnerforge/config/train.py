@@ -135,7 +135,7 @@ class TrainConfig:
     """Loss-spike rule: how many recent steps' losses (each attempt with a finite loss) the
     mean and standard deviation are taken over. A step whose loss is above that mean by more
     than spike_sigmas standard deviations is skipped like a non-finite one. 0 turns the
-    rule off; at most 2**31 - 1."""
+    rule off; 1 is refused (one loss has no standard deviation); at most 2**31 - 1."""
     spike_sigmas: float = 6.0
     """Loss-spike rule: how many standard deviations above the window's mean loss a step's
     loss must be to count as a spike; > 0 and at most 1e6."""
