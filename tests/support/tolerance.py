@@ -1,0 +1,63 @@
+"""Tolerances for comparing two computations that sum the same terms in different orders.
+
+A sum of n terms in a dtype with unit roundoff u (fp32: 2**-24, bf16: 2**-8) lies within
+about n * u * sum|terms| of the exact sum whatever its order (Higham, Accuracy and
+Stability of Numerical Algorithms, ch. 4), so two orders differ by at most
+2 * n * u * sum|terms|. For A @ B the sum of |terms| is (|A| @ |B|). Through a chain of
+matmuls (a forward and its backward) first-order rounding errors add up along the chain,
+so n becomes the summed lengths along the longest chain; the largest |result| of the
+compared tensor stands in for sum|terms|: for terms of mixed sign the error seen grows like
+sqrt(n) * u * |result|, so this keeps a margin of about sqrt(n), while a dropped term or a
+missing reduction moves the result by a share of |result| that no n * u reaches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the gap between 1 and the next number of ``dtype``: 2**-24 for fp32."""
+    return torch.finfo(dtype).eps / 2
+
+
+def reorder_atol(dtype: torch.dtype, terms: int, magnitude: float) -> float:
+    """Largest difference two summation orders of ``terms`` terms can give, the terms'
+    absolute values summing to ``magnitude``: 2 * terms * u * magnitude."""
+    return 2 * terms * unit_roundoff(dtype) * float(magnitude)
+
+
+def matmul_atol(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on how far two kernels' ``a @ b`` can differ: the inner size k
+    summed, 2 * k * u * (|a| @ |b|), the magnitudes taken in float64."""
+    k = a.shape[-1]
+    return reorder_atol(a.dtype, k, 1.0) * (a.double().abs() @ b.double().abs())
+
+
+def assert_reordered_close(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    *,
+    terms: int,
+    magnitude: float | torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Assert ``got`` and ``want`` differ by no more than two summation orders can.
+
+    ``terms`` is the number of terms summed (along the longest chain of sums for a
+    composite computation), ``magnitude`` the sum of their absolute values: a float, a
+    tensor broadcasting to ``want`` (elementwise, as matmul_atol gives), or by default the
+    largest |want|. ``dtype`` is the dtype the sums ran in, by default ``want``'s.
+    """
+    assert got.shape == want.shape, f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
+    dtype = dtype or want.dtype
+    if magnitude is None:
+        magnitude = want.detach().abs().max()
+    bound = reorder_atol(dtype, terms, 1.0) * torch.as_tensor(magnitude, dtype=torch.float64)
+    diff = (got.detach().double() - want.detach().double()).abs()
+    worst = (diff - bound).argmax()
+    assert bool((diff <= bound).all()), (
+        f"differ by {diff.flatten()[worst].item():.3g} at flat index {worst.item()}, past "
+        f"the bound {bound.broadcast_to(diff.shape).flatten()[worst].item():.3g} that "
+        f"{terms} terms summed in another order allow in {dtype}"
+    )
