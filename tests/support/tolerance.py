@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kempnerforge.config.model import ModelConfig
+
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the gap between 1 and the next number of ``dtype``: 2**-24 for fp32."""
@@ -61,3 +63,24 @@ def assert_reordered_close(
         f"the bound {bound.broadcast_to(diff.shape).flatten()[worst].item():.3g} that "
         f"{terms} terms summed in another order allow in {dtype}"
     )
+
+
+def transformer_terms(cfg: ModelConfig, seq_len: int) -> int:
+    """The sizes summed along the longest chain of sums through a Transformer's forward
+    and its backward, the ``terms`` for comparing two ways of running it.
+
+    Per block: the attention norm (dim), q/k/v (dim), the scores (head_dim), the softmax
+    and the weighted values (seq_len each), the output projection (dim), the feed-forward
+    norm (dim) and the feed-forward in (dim) and out (its hidden width, plus top_k and a
+    shared expert summed per token in an MoE block). Then the final norm and the head (dim
+    each) and the loss's softmax (vocab). The backward runs the same chain back: twice.
+    """
+    if cfg.is_moe:
+        # The widest expert (the shared one is moe_shared_experts experts wide), then the
+        # top_k routed outputs and the shared one summed per token.
+        width = cfg.expert_hidden_dim * max(1, cfg.moe_shared_experts)
+        ffn_out = width + cfg.moe_top_k + 1
+    else:
+        ffn_out = cfg.hidden_dim
+    block = 5 * cfg.dim + cfg.head_dim + 2 * seq_len + ffn_out
+    return 2 * (cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size)
