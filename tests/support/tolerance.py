@@ -65,7 +65,7 @@ def assert_reordered_close(
     )
 
 
-def transformer_terms(cfg: ModelConfig, seq_len: int) -> int:
+def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) -> int:
     """The sizes summed along the longest chain of sums through a Transformer's forward
     and its backward, the ``terms`` for comparing two ways of running it.
 
@@ -83,4 +83,5 @@ def transformer_terms(cfg: ModelConfig, seq_len: int) -> int:
     else:
         ffn_out = cfg.hidden_dim
     block = 5 * cfg.dim + cfg.head_dim + 2 * seq_len + ffn_out
-    return 2 * (cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size)
+    forward = cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size
+    return 2 * forward if backward else forward
