@@ -15,6 +15,7 @@ from kempnerforge.model import KVCache, Transformer, forward_cached, generate, g
 from kempnerforge.model.generate import sample_token
 from kempnerforge.model.moe import MoEFeedForward, RouterStats
 from kempnerforge.training.prompt import data_starts_with_bos
+from tests.support.tolerance import assert_reordered_close, transformer_terms
 
 VOCAB = 97
 
@@ -73,7 +74,9 @@ def test_cached_logits_match_the_full_forward(name, chunks):
         assert cache.position == start
     cached = torch.cat(pieces, dim=1)
     assert cached.shape == full.shape
-    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    # Cached attention reads keys in pieces, so its sums run in another order.
+    terms = transformer_terms(model.cfg, ids.shape[1], backward=False)
+    assert_reordered_close(cached, full, terms=terms)
 
 
 def test_last_only_gives_the_last_positions_logits():
@@ -82,7 +85,8 @@ def test_last_only_gives_the_last_positions_logits():
     every = forward_cached(model, ids, KVCache.for_model(model))
     last = forward_cached(model, ids, KVCache.for_model(model), last_only=True)
     assert last.shape == (1, 1, VOCAB)
-    torch.testing.assert_close(last[:, 0], every[:, -1], rtol=0, atol=1e-5)
+    # The head on one row against all nine: other matmul kernels, dim terms each.
+    assert_reordered_close(last[:, 0], every[:, -1], terms=model.cfg.dim)
 
 
 def test_the_cache_holds_grouped_heads_and_refuses_overflow_and_stages():
