@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.train import TrainConfig
-from kempnerforge.distributed.pipeline import StageModule
+from kempnerforge.distributed.pipeline_parallel import StageModule
 from kempnerforge.distributed.tensor_parallel import apply_tp
 from kempnerforge.model import build_model
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec

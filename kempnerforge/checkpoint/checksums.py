@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from kempnerforge.checkpoint.layout import CHECKSUM_KIND, write_durable
+from kempnerforge.checkpoint.disk_format import CHECKSUM_KIND, write_durable
 
 _READ_CHUNK = 8 << 20
 

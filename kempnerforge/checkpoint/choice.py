@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kempnerforge.checkpoint.layout import (
+from kempnerforge.checkpoint.disk_format import (
     LATEST,
     foreign_kind,
     is_real_dir,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from kempnerforge.checkpoint.layout import DCP_METADATA
+from kempnerforge.checkpoint.disk_format import DCP_METADATA
 
 
 def read_dcp_metadata(path: Path) -> Metadata:

@@ -36,7 +36,7 @@ from kempnerforge.checkpoint.checksums import (
     read_checksums,
 )
 from kempnerforge.checkpoint.dcp_metadata import parse_dcp_metadata
-from kempnerforge.checkpoint.layout import (
+from kempnerforge.checkpoint.disk_format import (
     CHECKSUM_KIND,
     DCP_METADATA,
     load_marker,

@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from kempnerforge.checkpoint.layout import (
+from kempnerforge.checkpoint.disk_format import (
     LATEST,
     LEFTOVER_DIR,
     foreign_kind,

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
-from kempnerforge.checkpoint.layout import DCP_METADATA
+from kempnerforge.checkpoint.disk_format import DCP_METADATA
 from kempnerforge.core.errors import CheckpointError
 
 

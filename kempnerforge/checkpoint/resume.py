@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from kempnerforge.checkpoint.choice import choose, list_candidates
 from kempnerforge.checkpoint.coordination import quiet_single_process
 from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
+from kempnerforge.checkpoint.disk_format import DCP_METADATA, load_marker, train_state_name
 from kempnerforge.checkpoint.failures import FAILURES, describe_failure, first_cause
 from kempnerforge.checkpoint.integrity import checkpoint_problems, train_state_source
-from kempnerforge.checkpoint.layout import DCP_METADATA, load_marker, train_state_name
 from kempnerforge.checkpoint.planner import WeightsOnlyLoadPlanner, refusal
 from kempnerforge.checkpoint.reader import AllowListedReader
 from kempnerforge.core.errors import CheckpointError, incomplete

@@ -45,8 +45,7 @@ from kempnerforge.checkpoint.checksums import (
     write_checksums,
 )
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
-from kempnerforge.checkpoint.failures import FAILURES, Diagnosis, FailedSave, diagnose
-from kempnerforge.checkpoint.layout import (
+from kempnerforge.checkpoint.disk_format import (
     CHECKSUM_KIND,
     FORMAT_VERSION,
     LATEST,
@@ -59,6 +58,7 @@ from kempnerforge.checkpoint.layout import (
     write_durable,
     write_marker,
 )
+from kempnerforge.checkpoint.failures import FAILURES, Diagnosis, FailedSave, diagnose
 from kempnerforge.checkpoint.publish import (
     apply_retention,
     check_names_free,

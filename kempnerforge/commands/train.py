@@ -122,7 +122,7 @@ def _train_under(
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.replica_groups import resume_or_join, run_replica_training
-    from kempnerforge.training.resume import plan_resume
+    from kempnerforge.training.resume_plan import plan_resume
     from kempnerforge.training.sample import print_sample
     from kempnerforge.training.workspace import rank0_workspace, record_config
 

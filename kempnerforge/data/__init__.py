@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kempnerforge.core.errors import DataError
     from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_dir
+    from kempnerforge.data.dataloader import TrainDataLoader
     from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-    from kempnerforge.data.loader import TrainDataLoader
     from kempnerforge.data.pipeline import DataPipeline
     from kempnerforge.data.pipeline_build import build_data_pipeline
     from kempnerforge.data.prepare import prepare_data
@@ -29,7 +29,7 @@ _HOMES = {
     "MemoryMappedDataset": "kempnerforge.data.dataset",
     "ShardedSampler": "kempnerforge.data.sampler",
     "Tokenizer": "kempnerforge.data.tokenizer",
-    "TrainDataLoader": "kempnerforge.data.loader",
+    "TrainDataLoader": "kempnerforge.data.dataloader",
     "build_data_pipeline": "kempnerforge.data.pipeline_build",
     "builtin_corpus": "kempnerforge.data.builtin",
     "default_cache_dir": "kempnerforge.data.builtin",

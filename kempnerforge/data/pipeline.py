@@ -13,8 +13,8 @@ from torch.utils.data import default_collate
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import BadWindow, BadWindows
+from kempnerforge.data.dataloader import TrainDataLoader, load_loader_state
 from kempnerforge.data.dataset import IGNORE_INDEX, SampleDataset
-from kempnerforge.data.loader import TrainDataLoader, load_loader_state
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer

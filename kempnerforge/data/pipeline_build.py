@@ -11,9 +11,9 @@ from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
+from kempnerforge.data.dataloader import build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.image_text import build_image_text_datasets
-from kempnerforge.data.loader import build_train_loader
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.sampler import ShardedSampler

@@ -17,7 +17,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
-from kempnerforge.distributed.pipeline import PipelineBundle
+from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec

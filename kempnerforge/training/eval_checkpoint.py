@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kempnerforge.checkpoint.layout import read_marker
+from kempnerforge.checkpoint.disk_format import read_marker
 from kempnerforge.config.eval import DEFAULT_EVAL_SET
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import DataError

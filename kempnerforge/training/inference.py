@@ -20,7 +20,7 @@ import tomli_w
 import torch
 
 from kempnerforge.checkpoint.choice import choose, list_candidates
-from kempnerforge.checkpoint.layout import DCP_METADATA, LATEST, MARKER, STEP_DIR, step_dirs
+from kempnerforge.checkpoint.disk_format import DCP_METADATA, LATEST, MARKER, STEP_DIR, step_dirs
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.job import JobConfig

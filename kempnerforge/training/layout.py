@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from kempnerforge.config.job import JobConfig
-from kempnerforge.distributed.pipeline import (
+from kempnerforge.distributed.pipeline_parallel import (
     PipelineBundle,
     build_pipeline,
     build_stage_model,

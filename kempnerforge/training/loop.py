@@ -34,12 +34,12 @@ from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
 from kempnerforge.training.phases import PhaseState
-from kempnerforge.training.phasing import advance_phases
 from kempnerforge.training.rollback import roll_back_or_stop
 from kempnerforge.training.save_failures import tolerating_failed_saves
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
 from kempnerforge.training.steps import pipeline_step, text_step, vlm_step
+from kempnerforge.training.transitions import advance_phases
 
 __all__ = [
     "BatchStream",

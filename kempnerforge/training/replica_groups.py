@@ -27,7 +27,7 @@ from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.quorum_loss import LastCommit, QuorumLost, stop_after_quorum_loss
 from kempnerforge.training.replica_batches import ReplicaBatches
 from kempnerforge.training.replica_manager import TorchftReplicas, make_manager
-from kempnerforge.training.resume import ResumePlan, apply_resume
+from kempnerforge.training.resume_plan import ResumePlan, apply_resume
 from kempnerforge.training.session import StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state, restore_train_state
 

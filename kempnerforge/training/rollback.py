@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.loader import sampler_state_of
+from kempnerforge.data.dataloader import sampler_state_of
 from kempnerforge.data.mixture import MixtureDataset
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.optim.optimizer import set_optimizer_mode

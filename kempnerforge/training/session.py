@@ -1,6 +1,6 @@
 """The objects the loop and its step bodies share: the session, the batch stream, a step's result.
 
-They live apart from loop.py so that the modules the loop calls (eval, phasing, state, the
+They live apart from loop.py so that the modules the loop calls (eval, transitions, state, the
 sample) can name the session without importing the loop; loop.py re-exports all three.
 """
 
@@ -17,10 +17,10 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import DataError, unwrap_worker_error
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.loader import stop_workers
+from kempnerforge.data.dataloader import stop_workers
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.context_parallel import slice_batch
-from kempnerforge.distributed.pipeline import PipelineBundle
+from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.resilience.nan import NaNDetector

@@ -138,7 +138,7 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     An MoE model's stages add their router terms to their own backward and record their
     loads (model/router_stage.py); ``step`` goes to the routers as in text_step.
     With train.loss_chunk_tokens > 0 the last stage computes the loss itself, chunked, never
-    holding whole logits (distributed/pipeline.py). A mixture's per-dataset sums take the
+    holding whole logits (distributed/pipeline_parallel.py). A mixture's per-dataset sums take the
     last stage's per-token losses, summed over the pipeline group with the loss.
     """
     bundle = session.pipeline

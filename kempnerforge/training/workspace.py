@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kempnerforge.checkpoint.layout import is_real_dir, read_latest, read_marker, step_dirs
+from kempnerforge.checkpoint.disk_format import is_real_dir, read_latest, read_marker, step_dirs
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.config.run_config import RUN_CONFIG_FILE

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.distributed.pipeline import (
+from kempnerforge.distributed.pipeline_parallel import (
     build_pipeline,
     build_stage_model,
     stage_layer_ranges,

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 from kempnerforge.distributed.parallelize import parallelize_model
-from kempnerforge.distributed.pipeline import (
+from kempnerforge.distributed.pipeline_parallel import (
     build_stage_model,
     stage_layer_ranges,
     stages_of_rank,

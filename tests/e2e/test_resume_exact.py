@@ -16,7 +16,7 @@ import pytest
 
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import TrainingSession, run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import eval_rows, events, train_rows
 from tests.support.resume import (
     assert_optimizer_states_bitwise_equal,

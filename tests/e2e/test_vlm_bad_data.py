@@ -14,7 +14,7 @@ from kempnerforge.data.image_text import ImageTextDataset
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import TrainingSession, run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.faults import PoisonedSamples, crash_at_step
 from tests.support.image_pairs import write_pairs
 from tests.support.metrics_rows import events

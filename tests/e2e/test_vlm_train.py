@@ -23,7 +23,7 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.forward import vlm_batch_loss
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import events, read_rows, train_rows
 from tests.support.resume import (
     assert_tensors_bitwise_equal,

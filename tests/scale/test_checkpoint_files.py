@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kempnerforge.checkpoint.choice import choose, list_candidates
+from kempnerforge.checkpoint.disk_format import write_latest
 from kempnerforge.checkpoint.integrity import share_problems
-from kempnerforge.checkpoint.layout import write_latest
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from tests.support.fake_world import count_file_access, write_fake_checkpoint

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from kempnerforge.checkpoint.checksums import checksum_of_bytes, checksums_name, checksums_text
-from kempnerforge.checkpoint.layout import (
+from kempnerforge.checkpoint.disk_format import (
     CHECKSUM_KIND,
     DCP_METADATA,
     FORMAT_VERSION,

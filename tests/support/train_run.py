@@ -14,7 +14,7 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
-from kempnerforge.training.resume import apply_resume, plan_resume
+from kempnerforge.training.resume_plan import apply_resume, plan_resume
 
 
 def train_steps(

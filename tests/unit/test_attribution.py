@@ -21,7 +21,7 @@ from kempnerforge.resilience.exit_codes import HARDWARE_FAULT, code_of
 from kempnerforge.training.attribution import FAULT_HOSTS_ENV
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.conftest import synthetic_documents
 from tests.support.faults import PoisonedSamples, crash_at_step
 from tests.support.metrics_rows import events, train_rows

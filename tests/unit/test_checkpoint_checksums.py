@@ -22,7 +22,7 @@ from kempnerforge.checkpoint.manager import CheckpointError
 from kempnerforge.cli import main
 from kempnerforge.training.hooks import TrainingHook
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import events
 from tests.support.resume import make_session
 from tests.unit.test_checkpoint import REPO, _build, _load, _manager, _save, _train

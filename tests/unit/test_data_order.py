@@ -10,7 +10,7 @@ import torch
 
 from kempnerforge.cli import main
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.loader import sampler_state_of
+from kempnerforge.data.dataloader import sampler_state_of
 from kempnerforge.data.mixture import MixtureSampler
 from kempnerforge.data.sampler import ORDER_VERSION, ShardedSampler
 from tests.support.checksums import rerecord_checksums

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kempnerforge.data.dataloader import TrainDataLoader, build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.loader import TrainDataLoader, build_train_loader
 from kempnerforge.data.sampler import ShardedSampler
 from tests.support.data_files import write_token_dir
 
@@ -109,7 +109,7 @@ EXIT_SCRIPT = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     from kempnerforge.data.dataset import MemoryMappedDataset
-    from kempnerforge.data.loader import build_train_loader
+    from kempnerforge.data.dataloader import build_train_loader
     from kempnerforge.data.sampler import ShardedSampler
 
     dataset = MemoryMappedDataset(sys.argv[1], seq_len=4)

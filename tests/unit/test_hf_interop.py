@@ -699,7 +699,7 @@ def test_training_starts_from_an_imported_model_as_import_hf_says(tmp_path, tiny
     from kempnerforge.distributed.runtime import RuntimeContext
     from kempnerforge.training.build import build_session
     from kempnerforge.training.loop import run_training_loop
-    from kempnerforge.training.resume import apply_resume, plan_resume
+    from kempnerforge.training.resume_plan import apply_resume, plan_resume
 
     cfg = tiny_cfg(n_layers=2, n_heads=2, n_kv_heads=1, tie_embeddings=True, init_std=0.02)
     model = random_model(cfg)

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kempnerforge.checkpoint import integrity
-from kempnerforge.checkpoint.layout import MARKER
+from kempnerforge.checkpoint.disk_format import MARKER
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.cli import main
 from kempnerforge.config.job import JobConfig

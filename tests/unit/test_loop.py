@@ -26,7 +26,7 @@ from kempnerforge.training.loop import (
     vlm_step,
 )
 from kempnerforge.training.loss import IGNORE_INDEX
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import read_rows
 from tests.support.tolerance import assert_reordered_close, reorder_atol, transformer_terms
 

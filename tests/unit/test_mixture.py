@@ -9,7 +9,7 @@ import torch
 
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
 from kempnerforge.core.errors import ConfigError, DataError
-from kempnerforge.data.loader import build_train_loader, load_loader_state
+from kempnerforge.data.dataloader import build_train_loader, load_loader_state
 from kempnerforge.data.mixture import MixtureSampler, mixture_probabilities
 from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data

@@ -11,7 +11,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import events as logged_events
 from tests.support.resume import RecordLR
 

@@ -10,7 +10,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.phases import PhaseState, TrainingPhase
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import read_rows
 
 PHASES = "--train.phases=[{start_step=3, lr_scale=0.5}, {start_step=5, lr_scale=0.25}]"

@@ -8,7 +8,7 @@ import pytest
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.distributed.pipeline import stages_of_rank
+from kempnerforge.distributed.pipeline_parallel import stages_of_rank
 from kempnerforge.distributed.schedules import MULTI_STAGE, SINGLE_STAGE
 
 PIPELINE = ["--distributed.pp=2", "--data.document_masking=false"]

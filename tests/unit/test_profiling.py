@@ -12,7 +12,7 @@ from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.profiling import build_profiler
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.resume import make_session
 
 SCHEDULE = [

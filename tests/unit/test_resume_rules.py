@@ -11,7 +11,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.optim.scheduler import lr_factor
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.resume import FRESH_OPTIMIZER, FULL, plan_resume, resume_session
+from kempnerforge.training.resume_plan import FRESH_OPTIMIZER, FULL, plan_resume, resume_session
 from tests.support.resume import RecordLR
 
 

@@ -16,7 +16,7 @@ from kempnerforge.resilience.nan import LOSS_SPIKE, NON_FINITE, NaNAbortError, N
 from kempnerforge.resilience.spikes import LossSpikeRule
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.resume import resume_session
+from kempnerforge.training.resume_plan import resume_session
 from tests.support.metrics_rows import events
 
 

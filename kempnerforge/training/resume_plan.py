@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kempnerforge.checkpoint.layout import read_marker
+from kempnerforge.checkpoint.disk_format import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError, DataError
