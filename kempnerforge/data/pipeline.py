@@ -3,7 +3,7 @@ them (its batches, eval batches, position, mixture weights); built in pipeline_b
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,10 @@ class DataPipeline:
     prefix_len: int = 0
     """Positions the model puts before each batch's input_ids in its sequence (a joint
     decoder's image tokens): context parallelism splits that whole sequence."""
+    batch_slice: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    """This rank's part of each training and eval batch, set by the build under context
+    parallelism (its slice of every sequence, after ``prefix_len``); None keeps batches
+    whole."""
 
     def add_bad_windows(self, windows: list[BadWindow]) -> list[BadWindow]:
         """Skip ``windows`` from the next batch drawn on; return the ones not known before.

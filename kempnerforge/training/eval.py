@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -12,7 +11,6 @@ import torch.distributed as dist
 from kempnerforge.config.job import JobConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.distributed.context_parallel import slice_batch
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.family import family_of
@@ -55,7 +53,7 @@ def evaluate(
         runtime.device,
         group=runtime.group("dp_cp"),
         global_batch=eval_global_batch(config, runtime.dp_size),
-        batch_slice=functools.partial(slice_batch, runtime=runtime, prefix_len=data.prefix_len),
+        batch_slice=data.batch_slice,
     )
 
 

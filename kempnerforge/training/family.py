@@ -9,6 +9,7 @@ for a model without MoE layers. Pipeline parallelism is the other seam (training
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from kempnerforge.config.train import TrainConfig
 from kempnerforge.data.pipeline import NO_IMAGE_TEXT_EVAL_DATA, NO_TOKEN_EVAL_DATA, DataPipeline
 from kempnerforge.data.pipeline_build import build_data_pipeline, build_image_text_pipeline
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.distributed.context_parallel import slice_batch
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import generate_greedy
 from kempnerforge.model.transformer import Transformer, build_model
@@ -111,7 +113,7 @@ def build_text_model(config: JobConfig) -> Transformer:
 def build_token_data(config: JobConfig, runtime: RuntimeContext, with_train: bool) -> DataPipeline:
     """Token windows of data.*, and the eval sets (eval.sets, or the held-out split)."""
     tc = config.train
-    return build_data_pipeline(
+    data = build_data_pipeline(
         config.data,
         seq_len=tc.seq_len,
         batch_size=tc.batch_size,
@@ -122,6 +124,17 @@ def build_token_data(config: JobConfig, runtime: RuntimeContext, with_train: boo
         with_train=with_train,
         eval_sets=config.eval.sets,
     )
+    return sliced_for_context_parallel(data, runtime)
+
+
+def sliced_for_context_parallel(data: DataPipeline, runtime: RuntimeContext) -> DataPipeline:
+    """``data`` with its batches cut to this rank's slice of every sequence when the job
+    runs context parallelism (the whole batch otherwise): what its step bodies and eval read."""
+    if runtime.cp_size > 1:
+        data.batch_slice = functools.partial(
+            slice_batch, runtime=runtime, prefix_len=data.prefix_len
+        )
+    return data
 
 
 def summarize_text_model(config: JobConfig, model: torch.nn.Module) -> ModelSummary:
@@ -185,7 +198,7 @@ def build_image_text_data(
     sliced for context parallelism after the joint decoder's image tokens."""
     assert config.vlm is not None
     tc, spec = config.train, config.vision_spec()
-    return build_image_text_pipeline(
+    data = build_image_text_pipeline(
         config.data,
         config.vlm,
         spec,
@@ -197,6 +210,7 @@ def build_image_text_data(
         with_train=with_train,
         prefix_len=config.decoder_positions(spec) - config.vlm.max_text_len,
     )
+    return sliced_for_context_parallel(data, runtime)
 
 
 def summarize_vision_language_model(config: JobConfig, model: torch.nn.Module) -> ModelSummary:

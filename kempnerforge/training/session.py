@@ -19,7 +19,6 @@ from kempnerforge.core.errors import DataError, unwrap_worker_error
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.dataloader import stop_workers
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.distributed.context_parallel import slice_batch
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.tracker import MetricsTracker
@@ -40,9 +39,8 @@ class BatchStream:
     leaving a stale snapshot.
     """
 
-    def __init__(self, pipeline: DataPipeline, runtime: RuntimeContext | None = None) -> None:
+    def __init__(self, pipeline: DataPipeline) -> None:
         self._pipeline = pipeline
-        self._runtime = runtime  # under context parallelism, batches are sliced for it
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._iterator_loader: Any = None  # the loader the live iterator came from
         self._wait_s = 0.0  # seconds spent in next_batch since the last take_wait_s
@@ -131,8 +129,8 @@ class BatchStream:
             batch = self._replay.pop(0)
         else:
             batch = self._timed_next_batch()
-            if self._runtime is not None:
-                batch = slice_batch(batch, self._runtime, self._pipeline.prefix_len)
+            if self._pipeline.batch_slice is not None:
+                batch = self._pipeline.batch_slice(batch)
         if self._attempt is not None:
             self._attempt.append(batch)
         return batch
@@ -249,7 +247,7 @@ class TrainingSession:
         """The live batch iterator. Rebuilt if data is replaced wholesale."""
         stream = self.__dict__.get("_batches")
         if stream is None or stream._pipeline is not self.data:
-            stream = BatchStream(self.data, self.runtime)
+            stream = BatchStream(self.data)
             self.__dict__["_batches"] = stream
         return stream
 
