@@ -1,9 +1,10 @@
 """`kempnerforge capture`: chosen layers' outputs over a set of batches, for interpretability.
 
-the checkpoint and its run's config (training/inference.py) -> the token windows -> the
-model with the checkpoint's weights -> forward hooks on the named modules over the first N
-batches (training/capture.py) -> one safetensors file holding each layer's outputs (float32,
-(samples, seq_len, ...)) and the input_ids they came from. Nothing is written anywhere else.
+the checkpoint and its run's config (training/inference/loading.py) -> the token windows ->
+the model with the checkpoint's weights -> forward hooks on the named modules over the first
+N batches (training/inference/capture.py) -> one safetensors file holding each layer's
+outputs (float32, (samples, seq_len, ...)) and the input_ids they came from. Nothing is
+written anywhere else.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ def run_capture(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--batch-size", args.batch_size, ">= 0 (0: train.batch_size)")
     # Heavy imports here, so `kempnerforge --help` stays fast.
     from kempnerforge.core.logging import configure_logging
-    from kempnerforge.training.capture import (
+    from kempnerforge.training.inference.capture import (
         capture,
         capture_dataset,
         resolve_modules,
         save_capture,
     )
-    from kempnerforge.training.inference import load_for_inference, open_for_inference
+    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
 
     configure_logging(0)
     job = open_for_inference(

@@ -1,6 +1,6 @@
 """`kempnerforge eval`: a checkpoint's held-out loss and perplexity, without training.
 
-config -> the checkpoint (training/inference.py) -> eval data -> the model with the
+config -> the checkpoint (training/inference/loading.py) -> eval data -> the model with the
 checkpoint's weights -> evaluate -> a table on stdout and a JSON file. Nothing is written
 to the run directory except that JSON (by default beside the checkpoint's own files).
 """
@@ -35,13 +35,13 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     put_allocator_in_place(args.config, overrides, restart=getattr(args, "may_restart", False))
     # Heavy imports here, so `kempnerforge --help` stays fast.
     from kempnerforge.core.logging import configure_logging
-    from kempnerforge.training.eval_checkpoint import (
+    from kempnerforge.training.inference.eval_checkpoint import (
         build_eval_data,
         evaluate_checkpoint,
         format_table,
         write_report,
     )
-    from kempnerforge.training.inference import load_for_inference, open_for_inference
+    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
 
     if args.steps is not None:
         overrides = [*overrides, f"--eval.steps={args.steps}"]

@@ -1,6 +1,6 @@
 """`kempnerforge generate`: continue a prompt with a checkpoint's weights.
 
-the checkpoint and its run's config (training/inference.py) -> tokenizer and prompt ->
+the checkpoint and its run's config (training/inference/loading.py) -> tokenizer and prompt ->
 the model with the checkpoint's weights on train.device -> sampled continuation (KV cache,
 temperature / top-k / top-p) -> prompt and continuation on stdout. Nothing is written
 anywhere; log lines go to stderr.
@@ -68,8 +68,8 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.core.logging import configure_logging
     from kempnerforge.data.tokenizer import load_tokenizer
     from kempnerforge.model import Transformer, generate
-    from kempnerforge.training.inference import load_for_inference, open_for_inference
-    from kempnerforge.training.prompt import generation_prompt
+    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
+    from kempnerforge.training.inference.prompt import generation_prompt
 
     configure_logging(0)
     # No data is read, so the run's parallel layout need not fit one process (validate).

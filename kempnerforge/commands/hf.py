@@ -1,6 +1,6 @@
 """`kempnerforge export` and `kempnerforge import-hf`: checkpoints to and from Hugging Face.
 
-export: the checkpoint and its run's config (training/inference.py) -> the export checks
+export: the checkpoint and its run's config (training/inference/loading.py) -> the export checks
 (interop/hf.py) -> the model with the checkpoint's weights on the CPU -> a Hugging Face
 folder. import-hf: a Hugging Face folder -> a [model] TOML table and a weights-only
 checkpoint that `kempnerforge train` starts from (interop/hf_import.py). Both run in one
@@ -60,7 +60,7 @@ def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.core.logging import configure_logging
     from kempnerforge.interop.folders import new_folder, staged
     from kempnerforge.interop.hf import check_exportable, export_hf
-    from kempnerforge.training.inference import load_for_inference, open_for_inference
+    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
 
     out = new_folder(args.out, "--out")
     configure_logging(0)

@@ -121,7 +121,11 @@ def _train_under(
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.preflight import preflight
-    from kempnerforge.training.replica_groups import resume_or_join, run_replica_training
+    from kempnerforge.training.replicas.groups import (
+        checkpointer_kind,
+        resume_or_join,
+        run_replica_training,
+    )
     from kempnerforge.training.resume_plan import plan_resume
     from kempnerforge.training.sample import print_sample
     from kempnerforge.training.workspace import rank0_workspace, record_config
@@ -136,7 +140,7 @@ def _train_under(
     ended_together = False  # every rank got to a return: leave the group in step
     try:
         with rank0_workspace(config, runtime):
-            checkpointer = build_checkpointer(config, runtime)
+            checkpointer = build_checkpointer(config, runtime, checkpointer_kind(config))
             plan = plan_resume(config, checkpointer)
             if plan is not None and plan.step == config.train.max_steps:
                 if runtime.is_main:

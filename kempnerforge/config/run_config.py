@@ -1,7 +1,7 @@
 """Where a run directory keeps the config it was trained with.
 
 Training writes it (training/workspace.py); loading a checkpoint for inference
-(training/inference.py: eval, generate, capture, export) reads it back. Nothing here
+(training/inference/loading.py: eval, generate, capture, export) reads it back. Nothing here
 imports torch, so the name and the lookup live here rather than beside the training
 workspace.
 """

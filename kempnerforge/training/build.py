@@ -57,13 +57,15 @@ def config_sha256(config: JobConfig) -> str:
     return hashlib.sha256(dump_config(config).encode()).hexdigest()
 
 
-def build_checkpointer(config: JobConfig, runtime: RuntimeContext) -> CheckpointManager:
-    """The run's CheckpointManager: its agreements on the default group, its background
-    writes on the runtime's side group; it creates no process group. With replica groups,
-    one that lets one group write each of the job's checkpoints."""
-    from kempnerforge.training.replica_groups import GroupCheckpointManager
-
-    kind = GroupCheckpointManager if config.fault_tolerance.enabled else CheckpointManager
+def build_checkpointer(
+    config: JobConfig,
+    runtime: RuntimeContext,
+    kind: type[CheckpointManager] = CheckpointManager,
+) -> CheckpointManager:
+    """The run's checkpoint manager, of class ``kind``: its agreements on the default
+    group, its background writes on the runtime's side group; it creates no process group.
+    Replica groups pass theirs (replicas.groups.checkpointer_kind), which lets one group
+    write each of the job's checkpoints."""
     return kind(
         config.checkpoint,
         config.checkpoint_dir,
@@ -214,7 +216,10 @@ def build_session(
         if runtime.rank == 0
         else None,
     )
-    checkpointer = checkpointer or build_checkpointer(config, runtime)
+    if checkpointer is None:
+        # Replica groups' checkpointer lives in their wing, which the train command builds.
+        assert not config.fault_tolerance.enabled, "pass replicas' checkpointer_kind manager"
+        checkpointer = build_checkpointer(config, runtime)
     # Data traced to a fault in an earlier launch of this run stays skipped (bad_windows.py).
     data.add_bad_windows(read_bad_data(checkpointer.directory))
     return TrainingSession(

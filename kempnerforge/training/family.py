@@ -87,7 +87,7 @@ class ModelFamily:
     """The error where eval data is needed and the job has none: what to set."""
     fill_unsaved: Callable[[Any], None]
     """After to_empty, fill what a checkpoint does not hold (tied weights, computed
-    buffers), so a weights-only load makes the model whole (training/inference.py)."""
+    buffers), so a weights-only load makes the model whole (training/inference/loading.py)."""
     refusals: Mapping[str, str] = field(default_factory=dict)
     """Why a command of COMMANDS does not take this family, by command."""
 

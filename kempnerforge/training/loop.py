@@ -25,17 +25,17 @@ from kempnerforge.model.router_step import add_router_losses, finish_router_step
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
-from kempnerforge.training.attribution import attempt_step
 from kempnerforge.training.eval import evaluate
 from kempnerforge.training.family import family_of
+from kempnerforge.training.faults.attribution import attempt_step
+from kempnerforge.training.faults.rollback import roll_back_or_stop
+from kempnerforge.training.faults.save_failures import tolerating_failed_saves
 from kempnerforge.training.grad import total_grad_norm
 from kempnerforge.training.hooks import StepContext
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
 from kempnerforge.training.phases import PhaseState
-from kempnerforge.training.rollback import roll_back_or_stop
-from kempnerforge.training.save_failures import tolerating_failed_saves
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
 from kempnerforge.training.steps import pipeline_step, text_step, vlm_step
@@ -332,7 +332,7 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
 
 def _save_if_due(session: TrainingSession, progress: _Progress) -> None:
     """Commit a finished background save, and start a save when one is due; a save that
-    fails is reported and training goes on (save_failures.py)."""
+    fails is reported and training goes on (faults/save_failures.py)."""
     checkpointer = session.checkpointer
     with tolerating_failed_saves(session):
         # Never blocks: the step's reduction (finish_step) already asked every rank whether

@@ -112,7 +112,7 @@ class BatchStream:
     def step_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of one step: the next ``count`` (train.grad_accum_steps).
 
-        Replica groups (training/replica_groups.py) read the slots the step's quorum
+        Replica groups (training/replicas/groups.py) read the slots the step's quorum
         assigned to their group instead, however many that is.
         """
         return [self.next_batch() for _ in range(count)]
@@ -165,7 +165,7 @@ class Replicas:
     """The replica groups a step's reductions span beyond this launch's own ranks.
 
     This base is the ordinary job, one launch, so it reduces nothing. Fault-tolerant
-    replica groups (training/replica_manager.py) sum over the groups of the step's quorum;
+    replica groups (training/replicas/manager.py) sum over the groups of the step's quorum;
     the step bodies call the same methods either way.
     """
 

@@ -18,8 +18,8 @@ from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.exit_codes import HARDWARE_FAULT, code_of
-from kempnerforge.training.attribution import FAULT_HOSTS_ENV
 from kempnerforge.training.build import build_session
+from kempnerforge.training.faults.attribution import FAULT_HOSTS_ENV
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume_plan import resume_session
 from tests.conftest import synthetic_documents

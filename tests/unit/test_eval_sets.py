@@ -15,7 +15,7 @@ from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.eval import evaluate
-from kempnerforge.training.eval_checkpoint import format_table
+from kempnerforge.training.inference.eval_checkpoint import format_table
 from kempnerforge.training.loop import TrainingSession, run_training_loop
 from tests.support.metrics_rows import eval_rows
 

@@ -14,7 +14,7 @@ from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.model import KVCache, Transformer, forward_cached, generate, generate_greedy
 from kempnerforge.model.generate import sample_token
 from kempnerforge.model.moe import MoEFeedForward, RouterStats
-from kempnerforge.training.prompt import data_starts_with_bos
+from kempnerforge.training.inference.prompt import data_starts_with_bos
 from tests.support.tolerance import assert_reordered_close, transformer_terms
 
 VOCAB = 97

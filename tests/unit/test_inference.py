@@ -20,7 +20,7 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict, load_config, save_config
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.model import build_model
-from kempnerforge.training.inference import (
+from kempnerforge.training.inference.loading import (
     load_for_inference,
     open_for_inference,
     unsupported,

@@ -58,6 +58,33 @@ def test_imports_point_down_the_layers():
     assert not violations, "\n".join(violations)
 
 
+TRAINING_WINGS = ("faults", "replicas", "inference")
+"""training/'s sub-rooms: what wraps the loop's core (training/'s own files)."""
+CORE_CALLS_WING = {"loop": "faults"}
+"""The one arrow from the core into a wing: the loop hands a step's faults to faults/."""
+
+
+def test_the_training_core_imports_no_wing():
+    """training/'s own files never reach into replicas/ or inference/, which wrap them, nor
+    into faults/ but from the loop; a wing imports no other wing."""
+    violations = []
+    training = PACKAGE / "training"
+    for path in sorted(training.rglob("*.py")):
+        parts = path.relative_to(training).with_suffix("").parts
+        own_wing = parts[0] if len(parts) > 1 else None
+        for name in _imports(path):
+            target = name.split(".")
+            if target[1] != "training" or len(target) < 3 or target[2] not in TRAINING_WINGS:
+                continue
+            wing = target[2]
+            allowed = wing == own_wing or (
+                own_wing is None and CORE_CALLS_WING.get(parts[0]) == wing
+            )
+            if not allowed:
+                violations.append(f"training/{path.relative_to(training)} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
 MAX_MODULE_LINES = 450
 """The house guideline is about 400 lines per module; past this a module is split by
 responsibility (the house style), not allowed to drift."""

@@ -27,7 +27,7 @@ from kempnerforge.core.errors import HardwareFaultError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import write_bad_data
 from kempnerforge.resilience.nan import LOSS_SPIKE, NaNDetector
-from kempnerforge.training.rollback import attempt_positions, data_position
+from kempnerforge.training.faults.rollback import attempt_positions, data_position
 from kempnerforge.training.session import StepResult, TrainingSession
 
 logger = get_logger(__name__)

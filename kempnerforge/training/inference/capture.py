@@ -17,7 +17,7 @@ from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.attention import needs_document_mask
-from kempnerforge.training.eval_checkpoint import build_eval_data
+from kempnerforge.training.inference.eval_checkpoint import build_eval_data
 
 
 def resolve_modules(model: torch.nn.Module, layers: str) -> dict[str, torch.nn.Module]:

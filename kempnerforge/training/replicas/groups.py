@@ -21,12 +21,17 @@ from collections.abc import Callable
 from typing import Any
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.job import JobConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.quorum_loss import LastCommit, QuorumLost, stop_after_quorum_loss
-from kempnerforge.training.replica_batches import ReplicaBatches
-from kempnerforge.training.replica_manager import TorchftReplicas, make_manager
+from kempnerforge.training.replicas.batches import ReplicaBatches
+from kempnerforge.training.replicas.manager import TorchftReplicas, make_manager
+from kempnerforge.training.replicas.quorum_loss import (
+    LastCommit,
+    QuorumLost,
+    stop_after_quorum_loss,
+)
 from kempnerforge.training.resume_plan import ResumePlan, apply_resume
 from kempnerforge.training.session import StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state, restore_train_state
@@ -45,6 +50,11 @@ class ReplicaRejoined(Exception):
     def __init__(self, position: tuple[int, int]) -> None:
         super().__init__(f"continuing at step {position[0]} with the replica groups' state")
         self.position = position
+
+
+def checkpointer_kind(config: JobConfig) -> type[CheckpointManager]:
+    """The checkpoint manager class of a run: the replica groups' with [fault_tolerance]."""
+    return GroupCheckpointManager if config.fault_tolerance.enabled else CheckpointManager
 
 
 class GroupCheckpointManager(CheckpointManager):

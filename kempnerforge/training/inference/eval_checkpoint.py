@@ -20,7 +20,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_job_data
 from kempnerforge.training.eval import eval_global_batch, evaluate_model
 from kempnerforge.training.family import family_of
-from kempnerforge.training.inference import InferenceJob
+from kempnerforge.training.inference.loading import InferenceJob
 from kempnerforge.training.resume_guard import global_batch
 
 logger = get_logger(__name__)
