@@ -120,6 +120,7 @@ def _train_under(
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
+    from kempnerforge.training.inference.sample import print_sample
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.replicas.groups import (
         checkpointer_kind,
@@ -127,7 +128,6 @@ def _train_under(
         run_replica_training,
     )
     from kempnerforge.training.resume_plan import plan_resume
-    from kempnerforge.training.sample import print_sample
     from kempnerforge.training.workspace import rank0_workspace, record_config
 
     started = time.time()

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.data.dataset import IGNORE_INDEX
+from kempnerforge.distributed.gradients import maybe_no_sync, total_grad_norm
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.router_step import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
-from kempnerforge.training.grad import maybe_no_sync, total_grad_norm
 from kempnerforge.training.session import Replicas, TrainingSession
 
 

@@ -15,19 +15,19 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
-from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
+from kempnerforge.metrics.profiling import build_profiler
 from kempnerforge.metrics.tracker import MetricsTracker
 from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.resilience.spikes import LossSpikeRule
-from kempnerforge.training.family import FamilyModel, ModelSummary, family_of
+from kempnerforge.training.family import FamilyModel, ModelSummary, build_job_data, family_of
 from kempnerforge.training.float8 import apply_float8
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
@@ -36,7 +36,6 @@ from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.preflight import check_model_fits
-from kempnerforge.training.profiling import build_profiler
 
 logger = get_logger(__name__)
 
@@ -123,14 +122,6 @@ def build_model_on_mesh(
     if frozen:
         logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
     return model, layout_of(config).build_schedule(rank_model, runtime, config, loss_fn)
-
-
-def build_job_data(
-    config: JobConfig, runtime: RuntimeContext, *, with_train: bool = True
-) -> DataPipeline:
-    """This rank's data, as the job's model family reads it: image-text pairs for a [vlm]
-    job, token windows otherwise."""
-    return family_of(config).build_data(config, runtime, with_train)
 
 
 def _log_model(summary: ModelSummary) -> None:

@@ -339,3 +339,11 @@ VISION_LANGUAGE = ModelFamily(
 def family_of(config: JobConfig) -> ModelFamily:
     """The model family of this job: a [vlm] table makes it vision-language."""
     return VISION_LANGUAGE if config.is_vlm else TEXT
+
+
+def build_job_data(
+    config: JobConfig, runtime: RuntimeContext, *, with_train: bool = True
+) -> DataPipeline:
+    """This rank's data, as the job's model family reads it: image-text pairs for a [vlm]
+    job, token windows otherwise."""
+    return family_of(config).build_data(config, runtime, with_train)

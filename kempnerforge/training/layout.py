@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from kempnerforge.config.job import JobConfig
+from kempnerforge.distributed.gradients import PIPELINE_GROUP_ATTR
 from kempnerforge.distributed.pipeline_parallel import (
     PipelineBundle,
     build_pipeline,
@@ -26,7 +27,6 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, logits_head_loss
 from kempnerforge.model.router_stage import attach_stage_router_hooks
 from kempnerforge.training.family import FamilyModel, StepFn, family_of
-from kempnerforge.training.grad import PIPELINE_GROUP_ATTR
 from kempnerforge.training.loss import LossFn, TokenCrossEntropy
 from kempnerforge.training.steps import pipeline_step
 

@@ -21,6 +21,7 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.logging import get_logger
+from kempnerforge.distributed.gradients import total_grad_norm
 from kempnerforge.model.router_step import add_router_losses, finish_router_step
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
@@ -30,7 +31,6 @@ from kempnerforge.training.family import family_of
 from kempnerforge.training.faults.attribution import attempt_step
 from kempnerforge.training.faults.rollback import roll_back_or_stop
 from kempnerforge.training.faults.save_failures import tolerating_failed_saves
-from kempnerforge.training.grad import total_grad_norm
 from kempnerforge.training.hooks import StepContext
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates

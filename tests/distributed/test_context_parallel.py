@@ -20,8 +20,8 @@ from kempnerforge.model.sequence_split import (
 )
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.build import build_session
+from kempnerforge.training.inference.sample import sample_text
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.sample import sample_text
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import eval_rows, train_rows
 from tests.support.tiny import tiny_run

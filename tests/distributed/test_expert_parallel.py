@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kempnerforge.distributed.gradients import total_grad_norm
 from kempnerforge.distributed.runtime import init_runtime
 from kempnerforge.model.moe import moe_layers
 from kempnerforge.model.router_step import (
@@ -19,7 +20,6 @@ from kempnerforge.model.router_step import (
     finish_router_step,
     record_router_stats,
 )
-from kempnerforge.training.grad import total_grad_norm
 from kempnerforge.training.loop import add_moe_losses
 from tests.support.dist import run_distributed
 from tests.support.parallel import (

@@ -10,8 +10,8 @@ import torch
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.training.build import build_session
+from kempnerforge.training.inference.sample import sample_text
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.sample import sample_text
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import eval_rows
 from tests.support.tiny import tiny_run

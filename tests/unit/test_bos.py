@@ -21,8 +21,8 @@ from kempnerforge.data.pipeline_build import build_data_pipeline
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.training.inference.sample import prompt_ids
 from kempnerforge.training.loss import cross_entropy_sum
-from kempnerforge.training.sample import prompt_ids
 from tests.support.data_files import make_hf_tokenizer, prepared_ids, write_jsonl
 
 BYTE = ByteTokenizer()

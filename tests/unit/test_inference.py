@@ -68,8 +68,8 @@ def generate(checkpoint: Path | str, capsys, *extra: str) -> tuple[int, str, str
 
 def used(err: str) -> str:
     """The one line that says which checkpoint and config a command used."""
-    (line,) = [line for line in err.splitlines() if "training.inference:" in line]
-    return line.split("training.inference: ", 1)[1]
+    (line,) = [line for line in err.splitlines() if "training.inference.loading:" in line]
+    return line.split("training.inference.loading: ", 1)[1]
 
 
 # --- The forms of --checkpoint -------------------------------------------------------------

@@ -13,8 +13,8 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.model.vlm import VisionLanguageModel
 from kempnerforge.training import build
+from kempnerforge.training.inference.sample import sample_text
 from kempnerforge.training.layout import PIPELINE_STAGES, WHOLE_MODEL, layout_of
-from kempnerforge.training.sample import sample_text
 from kempnerforge.training.steps import pipeline_step
 from tests.support.resume import make_session
 from tests.support.tiny import TINY_MODEL

@@ -10,8 +10,8 @@ import pytest
 
 from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.metrics.profiling import build_profiler
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.profiling import build_profiler
 from kempnerforge.training.resume_plan import resume_session
 from tests.support.resume import make_session
 

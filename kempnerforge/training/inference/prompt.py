@@ -9,7 +9,7 @@ from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.shards import read_parts
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.training.sample import prompt_ids
+from kempnerforge.training.inference.sample import prompt_ids
 
 logger = get_logger(__name__)
 
