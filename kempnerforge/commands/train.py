@@ -20,8 +20,10 @@ from kempnerforge.launch.allocator import put_allocator_in_place
 from kempnerforge.resilience import exit_codes
 
 if TYPE_CHECKING:
+    from kempnerforge.distributed.runtime import RuntimeContext
     from kempnerforge.launch.allocator import AllocatorPlan
     from kempnerforge.resilience.shutdown import ShutdownHandler
+    from kempnerforge.training.session import TrainingSession
 
 
 def train_epilog() -> str:
@@ -108,7 +110,7 @@ def _train_under(
 ) -> int:
     # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
     from kempnerforge.config.loader import load_config
-    from kempnerforge.core.logging import configure_logging, get_logger
+    from kempnerforge.core.logging import configure_logging
     from kempnerforge.distributed.failure import describe_collective_failure, is_collective_failure
     from kempnerforge.distributed.runtime import (
         init_runtime,
@@ -116,19 +118,9 @@ def _train_under(
         teardown_runtime,
         world_size_from_env,
     )
-    from kempnerforge.launch.allocator import describe_allocator
-    from kempnerforge.resilience.agreement import agreed_stop
-    from kempnerforge.resilience.hang import HangWatchdog
-    from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.inference.sample import print_sample
     from kempnerforge.training.preflight import preflight
-    from kempnerforge.training.replicas.groups import (
-        checkpointer_kind,
-        resume_or_join,
-        run_replica_training,
-    )
-    from kempnerforge.training.resume_plan import plan_resume
-    from kempnerforge.training.workspace import rank0_workspace, record_config
+    from kempnerforge.training.workspace import rank0_workspace
 
     started = time.time()
     configure_logging(rank_from_env())  # before validate, which may warn
@@ -136,46 +128,14 @@ def _train_under(
     config.validate(world_size_from_env())
     preflight(config)
     runtime = init_runtime(config.distributed, config.train.device)
-    logger = get_logger("kempnerforge.cli")
     ended_together = False  # every rank got to a return: leave the group in step
     try:
         with rank0_workspace(config, runtime):
-            checkpointer = build_checkpointer(config, runtime, checkpointer_kind(config))
-            plan = plan_resume(config, checkpointer)
-            if plan is not None and plan.step == config.train.max_steps:
-                if runtime.is_main:
-                    print(
-                        f"nothing to train: {plan.path} is already at train.max_steps = "
-                        f"{plan.step}; raise --train.max_steps to continue this run, or use "
-                        "another --train.name to start a new one"
-                    )
-                ended_together = True
-                return exit_codes.FINISHED
-            session = build_session(
-                config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown
-            )
-            if allocator is not None:  # once the data and model are known to be fine
-                logger.info(describe_allocator(allocator))
-            if agreed_stop(shutdown, runtime):  # a signal during the build
-                logger.warning(
-                    "stop requested by %s while the run was being built: exiting before the "
-                    "first step, nothing new to save",
-                    shutdown.reason,
-                )
-                session.tracker.close()
-                ended_together = True
-                return exit_codes.PREEMPTED
-            if runtime.is_main:
-                record_config(config, started)
-            watchdog = HangWatchdog(
-                config.train.hang_timeout_s, config.run_dir, runtime.rank, on_exit=_record_exit_code
-            )
-            with watchdog, session.tracker:
-                step, tokens_seen = resume_or_join(session, plan)
-                step, tokens_seen = run_replica_training(
-                    session, step=step, tokens_seen=tokens_seen
-                )
+            trained = _build_and_train(config, runtime, shutdown, allocator, started)
             ended_together = True
+            if isinstance(trained, int):  # ended before the first step
+                return trained
+            session, step, tokens_seen = trained
             # The loader's workers stop now: the process may end without finalisation
             # (cli.main), which would leave them to notice their parent is gone.
             session.batches.reset()
@@ -192,6 +152,62 @@ def _train_under(
         raise
     finally:
         teardown_runtime(runtime, together=ended_together)
+
+
+def _build_and_train(
+    config: JobConfig,
+    runtime: RuntimeContext,
+    shutdown: ShutdownHandler,
+    allocator: AllocatorPlan | None,
+    started: float,
+) -> int | tuple[TrainingSession, int, int]:
+    """Plan the resume, build the session and train it to its end: (the session, the last
+    step, the tokens seen); or the exit code of a run that ends before its first step
+    (nothing left to train, a stop signal during the build). Every rank returns alike."""
+    from kempnerforge.core.logging import get_logger
+    from kempnerforge.launch.allocator import describe_allocator
+    from kempnerforge.resilience.agreement import agreed_stop
+    from kempnerforge.resilience.hang import HangWatchdog
+    from kempnerforge.training.build import build_checkpointer, build_session
+    from kempnerforge.training.replicas.groups import (
+        checkpointer_kind,
+        resume_or_join,
+        run_replica_training,
+    )
+    from kempnerforge.training.resume_plan import plan_resume
+    from kempnerforge.training.workspace import record_config
+
+    logger = get_logger("kempnerforge.cli")
+    checkpointer = build_checkpointer(config, runtime, checkpointer_kind(config))
+    plan = plan_resume(config, checkpointer)
+    if plan is not None and plan.step == config.train.max_steps:
+        if runtime.is_main:
+            print(
+                f"nothing to train: {plan.path} is already at train.max_steps = "
+                f"{plan.step}; raise --train.max_steps to continue this run, or use "
+                "another --train.name to start a new one"
+            )
+        return exit_codes.FINISHED
+    session = build_session(config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown)
+    if allocator is not None:  # once the data and model are known to be fine
+        logger.info(describe_allocator(allocator))
+    if agreed_stop(shutdown, runtime):  # a signal during the build
+        logger.warning(
+            "stop requested by %s while the run was being built: exiting before the "
+            "first step, nothing new to save",
+            shutdown.reason,
+        )
+        session.tracker.close()
+        return exit_codes.PREEMPTED
+    if runtime.is_main:
+        record_config(config, started)
+    watchdog = HangWatchdog(
+        config.train.hang_timeout_s, config.run_dir, runtime.rank, on_exit=_record_exit_code
+    )
+    with watchdog, session.tracker:
+        step, tokens_seen = resume_or_join(session, plan)
+        step, tokens_seen = run_replica_training(session, step=step, tokens_seen=tokens_seen)
+    return session, step, tokens_seen
 
 
 def _ignore_stop_signals() -> None:

@@ -177,36 +177,13 @@ def build_session(
     data = build_job_data(config, runtime)
     loss_fn = build_loss_fn(tc)
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
-    family = family_of(config)
-    summary = family.summarize(config, model)
+    summary = family_of(config).summarize(config, model)
     _log_model(summary)
     _warn_what_the_layout_skips(config)
-    if runtime.device.type == "cpu":
-        logger.info(
-            "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
-            "(data.num_workers, one thread each)",
-            torch.get_num_threads(),
-            config.data.num_workers,
-        )
+    _log_cpu_threads(config, runtime)
     optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
-    peak = peak_flops_per_sec(runtime.device, tc.precision_on(runtime.device.type))
-    tracker = MetricsTracker(
-        config.metrics,
-        config.run_dir,
-        max_steps=tc.max_steps,
-        rank=runtime.rank,
-        flops_per_token=summary.flops_per_token,
-        # Tokens are counted over all ranks, so the peak must cover all their devices.
-        peak_flops_per_sec=peak * runtime.world_size if peak else None,
-        device=runtime.device,
-        num_devices=runtime.world_size,
-        backends=build_backends(
-            config.metrics, config.run_dir, name=tc.name, config=dataclasses.asdict(config)
-        )
-        if runtime.rank == 0
-        else None,
-    )
+    tracker = build_tracker(config, runtime, summary)
     if checkpointer is None:
         # Replica groups' checkpointer lives in their wing, which the train command builds.
         assert not config.fault_tolerance.enabled, "pass replicas' checkpointer_kind manager"
@@ -222,10 +199,7 @@ def build_session(
         loss_fn=loss_fn,
         step_fn=select_step_fn(config),
         data=data,
-        phases=PhaseState(
-            [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases],
-            freeze_stages=list(family.freeze_schedule(config).stages),
-        ),
+        phases=build_phases(config),
         checkpointer=checkpointer,
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
@@ -237,3 +211,48 @@ def build_session(
         pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),
     )
+
+
+def build_tracker(
+    config: JobConfig, runtime: RuntimeContext, summary: ModelSummary
+) -> MetricsTracker:
+    """The run's MetricsTracker: MFU from the family's FLOPs per token against every
+    device's peak, and the metrics backends on rank 0 only."""
+    tc = config.train
+    peak = peak_flops_per_sec(runtime.device, tc.precision_on(runtime.device.type))
+    return MetricsTracker(
+        config.metrics,
+        config.run_dir,
+        max_steps=tc.max_steps,
+        rank=runtime.rank,
+        flops_per_token=summary.flops_per_token,
+        # Tokens are counted over all ranks, so the peak must cover all their devices.
+        peak_flops_per_sec=peak * runtime.world_size if peak else None,
+        device=runtime.device,
+        num_devices=runtime.world_size,
+        backends=build_backends(
+            config.metrics, config.run_dir, name=tc.name, config=dataclasses.asdict(config)
+        )
+        if runtime.rank == 0
+        else None,
+    )
+
+
+def build_phases(config: JobConfig) -> PhaseState:
+    """The step-keyed schedules: [[train.phases]] and the family's freeze stages."""
+    phases = [
+        TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale)
+        for p in config.train.phases
+    ]
+    freeze_stages = list(family_of(config).freeze_schedule(config).stages)
+    return PhaseState(phases, freeze_stages=freeze_stages)
+
+
+def _log_cpu_threads(config: JobConfig, runtime: RuntimeContext) -> None:
+    if runtime.device.type == "cpu":
+        logger.info(
+            "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
+            "(data.num_workers, one thread each)",
+            torch.get_num_threads(),
+            config.data.num_workers,
+        )
