@@ -3,7 +3,10 @@ held-out data from [data] (and [vlm]) for one data-parallel rank, checked agains
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
 
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalSetConfig
@@ -11,7 +14,7 @@ from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
-from kempnerforge.data.dataloader import build_train_loader
+from kempnerforge.data.dataloader import TrainDataLoader, build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.image_text import build_image_text_datasets
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
@@ -20,6 +23,10 @@ from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 
 logger = get_logger(__name__)
+
+DatasetOpener = Callable[[str, str | None], MemoryMappedDataset]
+"""Opens the prepared directory at a path; a problem names the config field (the second
+argument) that gave the path, or re-raises as is when None (the built-in corpus)."""
 
 
 def build_data_pipeline(
@@ -48,6 +55,34 @@ def build_data_pipeline(
     unless ``cfg.eval_path`` or ``eval_sets`` gives some.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
+    _check_builtin_bos(cfg, tokenizer)
+    train_dir, eval_dir = _data_dirs(cfg, tokenizer, with_train, eval_sets)
+    open_dataset = _dataset_opener(cfg, tokenizer, seq_len, model_vocab_size)
+    dataset: MemoryMappedDataset | MixtureDataset | None = None
+    sampler: ShardedSampler | MixtureSampler | None = None
+    loader = None
+    if with_train:
+        dataset, sampler, loader = _open_token_train_data(
+            cfg, train_dir, open_dataset, seq_len, batch_size, seed, dp_rank, dp_size
+        )
+    eval_datasets = _open_eval_datasets(cfg, eval_dir, eval_sets, open_dataset)
+    check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
+    return DataPipeline(
+        dataset=dataset,
+        sampler=sampler,
+        dataloader=loader,
+        eval_datasets=eval_datasets,
+        tokenizer=tokenizer,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        dataset_names=[source.name for source in cfg.datasets] if with_train else [],
+        bos_per_document=_bos_per_document(dataset, eval_datasets),
+    )
+
+
+def _check_builtin_bos(cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    """A ConfigError on data.builtin_bos when the tokenizer's BOS is its EOS: a BOS per
+    document would then be indistinguishable from the separator between documents."""
     if cfg.builtin_bos and tokenizer.bos_id == tokenizer.eos_id:
         raise ConfigError(
             "data.builtin_bos",
@@ -55,6 +90,17 @@ def build_data_pipeline(
             "false with this tokenizer",
             f"{cfg.tokenizer} has no BOS token of its own (its BOS is its EOS)",
         )
+
+
+def _data_dirs(
+    cfg: DataConfig, tokenizer: Tokenizer, with_train: bool, eval_sets: Sequence[EvalSetConfig]
+) -> tuple[str, str]:
+    """The training and held-out directories: data.path and data.eval_path, or the built-in
+    corpus's splits where no path is given and something would read them.
+
+    The built-in corpus is prepared (once, then cached) only when it is read, so a job with
+    its own data or its own eval sets never tokenises it.
+    """
     train_dir, eval_dir = cfg.path, cfg.eval_path
     if eval_sets and cfg.eval_path:
         logger.warning(
@@ -71,6 +117,14 @@ def build_data_pipeline(
             bos_per_document=cfg.builtin_bos,
         )
         train_dir, eval_dir = builtin_train, cfg.eval_path or builtin_eval
+    return train_dir, eval_dir
+
+
+def _dataset_opener(
+    cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, model_vocab_size: int | None
+) -> DatasetOpener:
+    """Opens prepared directories checked against this job's tokenizer and model, so every
+    training and eval set is read with the same windows and the same checks."""
 
     def open_dataset(path: str, field: str | None) -> MemoryMappedDataset:
         """The dataset at ``path``; a problem names ``field``, the config field giving it
@@ -88,64 +142,115 @@ def build_data_pipeline(
                 raise
             raise DataPathError(field, path, e) from None
 
-    dataset: MemoryMappedDataset | MixtureDataset | None = None
-    sampler: ShardedSampler | MixtureSampler | None = None
-    loader = None
-    names = [source.name for source in cfg.datasets]
-    if with_train and cfg.datasets:
-        sources: list[MemoryMappedDataset] = []
-        for i, source in enumerate(cfg.datasets):
-            sources.append(open_dataset(source.path, f"data.datasets[{i}].path"))
-        dataset = MixtureDataset(sources, names)
-        sampler = MixtureSampler(
-            dataset.sizes,
-            [source.weight for source in cfg.datasets],
-            cfg.mix_temperature,
-            dp_rank,
-            dp_size,
-            seed,
-        )
-        train_dir = "mixture " + ", ".join(
-            f"{name}={source.path}" for name, source in zip(names, cfg.datasets, strict=True)
-        )
-    elif with_train:
+    return open_dataset
+
+
+def _open_token_train_data(
+    cfg: DataConfig,
+    train_dir: str,
+    open_dataset: DatasetOpener,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+) -> tuple[MemoryMappedDataset | MixtureDataset, ShardedSampler | MixtureSampler, TrainDataLoader]:
+    """The training dataset (the data.datasets mixture, else the one at ``train_dir``), its
+    sampler for this rank and the loader reading it."""
+    dataset: MemoryMappedDataset | MixtureDataset
+    sampler: ShardedSampler | MixtureSampler
+    if cfg.datasets:
+        dataset, sampler, train_dir = _open_mixture(cfg, open_dataset, dp_rank, dp_size, seed)
+    else:
         dataset = open_dataset(train_dir, "data.path" if cfg.path else None)
         sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
-    if dataset is not None and sampler is not None:
-        if sampler.samples_per_rank < batch_size:
-            raise DataError(
-                f"{train_dir}: {len(dataset)} windows of {seq_len + 1} tokens give each of "
-                f"{dp_size} data-parallel ranks {sampler.samples_per_rank}, fewer than one "
-                f"batch of {batch_size}; prepare more text or lower train.batch_size or "
-                "train.seq_len"
-            )
-        loader = build_train_loader(dataset, sampler, batch_size, cfg.num_workers, seed)
-        logger.info(
-            "training data %s: %s tokens, %s windows, %d batches per epoch per rank",
-            train_dir,
-            f"{dataset.num_tokens:,}",
-            f"{len(dataset):,}",
-            sampler.samples_per_rank // batch_size,
-        )
+    loader = _train_loader(
+        dataset,
+        sampler,
+        batch_size,
+        cfg.num_workers,
+        seed,
+        shortfall=f"{train_dir}: {len(dataset)} windows of {seq_len + 1} tokens",
+        remedy="prepare more text or lower train.batch_size or train.seq_len",
+        source=train_dir,
+        contents=f"{dataset.num_tokens:,} tokens, {len(dataset):,} windows",
+    )
+    return dataset, sampler, loader
+
+
+def _open_mixture(
+    cfg: DataConfig, open_dataset: DatasetOpener, dp_rank: int, dp_size: int, seed: int
+) -> tuple[MixtureDataset, MixtureSampler, str]:
+    """The data.datasets mixture, its sampler at data.mix_temperature, and how the log and
+    errors name it (each source's name and path)."""
+    names = [source.name for source in cfg.datasets]
+    sources = [
+        open_dataset(source.path, f"data.datasets[{i}].path")
+        for i, source in enumerate(cfg.datasets)
+    ]
+    dataset = MixtureDataset(sources, names)
+    sampler = MixtureSampler(
+        dataset.sizes,
+        [source.weight for source in cfg.datasets],
+        cfg.mix_temperature,
+        dp_rank,
+        dp_size,
+        seed,
+    )
+    label = "mixture " + ", ".join(
+        f"{name}={source.path}" for name, source in zip(names, cfg.datasets, strict=True)
+    )
+    return dataset, sampler, label
+
+
+def _open_eval_datasets(
+    cfg: DataConfig,
+    eval_dir: str,
+    eval_sets: Sequence[EvalSetConfig],
+    open_dataset: DatasetOpener,
+) -> dict[str, MemoryMappedDataset]:
+    """The held-out sets by name: the [[eval.sets]] tables when given, else the one
+    "heldout" set at ``eval_dir`` (if any)."""
     eval_datasets: dict[str, MemoryMappedDataset] = {}
     for i, eval_set in enumerate(eval_sets):
         eval_datasets[eval_set.name] = open_dataset(eval_set.path, f"eval.sets[{i}].path")
     if not eval_sets and eval_dir:
         field = "data.eval_path" if cfg.eval_path else None
         eval_datasets[DEFAULT_EVAL_SET] = open_dataset(eval_dir, field)
-    check_tokenizer_fits(tokenizer, cfg.tokenizer, model_vocab_size)
-    bos = _bos_per_document(dataset, eval_datasets)
-    return DataPipeline(
-        dataset=dataset,
-        sampler=sampler,
-        dataloader=loader,
-        eval_datasets=eval_datasets,
-        tokenizer=tokenizer,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        dataset_names=names if with_train else [],
-        bos_per_document=bos,
+    return eval_datasets
+
+
+def _train_loader(
+    dataset: Dataset[Any],
+    sampler: ShardedSampler | MixtureSampler,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    *,
+    shortfall: str,
+    remedy: str,
+    source: str,
+    contents: str,
+) -> TrainDataLoader:
+    """The training loader, logged as ``source: contents`` with its batches per epoch.
+
+    A DataError, opened by ``shortfall`` (the data and its size) and closed by ``remedy``,
+    when a rank's share is less than one batch: the loader drops partial batches, so such a
+    rank would never yield one.
+    """
+    if sampler.samples_per_rank < batch_size:
+        raise DataError(
+            f"{shortfall} give each of {sampler.dp_size} data-parallel ranks "
+            f"{sampler.samples_per_rank}, fewer than one batch of {batch_size}; {remedy}"
+        )
+    loader = build_train_loader(dataset, sampler, batch_size, num_workers, seed)
+    logger.info(
+        "training data %s: %s, %d batches per epoch per rank",
+        source,
+        contents,
+        sampler.samples_per_rank // batch_size,
     )
+    return loader
 
 
 def build_image_text_pipeline(
@@ -177,19 +282,16 @@ def build_image_text_pipeline(
     if dataset is not None:
         size = len(dataset)
         sampler = ShardedSampler(size, dp_rank, dp_size, seed, shuffle=cfg.shuffle)
-        if sampler.samples_per_rank < batch_size:
-            raise DataError(
-                f"{vlm.data or 'the synthetic image-text data'}: {size} pairs give each of "
-                f"{dp_size} data-parallel ranks {sampler.samples_per_rank}, fewer than one "
-                f"batch of {batch_size}; add pairs (or raise vlm.synthetic_samples) or lower "
-                "train.batch_size"
-            )
-        loader = build_train_loader(dataset, sampler, batch_size, cfg.num_workers, seed)
-        logger.info(
-            "training data %s: %s image-text pairs, %d batches per epoch per rank",
-            vlm.data or "synthetic images",
-            f"{size:,}",
-            sampler.samples_per_rank // batch_size,
+        loader = _train_loader(
+            dataset,
+            sampler,
+            batch_size,
+            cfg.num_workers,
+            seed,
+            shortfall=f"{vlm.data or 'the synthetic image-text data'}: {size} pairs",
+            remedy="add pairs (or raise vlm.synthetic_samples) or lower train.batch_size",
+            source=vlm.data or "synthetic images",
+            contents=f"{size:,} image-text pairs",
         )
     return DataPipeline(
         dataset=dataset,
