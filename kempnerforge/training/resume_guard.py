@@ -201,24 +201,53 @@ def check_config_changes(
             path,
         )
         return cfg.reset_optimizer
-    changes = config_changes(saved, config)
-    if any(c.field in BATCH_SPLIT for c in changes):
-        before = global_batch(saved, saved_world_size)
-        after = global_batch(config_to_dict(config), world_size)
-        if before is not None and before == after:
-            for change in [c for c in changes if c.field in BATCH_SPLIT]:
-                logger.info(
-                    "resuming %s with %s: the global batch stays %d sequences (%d ranks now, "
-                    "%d when saved)",
-                    path,
-                    change.describe(),
-                    after,
-                    world_size,
-                    saved_world_size,
-                )
-            changes = [c for c in changes if c.field not in BATCH_SPLIT]
+    changes = _without_batch_resplits(
+        config_changes(saved, config), saved, config, path, saved_world_size, world_size
+    )
+    _check_optimizer_name(changes, path, reset_optimizer=cfg.reset_optimizer)
+    _check_refused(changes, path, allow_config_change=cfg.allow_config_change)
+    _log_changes(changes, path)
+    return cfg.reset_optimizer
+
+
+def _without_batch_resplits(
+    changes: list[Change],
+    saved: dict[str, Any],
+    config: JobConfig,
+    path: str,
+    saved_world_size: int,
+    world_size: int,
+) -> list[Change]:
+    """``changes`` less the batch-split fields, each logged, when the global batch is the same
+    as when saved (a resume on a new layout); all of ``changes`` otherwise.
+
+    The split alone does not change which samples a step sees, so only a changed global
+    batch is left for the refusal rules to judge.
+    """
+    if not any(c.field in BATCH_SPLIT for c in changes):
+        return changes
+    before = global_batch(saved, saved_world_size)
+    after = global_batch(config_to_dict(config), world_size)
+    if before is None or before != after:
+        return changes
+    for change in [c for c in changes if c.field in BATCH_SPLIT]:
+        logger.info(
+            "resuming %s with %s: the global batch stays %d sequences (%d ranks now, "
+            "%d when saved)",
+            path,
+            change.describe(),
+            after,
+            world_size,
+            saved_world_size,
+        )
+    return [c for c in changes if c.field not in BATCH_SPLIT]
+
+
+def _check_optimizer_name(changes: list[Change], path: str, *, reset_optimizer: bool) -> None:
+    """A ConfigError on a changed optimizer.name unless checkpoint.reset_optimizer is set:
+    the saved optimizer state belongs to the old optimizer."""
     name_change = next((c for c in changes if c.field == "optimizer.name"), None)
-    if name_change is not None and not cfg.reset_optimizer:
+    if name_change is not None and not reset_optimizer:
         raise ConfigError(
             "optimizer.name",
             name_change.current,
@@ -227,8 +256,13 @@ def check_config_changes(
             "checkpoint.reset_optimizer=true to resume the weights, step and data with a "
             f"fresh {name_change.current} state, or start a new run",
         )
+
+
+def _check_refused(changes: list[Change], path: str, *, allow_config_change: bool) -> None:
+    """A ConfigError naming the first refused change (and listing the others) unless
+    checkpoint.allow_config_change is set; optimizer.name has its own rule."""
     refused = [c for c in changes if kind_of(c.field) == "refused" and c.field != "optimizer.name"]
-    if refused and not cfg.allow_config_change:
+    if refused and not allow_config_change:
         first = refused[0]
         more = f"; also changed: {', '.join(c.field for c in refused[1:])}" if refused[1:] else ""
         raise ConfigError(
@@ -239,6 +273,11 @@ def check_config_changes(
             "checkpoint.allow_config_change=true to resume anyway, or use another "
             f"train.name to start a new run{more}",
         )
+
+
+def _log_changes(changes: list[Change], path: str) -> None:
+    """One line per change that passed the checks: info for operational fields, a warning
+    for the rest, saying what the resume does with it."""
     for change in changes:
         kind = kind_of(change.field)
         if change.field == "optimizer.name":
@@ -259,4 +298,3 @@ def check_config_changes(
                 path,
                 change.describe(),
             )
-    return cfg.reset_optimizer
