@@ -31,7 +31,17 @@ def _non_negative_int(value: str) -> int:
 
 
 def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `kempnerforge prepare-data`."""
+    """Arguments of `kempnerforge prepare-data`, by topic in the order `--help` lists them."""
+    _add_input_output_arguments(parser)
+    _add_reading_arguments(parser)
+    _add_tokenizing_arguments(parser)
+    _add_held_out_arguments(parser)
+    _add_shard_arguments(parser)
+    _add_record_and_progress_arguments(parser)
+
+
+def _add_input_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is read and the directory it is prepared into."""
     # --input and --output are required unless --record-max-id is given (run_prepare_data).
     parser.add_argument(
         "--input",
@@ -40,6 +50,10 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{SUPPORTED}, or directories searched recursively (required)",
     )
     parser.add_argument("--output", metavar="DIR", help="prepared directory (required)")
+
+
+def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tokenizer, and how input files and datasets are read as documents."""
     parser.add_argument(
         "--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json"
     )
@@ -67,6 +81,10 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split of a saved Hugging Face DatasetDict (default: train)",
     )
+
+
+def _add_tokenizing_arguments(parser: argparse.ArgumentParser) -> None:
+    """How documents are tokenized: worker processes and a leading BOS."""
     parser.add_argument(
         "--workers",
         type=_positive_int,
@@ -80,6 +98,10 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="start every document with the tokenizer's BOS token (default: EOS only between "
         "documents); needs a tokenizer whose BOS is not its EOS",
     )
+
+
+def _add_held_out_arguments(parser: argparse.ArgumentParser) -> None:
+    """The held-out split: its fraction of the documents and its directory."""
     parser.add_argument(
         "--eval-fraction",
         type=float,
@@ -88,6 +110,10 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of documents held out into --eval-output (default 0: none)",
     )
     parser.add_argument("--eval-output", default=None, metavar="DIR", help="held-out directory")
+
+
+def _add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which shard of a corpus prepared by several processes this one writes."""
     parser.add_argument(
         "--shard-index",
         type=_non_negative_int,
@@ -104,6 +130,10 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="the number of shards of the corpus (with --shard-index); shards 0..N-1 together "
         "hold what one unsharded run writes",
     )
+
+
+def _add_record_and_progress_arguments(parser: argparse.ArgumentParser) -> None:
+    """The record-max-id mode (instead of preparing) and the progress line."""
     parser.add_argument(
         "--record-max-id",
         nargs="+",
