@@ -10,6 +10,7 @@ refuse, and leaves the others for check-parallel to train against one process.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,16 +39,9 @@ def mesh_degrees(max_world: int) -> list[dict[str, int]]:
     meshes = []
     for world in range(2, max_world + 1):
         for values in itertools.product(range(1, world + 1), repeat=len(MESH_DIMS)):
-            if _product(values) == world:
+            if math.prod(values) == world:
                 meshes.append(dict(zip(MESH_DIMS, values, strict=True)))
     return meshes
-
-
-def _product(values: Sequence[int]) -> int:
-    total = 1
-    for value in values:
-        total *= value
-    return total
 
 
 def sweep_layouts(max_world: int, moe: bool) -> list[Layout]:

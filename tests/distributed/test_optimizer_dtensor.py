@@ -14,6 +14,7 @@ from kempnerforge.optim.muon import Muon
 from kempnerforge.optim.optimizer import fused_adamw_supported
 from kempnerforge.optim.schedule_free import ScheduleFreeAdamW
 from tests.support.dist import run_distributed
+from tests.support.tolerance import reorder_atol
 
 pytestmark = pytest.mark.distributed
 
@@ -67,10 +68,45 @@ def _sharded_against_the_loop(rank: int, world_size: int) -> dict[str, bool]:
         for foreach in (True, None):
             actual = _run(make, foreach, mesh)
             agree[f"{name}/{foreach}"] = all(
-                torch.allclose(a, e, rtol=1e-6, atol=1e-7)
-                for a, e in zip(actual, expected, strict=True)
-            )
+                _within_roundings(a, e) for a, e in zip(actual, expected, strict=True)
+            ) and (name != "lion" or _lion_signs_are_clear())
     return agree
+
+
+def _lion_signs_are_clear() -> bool:
+    """Every interpolated momentum whose sign Lion steps by lies further from zero than the
+    roundings _within_roundings allows at its terms' scale, so no kernel can flip a sign
+    (a flip would move a weight by 2 * lr). Recomputed from _run's draws in float64."""
+    gen = torch.Generator().manual_seed(0)
+    [torch.randn(*s, generator=gen) for s in SHAPES]  # the weights, drawn first
+    grads = [[torch.randn(*s, generator=gen).double() for s in SHAPES] for _ in range(STEPS)]
+    beta1, beta2 = 0.9, 0.99  # Lion's defaults, as CASES builds it
+    moms = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for step_grads in grads:
+        for m, g in zip(moms, step_grads, strict=True):
+            scale = beta1 * m.abs() + (1 - beta1) * g.abs()
+            if bool(
+                (
+                    (beta1 * m + (1 - beta1) * g).abs()
+                    <= reorder_atol(torch.float32, 12 * STEPS, 1.0) * scale
+                ).any()
+            ):
+                return False
+            m.mul_(beta2).add_((1 - beta2) * g)
+    return True
+
+
+def _within_roundings(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Foreach and fused kernels on shards against the loop on whole tensors: the same rule,
+    elementwise, but other kernels (a shard's vectorised body and scalar tail fall on other
+    elements; fused and FMA forms round once where mul and add round twice). A value is
+    rounded about a dozen times a step at the scale of the values here (as in
+    tests/unit/test_optimizer_implementations.py): STEPS steps of 12 roundings. A missing
+    decay or bias correction moves a value by a share of lr (1e-2), far past that. Lion's
+    sign of the interpolated momentum could flip only where that momentum is within these
+    roundings of zero, which _lion_signs_are_clear rules out for these draws."""
+    bound = reorder_atol(torch.float32, 12 * STEPS, expected.abs().max().item())
+    return bool(((actual - expected).abs() <= bound).all())
 
 
 def _refused_foreach_takes_the_loop(mesh) -> bool:

@@ -13,9 +13,14 @@ missing reduction moves the result by a share of |result| that no n * u reaches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.training.family import family_of
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -85,3 +90,80 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     block = 5 * cfg.dim + cfg.head_dim + 2 * seq_len + ffn_out
     forward = cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size
     return 2 * forward if backward else forward
+
+
+def layout_atol(
+    cfg: ModelConfig,
+    seq_len: int,
+    *,
+    tokens: int,
+    updates: int,
+    magnitude: float,
+    norm_terms: int = 0,
+    extra_terms: int = 0,
+) -> float:
+    """Largest difference between a value a training layout logs (a loss, or with
+    ``norm_terms`` a gradient norm) and one process's, ``updates`` optimizer steps in.
+
+    The value's own chain: the forward and the ``tokens`` its loss averages, or for a
+    gradient norm the forward, the backward, the tokens and the norm's own sum
+    (grad_norm_terms). Each earlier update adds one gradient's chain: a gradient that
+    differs by a share e moves each weight by about e times its step (Adam divides out the
+    gradient's scale), so the loss by about e times what that step changed it, well under
+    e * |loss|; these add up over the updates. ``extra_terms``: the chain outside
+    transformer_terms (a vision encoder and adapter, cross-attention), per pass.
+    """
+    gradient = transformer_terms(cfg, seq_len) + 2 * extra_terms + tokens
+    if norm_terms:
+        own = gradient + norm_terms
+    else:
+        own = transformer_terms(cfg, seq_len, backward=False) + extra_terms + tokens
+    return reorder_atol(torch.float32, own + updates * gradient, magnitude)
+
+
+def grad_norm_terms(config: JobConfig) -> int:
+    """The terms a gradient norm's own sum adds: the squares of the largest parameter's
+    elements, then one per parameter; the square root halves the relative difference."""
+    with torch.device("meta"):
+        model = family_of(config).build_model(config)
+    sizes = [p.numel() for p in model.parameters()]
+    return (max(sizes) + len(sizes) + 1) // 2
+
+
+def assert_layout_close(
+    got: Sequence[float],
+    want: Sequence[float],
+    *,
+    first_update: int = 0,
+    every: int = 1,
+    **bound: Any,
+) -> None:
+    """Assert a layout's values, got[i] logged after first_update + i * every updates, are
+    one process's within layout_atol; ``bound`` is layout_atol's other arguments."""
+    assert len(got) == len(want), f"{len(got)} values against {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        updates = first_update + i * every
+        atol = layout_atol(updates=updates, magnitude=abs(w), **bound)
+        assert abs(g - w) <= atol, (
+            f"after {updates} updates: {g} against {w} differ by {abs(g - w):.3g}, "
+            f"past the bound {atol:.3g} of fp32 sums in another order"
+        )
+
+
+def vlm_terms(config: JobConfig) -> tuple[int, int]:
+    """(seq_len, extra_terms) of a vision-language job for layout_atol: the decoder's
+    positions, and the forward chain outside the decoder's blocks: the patch's pixels, a
+    pretrained tower's blocks (each summed as a Transformer block of its width), the
+    encoder's norm, the adapter's two widths, and a cross-attention block (its norms and
+    projections, its softmax over an image's tokens) every few decoder layers."""
+    assert config.vlm is not None
+    spec, cfg = config.vision_spec(), config.model
+    tower = spec.hf_config or {}
+    width = spec.feature_dim
+    block = 5 * width + 2 * spec.num_tokens + tower.get("intermediate_size", 0)
+    encoder = 3 * spec.patch_size**2 + width + tower.get("num_hidden_layers", 0) * block
+    extra = encoder + 2 * width + cfg.dim
+    if config.vlm.arch == "cross_attention":
+        layers = cfg.n_layers // config.vlm.cross_attention_every_n_layers
+        extra += layers * (4 * cfg.dim + cfg.head_dim + 2 * config.image_tokens(spec))
+    return config.decoder_positions(spec), extra

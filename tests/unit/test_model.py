@@ -240,10 +240,20 @@ def test_moe_blocks_follow_moe_frequency_and_are_initialized_like_dense_ones() -
     assert isinstance(moe, MoEFeedForward)
     assert model.num_params() == cfg.num_params()
     scaled = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    assert moe.experts.w2.std().item() == pytest.approx(scaled, rel=0.05)
-    assert moe.shared.w2.weight.std().item() == pytest.approx(scaled, rel=0.05)
-    assert moe.experts.w1.std().item() == pytest.approx(cfg.init_std, rel=0.05)
-    assert moe.router.gate.weight.std().item() == pytest.approx(cfg.init_std, rel=0.1)
+
+    def sample_rel(weight: torch.Tensor) -> float:
+        # The std of n normal draws has a relative spread of 1 / sqrt(2 n): 6 of those
+        # leaves a seed's draw no chance to fail (256 router weights: 0.27), while an init
+        # at another scale (the residual scaling, torch's default) is off by 50% or more.
+        return 6 / math.sqrt(2 * weight.numel())
+
+    for weight, std in [
+        (moe.experts.w2, scaled),
+        (moe.shared.w2.weight, scaled),
+        (moe.experts.w1, cfg.init_std),
+        (moe.router.gate.weight, cfg.init_std),
+    ]:
+        assert weight.std().item() == pytest.approx(std, rel=sample_rel(weight))
     logits = model(random_ids())
     assert logits.shape == (2, SEQ, VOCAB)
     assert torch.isfinite(logits).all()
