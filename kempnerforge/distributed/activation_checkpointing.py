@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kempnerforge.distributed.blocks import transformer_blocks
+from kempnerforge.model.contract import FamilyModel
 
 
 class _Checkpointed(nn.Module):
@@ -35,7 +36,7 @@ def _checkpointed_class(cls: type) -> type:
     return _CHECKPOINTED_CLASSES[cls]
 
 
-def apply_ac(model: nn.Module, mode: str, every: int) -> None:
+def apply_ac(model: FamilyModel, mode: str, every: int) -> None:
     """Recompute block activations in backward instead of storing them, in place.
 
     'none' does nothing, 'full' checkpoints every block, 'selective' the blocks whose

@@ -1,22 +1,20 @@
-"""Where a model's decoder blocks are: the modules holding a ``layers`` ModuleDict (the
-model or its pipeline stages) and their blocks in layer order, for every apply_* step."""
+"""Where a model's decoder blocks are: the stacks its family's model names
+(FamilyModel.decoder_stacks) and their blocks in layer order, for every apply_* step."""
 
 from __future__ import annotations
 
 from torch import nn
 
-
-def model_stages(model: nn.Module) -> list[nn.Module]:
-    """The modules under ``model`` (itself included) that hold a ``layers`` ModuleDict of
-    blocks: the model itself, or each pipeline stage of a rank that holds several."""
-    stages: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(getattr(module, "layers", None), nn.ModuleDict):
-            stages.append(module)
-    return stages
+from kempnerforge.model.contract import DecoderStack, FamilyModel
 
 
-def transformer_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def model_stages(model: FamilyModel) -> list[DecoderStack]:
+    """The stacks of decoder blocks ``model`` holds: the text model itself, a
+    vision-language model's decoder, the kept layers of a pipeline rank."""
+    return model.decoder_stacks()
+
+
+def transformer_blocks(model: FamilyModel) -> list[tuple[int, nn.Module]]:
     """(layer index, block) for every block under ``model``, in index order.
 
     The index is the ModuleDict key, i.e. the layer's place in the whole model, so a
@@ -24,8 +22,6 @@ def transformer_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """
     blocks: dict[int, tuple[int, nn.Module]] = {}
     for stage in model_stages(model):
-        layers = stage.layers
-        assert isinstance(layers, nn.ModuleDict)
-        for key, block in layers.items():
+        for key, block in stage.layers.items():
             blocks[id(block)] = (int(key), block)
     return sorted(blocks.values(), key=lambda item: item[0])

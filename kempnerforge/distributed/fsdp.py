@@ -3,6 +3,8 @@ and re-settling FSDP's gradient dtypes after a freeze transition."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -10,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from kempnerforge.distributed.blocks import transformer_blocks
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.model.contract import FamilyModel
 from kempnerforge.model.moe import moe_layers
 
 
@@ -28,13 +31,13 @@ def data_parallel_mesh(runtime: RuntimeContext) -> DeviceMesh:
 
 
 def apply_fsdp(
-    model: nn.Module,
+    model: FamilyModel,
     dp_mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
-    roots: list[nn.Module] | None = None,
+    roots: Sequence[nn.Module] | None = None,
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard parameters over ``dp_mesh`` with FSDP2: each block is one unit, then each root.
@@ -76,9 +79,9 @@ def apply_fsdp(
             mp_policy=block_policy,
             reshard_after_forward=reshard_after_forward and not keep,
         )
-    for unit in extra_units(model):
+    for unit in model.fsdp_units():
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
-    own_dtype = own_dtype_units(model)
+    own_dtype = model.own_dtype_fsdp_units()
     for unit in own_dtype:
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     # A root's float inputs are the pixels of a vision-language model: they go to an
@@ -91,21 +94,6 @@ def apply_fsdp(
         fully_shard(
             root, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward
         )
-
-
-def extra_units(model: nn.Module) -> list[nn.Module]:
-    """Modules besides the decoder blocks that are FSDP units of their own, in the
-    parameter dtype: a vision-language model's adapter and cross-attention blocks (its
-    ``fsdp_units()``); none for a text model."""
-    units = getattr(model, "fsdp_units", None)
-    return list(units()) if callable(units) else []  # type: ignore[arg-type]
-
-
-def own_dtype_units(model: nn.Module) -> list[nn.Module]:
-    """FSDP units that keep their parameters' own dtype in compute, whatever the mixed
-    precision: a vision-language model's encoder layers (its ``own_dtype_fsdp_units()``)."""
-    units = getattr(model, "own_dtype_fsdp_units", None)
-    return list(units()) if callable(units) else []  # type: ignore[arg-type]
 
 
 def refresh_sharded_trainable(model: nn.Module) -> None:

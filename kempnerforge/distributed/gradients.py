@@ -11,9 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-PIPELINE_GROUP_ATTR = "pipeline_group"
-"""Attribute a pipeline rank's model carries: the process group of its pipeline stages,
-over which the gradient norm is summed (set by the build; absent without pipelining)."""
+from kempnerforge.model.contract import FamilyModel
 
 
 def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -21,12 +19,12 @@ def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
     Global over every mesh: a sharded (DTensor) gradient's norm covers all its shards, and
     a pipeline stage's squared norm is summed with the other stages' (see
-    PIPELINE_GROUP_ATTR), so every rank sees, and clips with, the same number; a NaN on
+    FamilyModel.pipeline_group), so every rank sees, and clips with, the same number; a NaN on
     any stage is a NaN everywhere. Returns a 0-d fp32 tensor on the gradients' device
     without reading it to the host.
     """
     params: list[torch.Tensor] = [p for p in model.parameters() if p.grad is not None]
-    group = getattr(model, PIPELINE_GROUP_ATTR, None)
+    group = model.pipeline_group if isinstance(model, FamilyModel) else None
     squares = torch.zeros((), dtype=torch.float32, device=_model_device(model))
     by_mesh = _params_by_mesh(params)
     for same_mesh in by_mesh:

@@ -3,10 +3,10 @@ activation checkpointing, compile, FSDP2), in place, and the per-block compile."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.train import TrainConfig
@@ -16,8 +16,10 @@ from kempnerforge.distributed.blocks import transformer_blocks
 from kempnerforge.distributed.context_parallel import apply_cp
 from kempnerforge.distributed.expert_parallel import apply_ep, expert_fsdp_mesh, set_router_groups
 from kempnerforge.distributed.fsdp import apply_fsdp, data_parallel_mesh
+from kempnerforge.distributed.pipeline_parallel import StageModule
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.distributed.tensor_parallel import apply_tp, has_both_ends
+from kempnerforge.model.contract import FamilyModel
 from kempnerforge.model.moe import moe_layers
 
 logger = get_logger(__name__)
@@ -56,10 +58,10 @@ class ParallelPlan:
 
 
 def parallelize_model(
-    model: nn.Module,
+    model: FamilyModel,
     runtime: RuntimeContext,
     plan: ParallelPlan,
-    roots: list[nn.Module] | None = None,
+    roots: Sequence[StageModule] | None = None,
 ) -> None:
     """Apply, in place and in this order: tensor parallel, expert parallel, context
     parallel, activation checkpointing, torch.compile per block, FSDP2.
@@ -128,7 +130,7 @@ def _compile_allowed(runtime: RuntimeContext) -> bool:
     return False
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
+def apply_compile(model: FamilyModel, *, backend: str = "inductor") -> None:
     """Compile each block in place (``Module.compile``), keeping parameter names.
 
     Per block rather than the whole model: identical blocks reuse one compiled graph, and

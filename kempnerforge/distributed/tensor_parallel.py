@@ -19,10 +19,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from kempnerforge.distributed.blocks import model_stages, transformer_blocks
+from kempnerforge.model.contract import DecoderStack, FamilyModel
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool | None = None
+    model: FamilyModel, tp_mesh: DeviceMesh, *, sequence_parallel: bool | None = None
 ) -> None:
     """Shard every block's projections over ``tp_mesh`` (Megatron layout), in place.
 
@@ -51,12 +52,10 @@ def apply_tp(
         _apply_tp_to_ends(stage, tp_mesh, sequence_parallel)
 
 
-def has_both_ends(stage: nn.Module) -> bool:
+def has_both_ends(stage: DecoderStack) -> bool:
     """Whether ``stage`` holds both the embedding and the head, so its stream may stay a
     sequence-sharded DTensor from end to end."""
-    return getattr(stage, "tok_embeddings", None) is not None and (
-        getattr(stage, "output", None) is not None
-    )
+    return stage.tok_embeddings is not None and stage.output is not None
 
 
 class ReplicatedParallel(ParallelStyle):
@@ -145,7 +144,7 @@ def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def _apply_tp_to_ends(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _apply_tp_to_ends(stage: DecoderStack, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Embedding, final norm and head of one stage; the head's forward returns whole logits
     (a plain tensor), for callers that want logits; the loss from labels bypasses it and
     stays on each rank's vocabulary shard (model/vocab_parallel_loss.py).
@@ -154,21 +153,16 @@ def _apply_tp_to_ends(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     every parameter is then a DTensor, which the foreach optimizers and gradient
     clipping need (they cannot mix DTensors with plain tensors in one call).
     """
-    embedding: Any = getattr(stage, "tok_embeddings", None)
-    head: Any = getattr(stage, "output", None)
+    embedding, head = stage.tok_embeddings, stage.output
     tied = embedding is not None and head is not None and head.weight is embedding.weight
-    styles = {
-        "tok_embeddings": _embedding_style(sequence_parallel),
-        "norm": SequenceParallel() if sequence_parallel else ReplicatedParallel(),
-        "output": _head_style(sequence_parallel),
-    }
-    plan: dict[str, ParallelStyle] = {
-        name: style
-        for name, style in styles.items()
-        if style is not None and getattr(stage, name, None) is not None
-    }
-    if plan:
-        parallelize_module(stage, tp_mesh, plan)
+    ends: list[tuple[nn.Module | None, ParallelStyle]] = [
+        (embedding, _embedding_style(sequence_parallel)),
+        (stage.norm, SequenceParallel() if sequence_parallel else ReplicatedParallel()),
+        (head, _head_style(sequence_parallel)),
+    ]
+    for module, style in ends:
+        if module is not None:
+            parallelize_module(module, tp_mesh, style)
     if tied and head is not None and embedding is not None:
         # parallelize_module replaced each module's weight with its own DTensor; both are
         # Shard(0) over the vocabulary, so one of them serves both.

@@ -11,6 +11,7 @@ every rank logs every layer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ def carry_router_losses(
 
 
 def attach_stage_router_hooks(
-    stages: list[nn.Module], cfg: ModelConfig, micro_batches: int
+    stages: Sequence[nn.Module], cfg: ModelConfig, micro_batches: int
 ) -> None:
     """Make every training forward of each stage keep its MoE layers' statistics and carry
     their router terms into its backward (carry_router_losses).

@@ -10,6 +10,7 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_causal_mask
+from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
@@ -48,7 +49,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+class Transformer(FamilyModel):
     """Token embedding, n_layers pre-norm blocks, final RMSNorm and a bias-free output head.
 
     With cfg.tie_embeddings the head's weight is the embedding's weight (one Parameter). The
@@ -95,6 +96,11 @@ class Transformer(nn.Module):
         """RoPE sines, (max_seq_len, head_dim // 2), fp32; not checkpointed."""
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+
+    def decoder_stacks(self) -> list[DecoderStack]:
+        """Itself: the text model is one stack of blocks with both ends (or, on a pipeline
+        rank, the blocks and ends of the stages it keeps)."""
+        return [self]
 
     def keep_layers(self, first: int, last: int) -> None:
         """Keep only layers first..last-1 (a pipeline stage): the embedding stays only when

@@ -18,6 +18,7 @@ from kempnerforge.config.vlm import (
     resolve_vision,
 )
 from kempnerforge.model.adapter import ImageAdapter, build_adapter
+from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.cross_attention import GatedCrossAttentionBlock
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
 from kempnerforge.model.sequence_split import SequenceSplit, active_split, held_span
@@ -28,7 +29,7 @@ AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 """(decoder layer index, residual stream) -> residual stream, run after that layer."""
 
 
-class VisionLanguageModel(nn.Module):
+class VisionLanguageModel(FamilyModel):
     """Images and text in, logits (or the loss) over the text positions out.
 
     The submodules are the freeze groups: ``encoder`` (the vision encoder), ``adapter``
@@ -204,6 +205,11 @@ class VisionLanguageModel(nn.Module):
             )
         cos, sin = self.decoder.rope(seq_len)
         return self.decoder.run_layers(h, cos, sin, None, after_layer)
+
+    def decoder_stacks(self) -> list[DecoderStack]:
+        """The text decoder: its blocks are the ones every layout splits, checkpoints and
+        compiles; the encoder's and the gated blocks are units of their own (fsdp_units)."""
+        return [self.decoder]
 
     def fsdp_units(self) -> list[nn.Module]:
         """The modules to shard as FSDP units of their own, in the parameter (mixed

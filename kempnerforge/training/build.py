@@ -16,7 +16,7 @@ from kempnerforge.config.loader import dump_config
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
-from kempnerforge.distributed.pipeline_parallel import PipelineBundle
+from kempnerforge.distributed.pipeline_parallel import PipelineBundle, StageModule
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
@@ -27,7 +27,7 @@ from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.resilience.spikes import LossSpikeRule
-from kempnerforge.training.family import FamilyModel, ModelSummary, build_job_data, family_of
+from kempnerforge.training.families import FamilyModel, ModelSummary, build_job_data, family_of
 from kempnerforge.training.float8 import apply_float8
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
@@ -77,7 +77,7 @@ def build_checkpointer(
 
 def build_sharded_on_meta(
     config: JobConfig, runtime: RuntimeContext
-) -> tuple[FamilyModel, list[int], list[torch.nn.Module]]:
+) -> tuple[FamilyModel, list[int], list[StageModule]]:
     """This rank's model on the meta device, parallelised: its shards' shapes, no memory.
 
     Returns the model, and with pipeline parallelism the ids and modules of this rank's

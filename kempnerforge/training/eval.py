@@ -13,7 +13,7 @@ from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.forward import training_autocast
 
 # exp() of a diverged loss overflows a float; report perplexity as inf past this.

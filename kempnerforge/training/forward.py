@@ -1,7 +1,7 @@
 """The model families' forwards outside the training step: the summed loss of one batch for
 eval, the logits of a token window for the end-of-run sample, and the training's autocast.
 
-Each family names its own (ModelFamily.batch_loss and .sample, training/family.py), so
+Each family names its own (ModelFamily.batch_loss and .sample, training/families/), so
 eval and sampling of a vision-language model run its own forward (images and text)
 instead of a text-only call.
 """

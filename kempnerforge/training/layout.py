@@ -2,7 +2,7 @@
 its pipeline stages (PIPELINE_STAGES, distributed.pp > 1), picked once per job by layout_of.
 
 The build, select_step_fn, in-loop eval and the end-of-run sample ask the layout instead
-of testing distributed.pp themselves. The model family (training/family.py) is the other
+of testing distributed.pp themselves. The model family (training/families/) is the other
 seam; a pipelined job is always a text model (JobConfig.validate refuses the rest).
 """
 
@@ -15,9 +15,9 @@ from functools import partial
 import torch
 
 from kempnerforge.config.job import JobConfig
-from kempnerforge.distributed.gradients import PIPELINE_GROUP_ATTR
 from kempnerforge.distributed.pipeline_parallel import (
     PipelineBundle,
+    StageModule,
     build_pipeline,
     build_stage_model,
     stage_layer_ranges,
@@ -26,7 +26,7 @@ from kempnerforge.distributed.pipeline_parallel import (
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, logits_head_loss
 from kempnerforge.model.router_stage import attach_stage_router_hooks
-from kempnerforge.training.family import FamilyModel, StepFn, family_of
+from kempnerforge.training.families import FamilyModel, StepFn, family_of
 from kempnerforge.training.loss import LossFn, TokenCrossEntropy
 from kempnerforge.training.steps import pipeline_step
 
@@ -37,7 +37,7 @@ class RankModel:
 
     model: FamilyModel
     stage_ids: list[int] = field(default_factory=list)
-    stage_modules: list[torch.nn.Module] = field(default_factory=list)
+    stage_modules: list[StageModule] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def build_stage_schedule(
     carries their losses into its backward (model/router_stage.py).
     """
     # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
-    setattr(rank_model.model, PIPELINE_GROUP_ATTR, runtime.group("pp"))
+    rank_model.model.pipeline_group = runtime.group("pp")
     attach_stage_router_hooks(rank_model.stage_modules, config.model, config.train.grad_accum_steps)
     tc = config.train
     spec: HeadLossSpec | None = None

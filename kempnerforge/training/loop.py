@@ -27,7 +27,7 @@ from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
 from kempnerforge.training.eval import evaluate
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.faults.attribution import attempt_step
 from kempnerforge.training.faults.rollback import roll_back_or_stop
 from kempnerforge.training.faults.save_failures import tolerating_failed_saves

@@ -23,7 +23,7 @@ from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.metrics.profiling import build_profiler
 from kempnerforge.optim.optimizer import set_optimizer_mode
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.freeze import check_saved_freeze
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.resume_guard import check_config_changes

@@ -7,7 +7,7 @@ from typing import Any
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.resilience.nan import NaNDetector
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.freeze import freeze_for_step
 from kempnerforge.training.session import TrainingSession
 

@@ -1,7 +1,7 @@
 """The three step bodies: one optimizer step's forward, backward and clip, reported as a
 StepResult.
 
-text_step and vlm_step are the model families' (training/family.py), pipeline_step the
+text_step and vlm_step are the model families' (training/families/), pipeline_step the
 pipeline layout's (training/layout.py); select_step_fn in loop.py picks one per job, and
 loop.py re-exports all three. They share the micro-batch loop (training/accumulate.py).
 """

@@ -4,7 +4,7 @@ and the LR scale) and a VLM's freeze stages."""
 from __future__ import annotations
 
 from kempnerforge.core.logging import get_logger
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.freeze import describe, freeze_for_step
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.session import TrainingSession

@@ -20,7 +20,7 @@ import torch
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -17,7 +17,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.model.transformer import Transformer, flops_per_token
 from kempnerforge.model.vlm import VisionLanguageModel
-from kempnerforge.training.family import (
+from kempnerforge.training.families import (
     COMMANDS,
     TEXT,
     VISION_LANGUAGE,

@@ -14,7 +14,7 @@ from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.vlm import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.optim.optimizer import build_optimizer
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.freeze import (
     FreezeSchedule,
     apply_freeze,

@@ -1,6 +1,7 @@
 """Contract tests: the model family and pipeline parallelism are each decided in one place
-(training/family.py's family_of, training/layout.py's layout_of); the rest of training/
-asks the chosen value instead of branching on the model type or distributed.pp."""
+(training/families/registry.py's family_of, by the config section a family registered;
+training/layout.py's layout_of); the rest of training/ asks the chosen value instead of
+branching on the model type or distributed.pp."""
 
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ def test_family_and_pipeline_are_branched_on_only_at_their_seams():
 
 
 def test_the_seams_are_family_of_and_layout_of():
+    # family_of picks by registered section, so it names no family: layout_of is the one
+    # line in training/ that branches.
     found = _family_branches(("training",))
-    assert [line.split(":")[0] for line in found] == ["training/family.py", "training/layout.py"]
+    assert [line.split(":")[0] for line in found] == ["training/layout.py"]
 
 
 def test_the_pattern_finds_the_branches_it_is_meant_to():

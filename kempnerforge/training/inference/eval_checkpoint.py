@@ -18,7 +18,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.eval import eval_global_batch, evaluate_model
-from kempnerforge.training.family import build_job_data, family_of
+from kempnerforge.training.families import build_job_data, family_of
 from kempnerforge.training.inference.loading import InferenceJob
 from kempnerforge.training.resume_guard import global_batch
 

@@ -29,7 +29,7 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkp
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
-from kempnerforge.training.family import family_of
+from kempnerforge.training.families import family_of
 
 logger = get_logger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kempnerforge.model.sequence_split import whole_sequences
 from kempnerforge.optim.optimizer import optimizer_eval_mode
-from kempnerforge.training.family import family_of, prompt_ids
+from kempnerforge.training.families import family_of, prompt_ids
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.session import TrainingSession
 
