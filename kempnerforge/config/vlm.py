@@ -22,6 +22,7 @@ from kempnerforge.config.checks import (
     check_choice,
     check_positive,
 )
+from kempnerforge.config.freeze import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError, closest_name
 
 ENCODER_TYPES = ("random", "clip", "siglip")
@@ -105,29 +106,6 @@ class AdapterConfig:
         check_at_least("adapter.hidden_dim", self.hidden_dim, 0, MAX_SIZE)
         check_choice("adapter.activation", self.activation, ACTIVATIONS)
         check_positive("adapter.pool_window", self.pool_window, 4096)
-
-
-@dataclass
-class FreezeSpec:
-    """One ``{module = "...", frozen = true}`` entry of a freeze list."""
-
-    module: str = ""
-    """The module group: 'encoder', 'adapter', 'decoder' or 'cross_attention'."""
-    frozen: bool = True
-    """True freezes the group's parameters (no gradient, no update, no optimizer state);
-    false trains them."""
-
-
-@dataclass
-class FreezeStage:
-    """One ``[[vlm.freeze_schedule]]`` entry: from optimizer step start_step on, the specs
-    override the freeze state of the groups they name."""
-
-    start_step: int = 1
-    """The step from which the stage holds: it is applied right after optimizer step
-    start_step (so step start_step + 1 is the first trained with it); >= 1."""
-    specs: list[FreezeSpec] = field(default_factory=list)
-    """The groups this stage freezes or unfreezes; the others keep their state."""
 
 
 @dataclass

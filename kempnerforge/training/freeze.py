@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kempnerforge.config.vlm import FreezeSpec, FreezeStage
+from kempnerforge.config.freeze import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.fsdp import refresh_sharded_trainable

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kempnerforge.config.vlm import FreezeStage
+from kempnerforge.config.freeze import FreezeStage
 
 
 @dataclass

@@ -8,10 +8,10 @@ from torch import nn
 
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.config.freeze import FreezeSpec, FreezeStage
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.optimizer import OptimizerConfig
-from kempnerforge.config.vlm import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.training.families import family_of

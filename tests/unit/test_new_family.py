@@ -20,7 +20,6 @@ from kempnerforge.training.build import build_session
 from kempnerforge.training.families import (
     TEXT,
     VISION_LANGUAGE,
-    ModelFamily,
     ModelSummary,
     family_of,
     register_family,
