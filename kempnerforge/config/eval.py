@@ -12,7 +12,6 @@ from kempnerforge.config.checks import (
     check_positive,
 )
 from kempnerforge.config.data import DataConfig
-from kempnerforge.config.vlm import VLMConfig
 
 DEFAULT_EVAL_SET = "heldout"
 """The name of the single eval set data.eval_path (or the built-in held-out split) gives."""
@@ -58,19 +57,13 @@ class EvalConfig:
         return self.interval > 0
 
 
-def missing_eval_data(data: DataConfig, eval_cfg: EvalConfig, vlm: VLMConfig | None) -> str:
-    """Why a job has no held-out data and what to set, or "" when it has some.
+def missing_eval_data(data: DataConfig, eval_cfg: EvalConfig) -> str:
+    """Why a token job has no held-out data and what to set, or "" when it has some (or
+    names no token data: a vision-language job's pairs are config/vlm.py's to check).
 
-    Decided from the config alone, as build_data_pipeline and build_image_text_datasets
-    decide it: only the built-in corpus and the synthetic image-text data bring their own.
+    Decided from the config alone, as build_data_pipeline decides it: only the built-in
+    corpus brings its own.
     """
-    if vlm is not None:
-        if vlm.data and not vlm.eval_data:
-            return (
-                "vlm.data is set and vlm.eval_data is empty; set vlm.eval_data to a jsonl "
-                "index of held-out image-text pairs"
-            )
-        return ""
     if eval_cfg.sets or data.eval_path or not (data.path or data.datasets):
         return ""
     given = "data.path" if data.path else "data.datasets"

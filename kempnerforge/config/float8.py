@@ -20,13 +20,6 @@ def check_float8_config(config: JobConfig) -> None:
     parallelism, and every dim an FP8 matmul sees a multiple of 16 (the field named)."""
     if not config.train.float8:
         return
-    if config.is_vlm:
-        raise ConfigError(
-            "train.float8",
-            True,
-            "false for a vision-language job ([vlm])",
-            "FP8 linear layers cover the text models, dense and MoE",
-        )
     if config.distributed.tp > 1:
         raise ConfigError(
             "train.float8",

@@ -28,6 +28,7 @@ from kempnerforge.config.vlm import (
     VLMConfig,
     resolve_vision,
 )
+from kempnerforge.config.vlm import check_job as check_vlm_job
 from kempnerforge.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class JobConfig:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         dist, model, train = self.distributed, self.model, self.train
         self._validate_fault_tolerance()
+        if self.vlm is not None:
+            check_vlm_job(self)
         check_parallel_layout(self, world_size)
         dp = dist.resolved_dp(world_size)
         groups = self.num_replica_groups
@@ -144,7 +147,7 @@ class JobConfig:
         check_mixture_weights(self)
         check_float8_config(self)
         # A vision-language job's sequence is its image tokens plus vlm.max_text_len
-        # (checked in _validate_vlm); train.seq_len is not used by it.
+        # (checked in config/vlm.py's check_job); train.seq_len is not used by it.
         if train.seq_len > model.max_seq_len and not self.is_vlm:
             raise ConfigError(
                 "train.seq_len", train.seq_len, f"<= model.max_seq_len = {model.max_seq_len}"
@@ -159,9 +162,7 @@ class JobConfig:
                 train.max_steps,
                 train.max_steps,
             )
-        if self.vlm is not None:
-            self._validate_vlm()
-        if self.eval.enabled and (why := missing_eval_data(self.data, self.eval, self.vlm)):
+        if self.eval.enabled and (why := missing_eval_data(self.data, self.eval)):
             logger.warning(
                 "eval.interval = %d but this job has no held-out data, so training skips eval: %s",
                 self.eval.interval,
@@ -204,50 +205,4 @@ class JobConfig:
                 True,
                 "false, or torchft installed",
                 "install the ft extra: pip install 'kempnerforge[ft]'",
-            )
-
-    def _validate_vlm(self) -> None:
-        """A VLM against the layout and the decoder: the encoder's shape is read here, so a
-        bad tower directory or image size fails before anything is built."""
-        assert self.vlm is not None and self.adapter is not None
-        model, vlm = self.model, self.vlm
-        spec = self.vision_spec()
-        if self.adapter.type == "pool" and spec.grid % self.adapter.pool_window:
-            raise ConfigError(
-                "adapter.pool_window",
-                self.adapter.pool_window,
-                f"a divisor of the encoder's token grid side {spec.grid}",
-                f"the encoder gives {spec.num_tokens} tokens per image",
-            )
-        positions = self.decoder_positions(spec)
-        if positions > model.max_seq_len:
-            image = positions - vlm.max_text_len
-            raise ConfigError(
-                "vlm.max_text_len",
-                vlm.max_text_len,
-                f"<= model.max_seq_len - image tokens = {model.max_seq_len} - {image}",
-                "the joint decoder's sequence is the image tokens then the text; raise "
-                "model.max_seq_len or lower vlm.max_text_len",
-            )
-        data = self.data
-        for field_name, value in (
-            ("data.path", data.path),
-            ("data.eval_path", data.eval_path),
-            ("data.datasets", data.datasets),
-            ("eval.sets", self.eval.sets),
-        ):
-            if value:
-                raise ConfigError(
-                    field_name,
-                    value,
-                    "empty for a vision-language job ([vlm])",
-                    "it names token data; give image-text pairs with vlm.data and "
-                    "vlm.eval_data (jsonl indexes)",
-                )
-        if vlm.arch == "cross_attention" and vlm.cross_attention_every_n_layers > model.n_layers:
-            raise ConfigError(
-                "vlm.cross_attention_every_n_layers",
-                vlm.cross_attention_every_n_layers,
-                f"<= model.n_layers = {model.n_layers}",
-                "otherwise no decoder layer is followed by a cross-attention block",
             )

@@ -47,17 +47,6 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
                 f"a divisor of the feed-forward size {model.hidden_dim}",
                 "set model.ffn_hidden_dim or model.multiple_of",
             )
-    if config.vlm is not None:
-        for name, degree in (("pp", dist.pp), ("tp", dist.tp)):
-            if degree > 1:
-                raise ConfigError(
-                    f"distributed.{name}",
-                    degree,
-                    "1 for a vision-language model ([vlm])",
-                    "the vision encoder, the adapter and the cross-attention blocks are "
-                    "not split into pipeline stages or tensor-parallel shards; use "
-                    "distributed.dp_shard (FSDP) to spread a VLM over devices",
-                )
     check_context_parallel(config)
     check_pipeline_layout(config)
     check_pipeline_schedule(dist, train, dist.resolved_dp(world_size) * dist.cp)

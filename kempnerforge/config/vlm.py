@@ -10,10 +10,11 @@ or an image size the tower cannot take fails at startup with the field that caus
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kempnerforge.config.checks import (
     MAX_SIZE,
@@ -24,6 +25,11 @@ from kempnerforge.config.checks import (
 )
 from kempnerforge.config.freeze import FreezeSpec, FreezeStage
 from kempnerforge.core.errors import ConfigError, closest_name
+
+if TYPE_CHECKING:
+    from kempnerforge.config.job import JobConfig
+
+logger = logging.getLogger(__name__)
 
 ENCODER_TYPES = ("random", "clip", "siglip")
 ADAPTER_TYPES = ("mlp", "pool")
@@ -333,3 +339,83 @@ def _pixel_statistics(cfg: VisionEncoderConfig) -> tuple[Triple, Triple]:
 def _triple(values: Any) -> Triple:
     a, b, c = (float(v) for v in values)
     return a, b, c
+
+
+def check_job(config: JobConfig) -> None:
+    """Every rule of a vision-language job that spans sections, in the order a user fixes
+    them: the layouts and precisions it cannot take, then the encoder's shape against the
+    adapter and the decoder (read here, so a bad tower directory or image size fails
+    before anything is built), the token-data fields it has no use for, and a warning
+    when eval is on without held-out pairs."""
+    assert config.vlm is not None and config.adapter is not None
+    _check_layout_and_precision(config)
+    model, vlm = config.model, config.vlm
+    spec = config.vision_spec()
+    if config.adapter.type == "pool" and spec.grid % config.adapter.pool_window:
+        raise ConfigError(
+            "adapter.pool_window",
+            config.adapter.pool_window,
+            f"a divisor of the encoder's token grid side {spec.grid}",
+            f"the encoder gives {spec.num_tokens} tokens per image",
+        )
+    positions = config.decoder_positions(spec)
+    if positions > model.max_seq_len:
+        image = positions - vlm.max_text_len
+        raise ConfigError(
+            "vlm.max_text_len",
+            vlm.max_text_len,
+            f"<= model.max_seq_len - image tokens = {model.max_seq_len} - {image}",
+            "the joint decoder's sequence is the image tokens then the text; raise "
+            "model.max_seq_len or lower vlm.max_text_len",
+        )
+    data = config.data
+    for field_name, value in (
+        ("data.path", data.path),
+        ("data.eval_path", data.eval_path),
+        ("data.datasets", data.datasets),
+        ("eval.sets", config.eval.sets),
+    ):
+        if value:
+            raise ConfigError(
+                field_name,
+                value,
+                "empty for a vision-language job ([vlm])",
+                "it names token data; give image-text pairs with vlm.data and "
+                "vlm.eval_data (jsonl indexes)",
+            )
+    if vlm.arch == "cross_attention" and vlm.cross_attention_every_n_layers > model.n_layers:
+        raise ConfigError(
+            "vlm.cross_attention_every_n_layers",
+            vlm.cross_attention_every_n_layers,
+            f"<= model.n_layers = {model.n_layers}",
+            "otherwise no decoder layer is followed by a cross-attention block",
+        )
+    if config.eval.enabled and vlm.data and not vlm.eval_data:
+        logger.warning(
+            "eval.interval = %d but this job has no held-out data, so training skips eval: "
+            "vlm.data is set and vlm.eval_data is empty; set vlm.eval_data to a jsonl index "
+            "of held-out image-text pairs",
+            config.eval.interval,
+        )
+
+
+def _check_layout_and_precision(config: JobConfig) -> None:
+    """No pipeline stages, tensor-parallel shards or FP8 layers for a vision-language job."""
+    dist = config.distributed
+    for name, degree in (("pp", dist.pp), ("tp", dist.tp)):
+        if degree > 1:
+            raise ConfigError(
+                f"distributed.{name}",
+                degree,
+                "1 for a vision-language model ([vlm])",
+                "the vision encoder, the adapter and the cross-attention blocks are "
+                "not split into pipeline stages or tensor-parallel shards; use "
+                "distributed.dp_shard (FSDP) to spread a VLM over devices",
+            )
+    if config.train.float8:
+        raise ConfigError(
+            "train.float8",
+            True,
+            "false for a vision-language job ([vlm])",
+            "FP8 linear layers cover the text models, dense and MoE",
+        )
