@@ -11,7 +11,7 @@ figures, each with where it comes from:
   as the job is (so the per-block count is their difference); the files a rank opens to
   plan a resume of a checkpoint saved by 1,024 ranks (tests/support/fake_world.py);
 - computed: the model built and sharded by the real code on the meta device for each
-  preset and layout (build_sharded_on_meta), so its shard sizes are the code's own;
+  preset and layout (build_rank_on_meta), so its shard sizes are the code's own;
 - measured: the host memory (tracemalloc) and time of opening a 1e13-token corpus of
   1,000 sparse shards and drawing the first batches of data-parallel rank 127 of 128;
 - estimated: collective payloads from those shard sizes and the activation shapes.

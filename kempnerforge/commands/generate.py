@@ -78,7 +78,12 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     tokenizer = load_tokenizer(job.config.data.tokenizer)
     ids, max_new_tokens = generation_prompt(
-        tokenizer, job.config, args.prompt, bos=args.bos, max_new_tokens=args.max_new_tokens
+        tokenizer,
+        job.config.model,
+        job.config.data,
+        args.prompt,
+        bos=args.bos,
+        max_new_tokens=args.max_new_tokens,
     )
     model = load_for_inference(job)
     assert isinstance(model, Transformer)  # open_for_inference refused every other family

@@ -178,7 +178,7 @@ def _build_and_train(
     from kempnerforge.training.workspace import record_config
 
     logger = get_logger("kempnerforge.cli")
-    checkpointer = build_checkpointer(config, runtime, checkpointer_kind(config))
+    checkpointer = build_checkpointer(config, runtime, checkpointer_kind(config.fault_tolerance))
     plan = plan_resume(config, checkpointer)
     if plan is not None and plan.step == config.train.max_steps:
         if runtime.is_main:

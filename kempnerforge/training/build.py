@@ -11,12 +11,14 @@ import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
-from kempnerforge.distributed.pipeline_parallel import PipelineBundle, StageModule
+from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
@@ -27,11 +29,11 @@ from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.resilience.spikes import LossSpikeRule
-from kempnerforge.training.families import FamilyModel, ModelSummary, build_job_data, family_of
+from kempnerforge.training.families import ModelSummary, family_of
 from kempnerforge.training.float8 import apply_float8
-from kempnerforge.training.freeze import describe, freeze_for_step
+from kempnerforge.training.freeze import FreezeSchedule, describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
-from kempnerforge.training.layout import RankModel, layout_of
+from kempnerforge.training.layout import ModelLayout, RankModel, layout_of
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.phases import PhaseState, TrainingPhase
@@ -75,20 +77,13 @@ def build_checkpointer(
     )
 
 
-def build_sharded_on_meta(
-    config: JobConfig, runtime: RuntimeContext
-) -> tuple[FamilyModel, list[int], list[StageModule]]:
+def build_rank_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     """This rank's model on the meta device, parallelised: its shards' shapes, no memory.
 
-    Returns the model, and with pipeline parallelism the ids and modules of this rank's
-    stages (empty lists otherwise). A pipeline rank keeps only the layers of its stages
-    (the job's ModelLayout decides).
+    With pipeline parallelism the RankModel also holds the ids and modules of this rank's
+    stages: a pipeline rank keeps only the layers of its stages (the job's ModelLayout
+    decides).
     """
-    rank_model = _build_on_meta(config, runtime)
-    return rank_model.model, rank_model.stage_ids, rank_model.stage_modules
-
-
-def _build_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     with torch.device("meta"):
         rank_model = layout_of(config).build_on_meta(config, runtime)
     if config.train.float8:
@@ -106,14 +101,14 @@ def build_model_on_mesh(
     """This rank's model, parallelised and initialised, and its pipeline (None without PP).
 
     The model is built on the meta device and parallelised there (tensor parallel,
-    activation checkpointing, compile, FSDP: build_sharded_on_meta), and only then
+    activation checkpointing, compile, FSDP: build_rank_on_meta), and only then
     materialised on this rank's device, so no rank ever holds more than its shard.
     Weights are drawn per parameter from the seed (Transformer.init_weights), identical in
     every layout. A vision-language model (a [vlm] job) is built the same way, its
     pretrained tower read from its directory by init_weights, and starts in the freeze
     state of step 0 (vlm.freeze).
     """
-    rank_model = _build_on_meta(config, runtime)
+    rank_model = build_rank_on_meta(config, runtime)
     model = rank_model.model
     model.to_empty(device=runtime.device)
     torch.manual_seed(config.train.seed)  # the weights depend on the seed, not on what ran before
@@ -135,13 +130,13 @@ def _log_model(summary: ModelSummary) -> None:
     )
 
 
-def _warn_what_the_layout_skips(config: JobConfig) -> None:
+def _warn_what_the_layout_skips(layout: ModelLayout, ec: EvalConfig, tc: TrainConfig) -> None:
     """Say once, at the build, that in-loop eval and the end-of-run sample cannot run in
     this layout, when they are on."""
-    reason, tc = layout_of(config).forward_refusal, config.train
+    reason = layout.forward_refusal
     skipped = []
-    if config.eval.enabled:
-        skipped.append(f"in-loop eval (eval.interval = {config.eval.interval})")
+    if ec.enabled:
+        skipped.append(f"in-loop eval (eval.interval = {ec.interval})")
     if tc.sample_tokens:
         skipped.append(f"the end-of-run sample (train.sample_tokens = {tc.sample_tokens})")
     if reason is not None and skipped:
@@ -174,13 +169,13 @@ def build_session(
     shards = runtime.mesh_size("dp_shard_cp") * runtime.tp_size * runtime.pp_size
     check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
-    data = build_job_data(config, runtime)
+    data = family_of(config).build_data(config, runtime, True)
     loss_fn = build_loss_fn(tc)
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
     summary = family_of(config).summarize(config, model)
     _log_model(summary)
-    _warn_what_the_layout_skips(config)
-    _log_cpu_threads(config, runtime)
+    _warn_what_the_layout_skips(layout_of(config), config.eval, tc)
+    _log_cpu_threads(config.data.num_workers, runtime.device)
     optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)
     tracker = build_tracker(config, runtime, summary)
@@ -199,7 +194,7 @@ def build_session(
         loss_fn=loss_fn,
         step_fn=select_step_fn(config),
         data=data,
-        phases=build_phases(config),
+        phases=build_phases(tc, family_of(config).freeze_schedule(config)),
         checkpointer=checkpointer,
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
@@ -238,21 +233,17 @@ def build_tracker(
     )
 
 
-def build_phases(config: JobConfig) -> PhaseState:
+def build_phases(tc: TrainConfig, freeze: FreezeSchedule) -> PhaseState:
     """The step-keyed schedules: [[train.phases]] and the family's freeze stages."""
-    phases = [
-        TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale)
-        for p in config.train.phases
-    ]
-    freeze_stages = list(family_of(config).freeze_schedule(config).stages)
-    return PhaseState(phases, freeze_stages=freeze_stages)
+    phases = [TrainingPhase(p.start_step, dict(p.dataset_weights), p.lr_scale) for p in tc.phases]
+    return PhaseState(phases, freeze_stages=list(freeze.stages))
 
 
-def _log_cpu_threads(config: JobConfig, runtime: RuntimeContext) -> None:
-    if runtime.device.type == "cpu":
+def _log_cpu_threads(num_workers: int, device: torch.device) -> None:
+    if device.type == "cpu":
         logger.info(
             "CPU threads: %d for torch's kernels (train.num_threads), %d dataloader workers "
             "(data.num_workers, one thread each)",
             torch.get_num_threads(),
-            config.data.num_workers,
+            num_workers,
         )

@@ -8,7 +8,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
@@ -25,12 +27,11 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < _MAX_LOG_PPL else math.inf
 
 
-def eval_global_batch(config: JobConfig, dp_size: int) -> int:
+def eval_global_batch(ec: EvalConfig, tc: TrainConfig, dp_size: int) -> int:
     """Sequences per eval step over all data-parallel ranks: eval.batch_size, or when it is
     0 the training's global batch, train.batch_size * train.grad_accum_steps * ``dp_size``,
     which a resume on another number of ranks keeps."""
-    tc = config.train
-    return config.eval.batch_size or tc.batch_size * tc.grad_accum_steps * dp_size
+    return ec.batch_size or tc.batch_size * tc.grad_accum_steps * dp_size
 
 
 def evaluate(
@@ -52,7 +53,7 @@ def evaluate(
         config,
         runtime.device,
         group=runtime.group("dp_cp"),
-        global_batch=eval_global_batch(config, runtime.dp_size),
+        global_batch=eval_global_batch(config.eval, config.train, runtime.dp_size),
         batch_slice=data.batch_slice,
     )
 

@@ -14,7 +14,10 @@ from functools import partial
 
 import torch
 
+from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.job import JobConfig
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.distributed.pipeline_parallel import (
     PipelineBundle,
     StageModule,
@@ -62,25 +65,24 @@ def build_whole_model(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     return RankModel(family_of(config).build_model(config))
 
 
-def build_stages(config: JobConfig, runtime: RuntimeContext) -> RankModel:
+def build_stages(
+    model_cfg: ModelConfig, dc: DistributedConfig, runtime: RuntimeContext
+) -> RankModel:
     """The layers of the stages this pipeline rank holds (distributed.stages_per_rank),
     split at distributed.pp_split_points or evenly."""
-    dc = config.distributed
     stage_ids = stages_of_rank(runtime.pp_rank, dc.pp, dc.stages_per_rank, v_shaped=dc.v_shaped)
-    ranges = stage_layer_ranges(config.model.n_layers, dc.num_stages, dc.pp_split_points)
-    model, stages = build_stage_model(config.model, stage_ids, ranges)
+    ranges = stage_layer_ranges(model_cfg.n_layers, dc.num_stages, dc.pp_split_points)
+    model, stages = build_stage_model(model_cfg, stage_ids, ranges)
     return RankModel(model, stage_ids, list(stages))
 
 
-def no_schedule(
-    rank_model: RankModel, runtime: RuntimeContext, config: JobConfig, loss_fn: LossFn
-) -> None:
-    """The whole model needs no pipeline schedule."""
-    del rank_model, runtime, config, loss_fn
-
-
 def build_stage_schedule(
-    rank_model: RankModel, runtime: RuntimeContext, config: JobConfig, loss_fn: LossFn
+    rank_model: RankModel,
+    runtime: RuntimeContext,
+    model_cfg: ModelConfig,
+    tc: TrainConfig,
+    dc: DistributedConfig,
+    loss_fn: LossFn,
 ) -> PipelineBundle:
     """The distributed.pp_schedule over this rank's stages (build_pipeline).
 
@@ -92,8 +94,7 @@ def build_stage_schedule(
     """
     # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
     rank_model.model.pipeline_group = runtime.group("pp")
-    attach_stage_router_hooks(rank_model.stage_modules, config.model, config.train.grad_accum_steps)
-    tc = config.train
+    attach_stage_router_hooks(rank_model.stage_modules, model_cfg, tc.grad_accum_steps)
     spec: HeadLossSpec | None = None
     stage_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | HeadLoss] = loss_fn
     if isinstance(loss_fn, TokenCrossEntropy):
@@ -104,19 +105,26 @@ def build_stage_schedule(
         rank_model.stage_modules,
         rank_model.stage_ids,
         runtime,
-        config.distributed,
+        dc,
         stage_loss,
         num_microbatches=tc.grad_accum_steps,
         loss_spec=spec,
     )
 
 
-WHOLE_MODEL = ModelLayout("whole model", build_whole_model, no_schedule)
+WHOLE_MODEL = ModelLayout(
+    "whole model",
+    build_whole_model,
+    # The whole model needs no pipeline schedule.
+    lambda rank_model, runtime, config, loss_fn: None,
+)
 
 PIPELINE_STAGES = ModelLayout(
     "pipeline stages",
-    build_stages,
-    build_stage_schedule,
+    lambda config, runtime: build_stages(config.model, config.distributed, runtime),
+    lambda rank_model, runtime, config, loss_fn: build_stage_schedule(
+        rank_model, runtime, config.model, config.train, config.distributed, loss_fn
+    ),
     step=pipeline_step,
     forward_refusal="pipeline stages (distributed.pp > 1) have no whole-model forward",
 )

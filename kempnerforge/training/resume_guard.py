@@ -201,8 +201,9 @@ def check_config_changes(
             path,
         )
         return cfg.reset_optimizer
+    after = global_batch(config_to_dict(config), world_size)
     changes = _without_batch_resplits(
-        config_changes(saved, config), saved, config, path, saved_world_size, world_size
+        config_changes(saved, config), saved, after, path, saved_world_size, world_size
     )
     _check_optimizer_name(changes, path, reset_optimizer=cfg.reset_optimizer)
     _check_refused(changes, path, allow_config_change=cfg.allow_config_change)
@@ -213,13 +214,13 @@ def check_config_changes(
 def _without_batch_resplits(
     changes: list[Change],
     saved: dict[str, Any],
-    config: JobConfig,
+    after: int | None,
     path: str,
     saved_world_size: int,
     world_size: int,
 ) -> list[Change]:
-    """``changes`` less the batch-split fields, each logged, when the global batch is the same
-    as when saved (a resume on a new layout); all of ``changes`` otherwise.
+    """``changes`` less the batch-split fields, each logged, when this run's global batch
+    ``after`` is the one saved (a resume on a new layout); all of ``changes`` otherwise.
 
     The split alone does not change which samples a step sees, so only a changed global
     batch is left for the refusal rules to judge.
@@ -227,7 +228,6 @@ def _without_batch_resplits(
     if not any(c.field in BATCH_SPLIT for c in changes):
         return changes
     before = global_batch(saved, saved_world_size)
-    after = global_batch(config_to_dict(config), world_size)
     if before is None or before != after:
         return changes
     for change in [c for c in changes if c.field in BATCH_SPLIT]:

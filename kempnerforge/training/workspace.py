@@ -67,7 +67,9 @@ def check_directories(config: JobConfig) -> None:
     would overwrite them.
     """
     run_field = "train.run_dir" if config.train.run_dir else "train.name"
-    _check_run_dir(run_field, config)
+    _check_run_dir(
+        run_field, Path(config.run_dir), config.checkpoint_dir, config.train.use_existing_dir
+    )
     if config.train.use_existing_dir:
         return
     path = Path(config.checkpoint_dir)
@@ -91,18 +93,17 @@ def _foreign_error(field: str, directory: str, foreign: list[str]) -> ConfigErro
     )
 
 
-def _check_run_dir(field: str, config: JobConfig) -> None:
-    path = Path(config.run_dir)
+def _check_run_dir(field: str, path: Path, checkpoint_dir: str, use_existing_dir: bool) -> None:
     if path.exists() and not path.is_dir():
-        raise ConfigError(field, config.run_dir, "a directory", "a file of that name exists")
+        raise ConfigError(field, str(path), "a directory", "a file of that name exists")
     names = sorted(n for n in os.listdir(path) if n != LOCK_NAME) if path.is_dir() else []
-    if not names or RUN_MARKER in names or _is_earlier_run(path, config):
+    if not names or RUN_MARKER in names or _is_earlier_run(path, Path(checkpoint_dir)):
         return
     lookalikes = [n for n in names if n in _RUN_FILES]
     if lookalikes:
         raise ConfigError(
             field,
-            config.run_dir,
+            str(path),
             f"a new or empty directory, or one a run made (it holds {RUN_MARKER})",
             f"it holds {', '.join(lookalikes)} but no {RUN_MARKER}, so no run wrote "
             f"{'them' if len(lookalikes) > 1 else 'it'}, and a run would overwrite "
@@ -110,18 +111,17 @@ def _check_run_dir(field: str, config: JobConfig) -> None:
             "another directory or move them away (to continue a run of an earlier version "
             f"that wrote them, create an empty {RUN_MARKER} there)",
         )
-    if not config.train.use_existing_dir:
-        raise _foreign_error(field, config.run_dir, names)
+    if not use_existing_dir:
+        raise _foreign_error(field, str(path), names)
 
 
-def _is_earlier_run(path: Path, config: JobConfig) -> bool:
+def _is_earlier_run(path: Path, checkpoints: Path) -> bool:
     """Whether `path`, without a marker, is a run an earlier version made: it holds
     metrics.jsonl and the checkpoint directory holds a checkpoint with a valid completion
     marker (the one ``latest`` names, else the newest that has one: one small read each).
     Such a run resumes; the launch then marks the directory (mark_run_dir)."""
     if not (path / METRICS_FILE).is_file():
         return False
-    checkpoints = Path(config.checkpoint_dir)
     latest = read_latest(checkpoints)
     candidates = [checkpoints / latest] if latest else []
     candidates += [p for _, p in step_dirs(checkpoints)]
@@ -137,30 +137,31 @@ def _is_earlier_run(path: Path, config: JobConfig) -> bool:
     return found is not None
 
 
-def mark_run_dir(config: JobConfig) -> None:
-    """Write RUN_MARKER into the run directory, unless it is there: from now on the
-    directory is known to be a run's. Rank 0, after the checks and the locks."""
-    marker = Path(config.run_dir) / RUN_MARKER
+def mark_run_dir(run_dir: str, name: str) -> None:
+    """Write RUN_MARKER into ``run_dir``, unless it is there: from now on the directory is
+    known to be a run's (``name``: train.name). Rank 0, after the checks and the locks."""
+    marker = Path(run_dir) / RUN_MARKER
     if marker.exists():
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    text = {"format_version": MARKER_FORMAT, "name": config.train.name, "created": created}
+    text = {"format_version": MARKER_FORMAT, "name": name, "created": created}
     _write_atomic(marker, json.dumps(text) + "\n")
 
 
 @contextlib.contextmanager
-def locked_directories(config: JobConfig) -> Iterator[contextlib.ExitStack]:
-    """Hold the run directory's and the checkpoint directory's locks (rank 0 calls this).
+def locked_directories(run_dir: str, checkpoint_dir: str | None) -> Iterator[contextlib.ExitStack]:
+    """Hold the run directory's lock and, unless ``checkpoint_dir`` is None, the checkpoint
+    directory's (rank 0 calls this).
 
     A replica group locks its own run directory (replica_<id>) only: the job's groups
     share the checkpoint directory, and one group writes each checkpoint.
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(RunLock(config.run_dir))
-        if not config.fault_tolerance.enabled:
+        stack.enter_context(RunLock(run_dir))
+        if checkpoint_dir is not None:
             stack.enter_context(
-                RunLock(config.checkpoint_dir, what="checkpoint directory", field="checkpoint.dir")
+                RunLock(checkpoint_dir, what="checkpoint directory", field="checkpoint.dir")
             )
         yield stack
 
@@ -180,8 +181,11 @@ def rank0_workspace(config: JobConfig, runtime: RuntimeContext) -> Iterator[None
         if runtime.is_main:
             try:
                 check_directories(config)
-                stack.enter_context(locked_directories(config))
-                mark_run_dir(config)
+                # A replica group shares the job's checkpoint directory with the others.
+                shared = config.fault_tolerance.enabled
+                checkpoints = None if shared else config.checkpoint_dir
+                stack.enter_context(locked_directories(config.run_dir, checkpoints))
+                mark_run_dir(config.run_dir, config.train.name)
             except Exception as e:
                 failure = e
         if runtime.is_distributed:

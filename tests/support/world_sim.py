@@ -255,20 +255,20 @@ class ShardReport:
 def shard_rank(
     overrides: list[str], rank: int, world_size: int, config_path: str | None = None
 ) -> ShardReport:
-    """Shard a model as rank ``rank`` of ``world_size`` would (build_sharded_on_meta) and
+    """Shard a model as rank ``rank`` of ``world_size`` would (build_rank_on_meta) and
     measure its shards; nothing is allocated, so any model size works."""
     from torch.distributed.tensor import DTensor
 
     from kempnerforge.config.loader import load_config
     from kempnerforge.distributed.runtime import init_runtime
     from kempnerforge.model.weight_init import matrix_shape, tile_rows
-    from kempnerforge.training.build import build_sharded_on_meta
+    from kempnerforge.training.build import build_rank_on_meta
 
     start_fake_world(rank, world_size)
     config = load_config(config_path, overrides)
     config.validate(world_size)
     runtime = init_runtime(config.distributed, "cpu")
-    model, _, _ = build_sharded_on_meta(config, runtime)
+    model = build_rank_on_meta(config, runtime).model
     local = largest_tile = 0
     for param in model.parameters():  # each tied parameter once
         local += (param.to_local() if isinstance(param, DTensor) else param).numel()

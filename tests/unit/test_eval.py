@@ -13,10 +13,13 @@ from kempnerforge.training.eval import eval_global_batch, evaluate
 
 def test_the_eval_batch_is_eval_batch_size_or_the_training_global_batch():
     config = load_config(None, ["--train.batch_size=3", "--train.grad_accum_steps=2"])
-    assert eval_global_batch(config, 1) == 6
-    assert eval_global_batch(config, 4) == 24  # the same global batch a resume keeps
+    assert eval_global_batch(config.eval, config.train, 1) == 6
+    assert (
+        eval_global_batch(config.eval, config.train, 4) == 24
+    )  # the same global batch a resume keeps
     config = load_config(None, ["--train.batch_size=3", "--eval.batch_size=10"])
-    assert eval_global_batch(config, 1) == eval_global_batch(config, 8) == 10
+    assert eval_global_batch(config.eval, config.train, 1) == 10
+    assert eval_global_batch(config.eval, config.train, 8) == 10
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

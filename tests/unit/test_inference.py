@@ -20,10 +20,10 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict, load_config, save_config
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.model import build_model
+from kempnerforge.training.families import family_of
 from kempnerforge.training.inference.loading import (
     load_for_inference,
     open_for_inference,
-    unsupported,
 )
 
 GENERATE = ["--prompt", "alpha ", "--max-new-tokens", "4", "--temperature", "0"]
@@ -227,8 +227,8 @@ def test_every_command_but_eval_refuses_a_vision_language_model_in_one_line(
         f"vision-language model ([vlm]): {reason}"
     )
     assert len(err.splitlines()) == 1
-    assert unsupported(load_config(None, VLM), "eval") is None
-    assert unsupported(load_config(None, []), command) is None
+    assert family_of(load_config(None, VLM)).refusal("eval") is None
+    assert family_of(load_config(None, [])).refusal(command) is None
 
 
 def test_a_launch_of_several_processes_is_refused(run, monkeypatch):

@@ -58,13 +58,15 @@ def test_the_pipeline_layout_keeps_only_this_ranks_stage():
     assert sorted(first.model.layers) == ["0", "1"] and sorted(last.model.layers) == ["2", "3"]
 
 
+def _warn(config: JobConfig) -> None:
+    build._warn_what_the_layout_skips(layout_of(config), config.eval, config.train)
+
+
 def test_the_build_says_once_what_a_pipelined_run_skips(caplog):
     with caplog.at_level(logging.WARNING, logger="kempnerforge"):
-        build._warn_what_the_layout_skips(_config(*PIPELINED, "--eval.interval=5"))
-        build._warn_what_the_layout_skips(
-            _config(*PIPELINED, "--eval.interval=0", "--train.sample_tokens=0")
-        )
-        build._warn_what_the_layout_skips(_config("--eval.interval=5"))
+        _warn(_config(*PIPELINED, "--eval.interval=5"))
+        _warn(_config(*PIPELINED, "--eval.interval=0", "--train.sample_tokens=0"))
+        _warn(_config("--eval.interval=5"))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         "skipping in-loop eval (eval.interval = 5) and the end-of-run sample "

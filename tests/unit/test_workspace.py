@@ -142,12 +142,15 @@ def test_two_runs_sharing_only_a_checkpoint_dir_cannot_both_start(tmp_path):
     shared = f"--checkpoint.dir={tmp_path / 'ckpt'}"
     first = load_config(None, [f"--train.run_dir={tmp_path / 'a'}", shared])
     second = load_config(None, [f"--train.run_dir={tmp_path / 'b'}", shared])
-    with locked_directories(first), pytest.raises(RunLockError) as info:
-        locked_directories(second).__enter__()
+    with (
+        locked_directories(first.run_dir, first.checkpoint_dir),
+        pytest.raises(RunLockError) as info,
+    ):
+        locked_directories(second.run_dir, second.checkpoint_dir).__enter__()
     message = str(info.value)
     assert message.startswith(f"checkpoint directory {tmp_path / 'ckpt'} is in use by pid")
     assert message.endswith("stop that run or choose another checkpoint.dir")
-    with locked_directories(second):  # free once the first run is over
+    with locked_directories(second.run_dir, second.checkpoint_dir):  # free once the first is over
         pass
 
 

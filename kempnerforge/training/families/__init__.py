@@ -22,7 +22,6 @@ from kempnerforge.training.families.family import (
 )
 from kempnerforge.training.families.registry import (
     DEFAULT_FAMILY,
-    build_job_data,
     family_of,
     register_family,
     unregister_family,
@@ -40,7 +39,6 @@ __all__ = [
     "ModelSummary",
     "SampleFn",
     "StepFn",
-    "build_job_data",
     "family_of",
     "prompt_ids",
     "register_family",

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.families.family import ModelFamily
 from kempnerforge.training.families.text import TEXT
 from kempnerforge.training.families.vision_language import VISION_LANGUAGE
@@ -54,11 +52,3 @@ def family_of(config: JobConfig) -> ModelFamily:
             f"a job trains one kind of model: {first.name} or {second.name}",
         )
     return chosen[0] if chosen else DEFAULT_FAMILY
-
-
-def build_job_data(
-    config: JobConfig, runtime: RuntimeContext, *, with_train: bool = True
-) -> DataPipeline:
-    """This rank's data, as the job's model family reads it: image-text pairs for a [vlm]
-    job, token windows otherwise."""
-    return family_of(config).build_data(config, runtime, with_train)

@@ -32,13 +32,6 @@ def vlm_section(config: JobConfig) -> VLMConfig:
     return config.vlm
 
 
-def build_vision_language_model(config: JobConfig) -> VisionLanguageModel:
-    """Encoder, adapter and decoder of [vision_encoder], [adapter], [vlm] and model.*."""
-    return build_vlm(
-        config.model, config.vision_encoder, config.adapter, config.vlm, config.vision_spec()
-    )
-
-
 def build_image_text_data(
     config: JobConfig, runtime: RuntimeContext, with_train: bool
 ) -> DataPipeline:
@@ -129,7 +122,10 @@ def vlm_checkpoint_extra(vlm: VLMConfig, step: int) -> dict[str, Any]:
 VISION_LANGUAGE = ModelFamily(
     name="vision-language",
     section="vlm",
-    build_model=build_vision_language_model,
+    # Encoder, adapter and decoder of [vision_encoder], [adapter], [vlm] and model.*.
+    build_model=lambda config: build_vlm(
+        config.model, config.vision_encoder, config.adapter, config.vlm, config.vision_spec()
+    ),
     build_data=build_image_text_data,
     step=vlm_step,
     batch_loss=lambda config: vlm_batch_loss,

@@ -11,14 +11,15 @@ from typing import Any
 import torch
 
 from kempnerforge.checkpoint.disk_format import read_marker
-from kempnerforge.config.eval import DEFAULT_EVAL_SET
+from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalConfig
 from kempnerforge.config.job import JobConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.eval import eval_global_batch, evaluate_model
-from kempnerforge.training.families import build_job_data, family_of
+from kempnerforge.training.families import family_of
 from kempnerforge.training.inference.loading import InferenceJob
 from kempnerforge.training.resume_guard import global_batch
 
@@ -27,14 +28,15 @@ logger = get_logger(__name__)
 
 def build_eval_data(config: JobConfig, runtime: RuntimeContext) -> DataPipeline:
     """Tokenizer and eval sets only (no training loader); a DataError when there are none."""
-    data = build_job_data(config, runtime, with_train=False)
+    family = family_of(config)
+    data = family.build_data(config, runtime, False)
     if not data.eval_datasets:
-        raise DataError(family_of(config).no_eval_data)
+        raise DataError(family.no_eval_data)
     return data
 
 
 def eval_batch_of_checkpoint(
-    config: JobConfig, checkpoint: Path, recorded: dict[str, Any] | None
+    ec: EvalConfig, tc: TrainConfig, checkpoint: Path, recorded: dict[str, Any] | None
 ) -> int:
     """Sequences per eval step for evaluating ``checkpoint`` in one process: eval.batch_size,
     or when it is 0 the global batch of the run that saved the checkpoint (``recorded``,
@@ -44,13 +46,13 @@ def eval_batch_of_checkpoint(
     A checkpoint without a recorded config falls back to this config's global batch in one
     process, with a warning.
     """
-    if config.eval.batch_size:
-        return config.eval.batch_size
+    if ec.batch_size:
+        return ec.batch_size
     world_size = int((read_marker(checkpoint) or {}).get("world_size", 1))
     trained = global_batch(recorded, world_size) if recorded is not None else None
     if trained is not None:
         return trained
-    fallback = eval_global_batch(config, 1)
+    fallback = eval_global_batch(ec, tc, 1)
     logger.warning(
         "%s records no config of the run that saved it: evaluating %d sequences per eval "
         "step (this config's global batch in one process); set --eval.batch_size to the "
@@ -66,7 +68,8 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Evaluate ``model`` (the weights of ``job``'s checkpoint) on ``data``'s eval sets,
     over the windows the run's own eval used; the report `kempnerforge eval` writes."""
-    batch = eval_batch_of_checkpoint(job.config, job.checkpoint, job.recorded_config)
+    config = job.config
+    batch = eval_batch_of_checkpoint(config.eval, config.train, job.checkpoint, job.recorded_config)
     metrics = evaluate_model(model, data, job.config, job.runtime.device, global_batch=batch)
     return {
         "checkpoint": str(job.checkpoint),

@@ -43,12 +43,6 @@ CHECKPOINT_FORMS = (
 """What --checkpoint accepts, for the errors that say it was none of them."""
 
 
-def unsupported(config: JobConfig, command: str) -> str | None:
-    """Why ``command`` (eval, generate, capture, export) cannot run the model family of
-    ``config``, or None when it can: the family's own answer (ModelFamily.refusal)."""
-    return family_of(config).refusal(command)
-
-
 @dataclass(frozen=True)
 class InferenceJob:
     """A complete checkpoint and the config to rebuild its model, checked for one command
@@ -216,7 +210,7 @@ def _recorded_config(
 def _check(config: JobConfig, command: str, source: str, validate: bool) -> None:
     """Refuse a model family ``command`` cannot run, a launch of several processes, and
     (``validate``) a config whose cross-section rules fail in one process."""
-    reason = unsupported(config, command)
+    reason = family_of(config).refusal(command)
     if reason is not None:
         error = ConfigError("<model family>", source, f"a model {command} takes", reason)
         error.args = (f"{source}: {reason}",)  # one line: the config and why

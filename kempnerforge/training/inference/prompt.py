@@ -4,7 +4,7 @@ training documents began with one, and how many new tokens the model's context l
 from __future__ import annotations
 
 from kempnerforge.config.data import DataConfig
-from kempnerforge.config.job import JobConfig
+from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.shards import read_parts
@@ -29,7 +29,13 @@ def data_starts_with_bos(data: DataConfig) -> bool | None:
 
 
 def generation_prompt(
-    tokenizer: Tokenizer, config: JobConfig, prompt: str, *, bos: bool | None, max_new_tokens: int
+    tokenizer: Tokenizer,
+    model: ModelConfig,
+    data: DataConfig,
+    prompt: str,
+    *,
+    bos: bool | None,
+    max_new_tokens: int,
 ) -> tuple[list[int], int]:
     """The ids of ``prompt`` and the new tokens to generate at most.
 
@@ -39,15 +45,15 @@ def generation_prompt(
     ConfigError when the tokenizer's vocabulary passes model.vocab_size, or the prompt
     leaves no room.
     """
-    if tokenizer.vocab_size > config.model.vocab_size:
+    if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(
             "model.vocab_size",
-            config.model.vocab_size,
+            model.vocab_size,
             f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
-            f"data.tokenizer = {config.data.tokenizer!r}",
+            f"data.tokenizer = {data.tokenizer!r}",
         )
     if bos is None:
-        bos = data_starts_with_bos(config.data)
+        bos = data_starts_with_bos(data)
         if bos is None:
             logger.warning(
                 "cannot read the training data's meta.json to tell whether its documents "
@@ -55,7 +61,7 @@ def generation_prompt(
             )
             bos = False
     ids = prompt_ids(tokenizer, prompt, bos)
-    limit = config.model.max_seq_len
+    limit = model.max_seq_len
     room = limit - len(ids)
     if room < 1:
         raise ConfigError(

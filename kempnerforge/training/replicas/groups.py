@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kempnerforge.checkpoint.manager import CheckpointManager
-from kempnerforge.config.job import JobConfig
+from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
@@ -52,9 +52,9 @@ class ReplicaRejoined(Exception):
         self.position = position
 
 
-def checkpointer_kind(config: JobConfig) -> type[CheckpointManager]:
+def checkpointer_kind(ft: FaultToleranceConfig) -> type[CheckpointManager]:
     """The checkpoint manager class of a run: the replica groups' with [fault_tolerance]."""
-    return GroupCheckpointManager if config.fault_tolerance.enabled else CheckpointManager
+    return GroupCheckpointManager if ft.enabled else CheckpointManager
 
 
 class GroupCheckpointManager(CheckpointManager):
