@@ -216,7 +216,7 @@ def test_builtin_bos_with_a_tokenizer_without_bos_is_a_config_error(tiny_stdlib,
 
 
 def test_training_on_bos_data_samples_from_a_bos_prompt(tmp_path, tiny_overrides, monkeypatch):
-    from kempnerforge.training import family
+    from kempnerforge.training.families import text as family
     from kempnerforge.training.inference import sample
     from kempnerforge.training.loop import run_training_loop
     from tests.support.resume import make_session

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
+from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.nan import NaNAbortError
 from kempnerforge.training.build import build_session
@@ -118,7 +119,8 @@ def test_step_result_defaults():
 def test_select_step_fn_pp_wins_then_vlm_then_text(monkeypatch):
     config = load_config(None)
     assert select_step_fn(config) is text_step
-    monkeypatch.setattr(type(config), "is_vlm", property(lambda self: True))
+    # A [vlm] table makes the job vision-language (the family registered with that section).
+    monkeypatch.setattr(config, "vlm", VLMConfig())
     assert select_step_fn(config) is vlm_step
     config.distributed.pp = 2
     assert select_step_fn(config) is pipeline_step
