@@ -12,12 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from kempnerforge.config.loader import load_config
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.tokenizer import ByteTokenizer
-from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
-from kempnerforge.training.build import build_session
 from kempnerforge.training.forward import vlm_batch_loss
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
@@ -26,6 +23,7 @@ from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import events, read_rows, train_rows
 from tests.support.resume import (
     assert_tensors_bitwise_equal,
+    make_session,
     parameters_of,
 )
 from tests.support.tiny import tiny_run
@@ -61,12 +59,6 @@ def vlm_overrides(run_dir: Path, *extra: str) -> list[str]:
         "--eval.interval=0",
         *extra,
     )
-
-
-def make_session(overrides: list[str]) -> TrainingSession:
-    config = load_config(None, overrides)
-    config.validate(1)
-    return build_session(config, RuntimeContext())
 
 
 class GroupSnapshots(TrainingHook):
