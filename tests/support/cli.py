@@ -1,4 +1,5 @@
-"""run_kempnerforge: the command line as a user runs it, in a process of its own."""
+"""run_kempnerforge and run_python: the command line and the repository's scripts as a user
+runs them, each in a process of its own."""
 
 from __future__ import annotations
 
@@ -17,11 +18,21 @@ def run_kempnerforge(
     env_extra: Mapping[str, str] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m kempnerforge *args` in ``cwd``, with this process's environment plus
-    ``env_extra``; its output captured as text. A run past ``timeout`` seconds raises
-    TimeoutExpired, so a hung command fails its test instead of stalling the suite."""
+    """`python -m kempnerforge *args`, as run_python runs it."""
+    return run_python("-m", "kempnerforge", *args, cwd=cwd, env_extra=env_extra, timeout=timeout)
+
+
+def run_python(
+    *argv: str,
+    cwd: str | os.PathLike[str] = REPO,
+    env_extra: Mapping[str, str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """`python *argv` in ``cwd``, with this process's environment plus ``env_extra``; its
+    output captured as text. A run past ``timeout`` seconds raises TimeoutExpired, so a
+    hung command fails its test instead of stalling the suite."""
     return subprocess.run(
-        [sys.executable, "-m", "kempnerforge", *args],
+        [sys.executable, *argv],
         cwd=cwd,
         env={**os.environ, **(env_extra or {})},
         capture_output=True,
