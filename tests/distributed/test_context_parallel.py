@@ -12,26 +12,23 @@ from torch._dynamo.utils import counters
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.parallelize import apply_compile
-from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
+from kempnerforge.distributed.runtime import init_runtime
 from kempnerforge.model.sequence_split import (
     SequenceSplit,
     set_sequence_split,
     whole_sequences,
 )
 from kempnerforge.model.transformer import Transformer
-from kempnerforge.training.build import build_session
-from kempnerforge.training.inference.sample import sample_text
-from kempnerforge.training.loop import run_training_loop
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import eval_rows, train_rows
-from tests.support.tiny import tiny_run
+from tests.support.tiny import SIGMOID_MOE, TINY_MOE, layout_run
 from tests.support.tolerance import (
     assert_layout_close,
     assert_reordered_close,
     grad_norm_terms,
     transformer_terms,
 )
-from tests.support.train_run import train_on_ranks
+from tests.support.train_run import sample_on_ranks, train_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -122,31 +119,15 @@ def _assert_exchange_matches(record: dict, kv_heads: int) -> None:
 
 @pytest.fixture(scope="module")
 def base(token_dirs) -> list[str]:
-    return tiny_run(
-        None,
-        token_dirs,
-        "--model.n_heads=4",
-        "--model.n_kv_heads=2",
-        f"--train.max_steps={STEPS}",
-        "--train.deterministic=true",
-        "--scheduler.warmup_steps=1",
-        "--data.document_masking=true",
-        "--eval.interval=2",
-        "--eval.steps=2",
+    return layout_run(
+        token_dirs, STEPS, "--data.document_masking=true", "--eval.interval=2", "--eval.steps=2"
     )
-
-
-def _run(
-    base: list[str], run_dir, world_size: int, *extra: str, timeout_s: float = 120.0, **kwargs
-) -> list[dict]:
-    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
-    return run_distributed(train_on_ranks, world_size, overrides, kwargs, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
 def reference(base, tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("one")
-    record = _run(base, run_dir, 1, "--train.batch_size=4", record_batches=True)[0]
+    record = train_ranks(base, run_dir, 1, "--train.batch_size=4", record_batches=True)[0]
     record["eval"] = [r["eval_loss"] for r in eval_rows(run_dir)]
     return record
 
@@ -182,10 +163,18 @@ def _assert_evals_match(got: list[float], want: list[float], base: list[str]) ->
     )
 
 
+def _one_process_and_cp2(base: list[str], tmp_path, *extra: str) -> tuple[dict, list[dict]]:
+    """The same run (``extra``) trained by one process in tmp_path/one and by two cp ranks
+    in tmp_path/cp: its record and theirs."""
+    (one,) = train_ranks(base, tmp_path / "one", 1, *extra)
+    return one, train_ranks(base, tmp_path / "cp", 2, *extra, *CP2)
+
+
 def test_document_masking_changes_this_corpus_gradients(base, reference, tmp_path) -> None:
     """The comparisons below exercise the mask: the corpus's windows cross documents, so
     training without it gives other gradients."""
-    unmasked = _run(base, tmp_path, 1, "--data.document_masking=false", "--train.max_steps=2")
+    unmasked_run = ["--data.document_masking=false", "--train.max_steps=2"]
+    unmasked = train_ranks(base, tmp_path, 1, *unmasked_run)
     masked = reference["grad_norms"][:2]
     assert max(abs(a - b) for a, b in zip(unmasked[0]["grad_norms"], masked, strict=True)) > 1e-3
 
@@ -201,7 +190,7 @@ def test_two_context_parallel_ranks_train_and_evaluate_like_one_process(
     """With activation checkpointing, backward recomputes each block's forward, all-to-alls
     included, on both ranks in the same order."""
     split = [f"--train.batch_size={per_rank}", f"--train.grad_accum_steps={accum}"]
-    ranks = _run(base, tmp_path / "cp", 2, *CP2, *split, *extra, record_batches=True)
+    ranks = train_ranks(base, tmp_path / "cp", 2, *CP2, *split, *extra, record_batches=True)
     _assert_matches(ranks, reference, base)
     # Each cp rank read the same sequences and kept its half of the positions.
     whole = torch.cat(reference["batches"]) if accum == 1 else None
@@ -225,24 +214,15 @@ def test_context_parallel_beside_data_parallel_on_four_ranks_trains_like_one_pro
     x dp_replicate 2: HSDP shards over each cp pair and replicates across the pairs. Each
     data-parallel pair of cp ranks reads its half of the batch."""
     layout = ["--distributed.cp=2", *data_parallel, "--train.batch_size=2"]
-    ranks = _run(base, tmp_path / "cp-dp", 4, *layout, "--eval.interval=0")
+    ranks = train_ranks(base, tmp_path / "cp-dp", 4, *layout, "--eval.interval=0")
     _assert_matches(ranks, reference, base)
 
 
 def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tmp_path) -> None:
     """Each cp rank routes its own slice's tokens; the token-level balancing loss and the
     sigmoid routers' bias updates count the load over dp_cp, as one process counts it."""
-    moe = [
-        "--model.num_experts=4",
-        "--model.moe_top_k=2",
-        "--model.moe_expert_hidden_dim=16",
-        "--model.moe_router=sigmoid",
-        "--model.moe_bias_update_rate=0.01",
-        "--model.moe_aux_loss_weight=0.01",
-        "--eval.interval=0",
-    ]
-    (one,) = _run(base, tmp_path / "one", 1, *moe)
-    ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    moe = [*SIGMOID_MOE, "--model.moe_aux_loss_weight=0.01", "--eval.interval=0"]
+    one, ranks = _one_process_and_cp2(base, tmp_path, *moe)
     _assert_matches(ranks, one, [*base, *moe])
 
 
@@ -301,18 +281,14 @@ def test_an_moe_model_with_expert_parallelism_under_context_parallelism_trains_l
     the data-parallel pair), and FSDP shards the experts over the rest. The balancing
     loss is the sequence-level one, so its counts are summed over cp beside the exchange."""
     moe = [
-        "--model.num_experts=4",
-        "--model.moe_top_k=2",
-        "--model.moe_expert_hidden_dim=16",
-        "--model.moe_router=sigmoid",
-        "--model.moe_bias_update_rate=0.01",
+        *SIGMOID_MOE,
         "--model.moe_aux_loss_level=sequence",
         "--model.moe_aux_loss_weight=0.1",
         "--eval.interval=0",
     ]
-    (one,) = _run(base, tmp_path / "one", 1, *moe)
+    (one,) = train_ranks(base, tmp_path / "one", 1, *moe)
     world = 2 if "--distributed.dp_shard=1" in layout else 4
-    ranks = _run(base, tmp_path / "cp", world, *moe, "--distributed.cp=2", *layout)
+    ranks = train_ranks(base, tmp_path / "cp", world, *moe, "--distributed.cp=2", *layout)
     _assert_matches(ranks, one, [*base, *moe])
 
 
@@ -323,15 +299,12 @@ def test_a_sequence_level_balancing_loss_under_context_parallelism_trains_like_o
     are summed over the cp pair (one all-reduce per layer), so the logged balancing loss,
     the losses and the gradient norms are one process's."""
     moe = [
-        "--model.num_experts=4",
-        "--model.moe_top_k=2",
-        "--model.moe_expert_hidden_dim=16",
+        *TINY_MOE,
         "--model.moe_aux_loss_level=sequence",
         "--model.moe_aux_loss_weight=0.5",
         "--eval.interval=0",
     ]
-    (one,) = _run(base, tmp_path / "one", 1, *moe)
-    ranks = _run(base, tmp_path / "cp", 2, *moe, *CP2)
+    one, ranks = _one_process_and_cp2(base, tmp_path, *moe)
     aux = [[r["moe/aux_loss"] for r in train_rows(d)] for d in (tmp_path / "one", tmp_path / "cp")]
     # The balancing loss is a forward value: the model's forward chain and the tokens its
     # shares count, after each step's updates, as a loss is.
@@ -347,9 +320,9 @@ def test_context_parallel_beside_tensor_parallel_on_four_ranks_trains_like_one_p
     heads over its cp peers (4 query heads, 2 key/value heads: each tp rank holds one
     key/value head, which its two cp ranks share)."""
     gqa = ["--eval.interval=0", "--train.max_steps=3"]
-    (one,) = _run(base, tmp_path / "one", 1, *gqa)
+    (one,) = train_ranks(base, tmp_path / "one", 1, *gqa)
     layout = ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1"]
-    ranks = _run(base, tmp_path / "cp-tp", 4, *gqa, *layout)
+    ranks = train_ranks(base, tmp_path / "cp-tp", 4, *gqa, *layout)
     _assert_matches(ranks, one, base, steps=3)
 
 
@@ -359,10 +332,10 @@ def test_context_parallel_beside_a_pipeline_on_four_ranks_trains_like_one_proces
     """cp 2 x pp 2 (1f1b, 2 micro-batches): every stage's attention rotates its slice by
     the slice's global positions and exchanges heads over its cp peers."""
     plain = ["--data.document_masking=false", "--eval.interval=0", "--train.max_steps=3"]
-    (one,) = _run(base, tmp_path / "one", 1, *plain)
+    (one,) = train_ranks(base, tmp_path / "one", 1, *plain)
     layout = ["--distributed.cp=2", "--distributed.pp=2", "--distributed.dp_shard=1"]
     split = ["--train.batch_size=2", "--train.grad_accum_steps=2"]
-    ranks = _run(base, tmp_path / "cp-pp", 4, *plain, *layout, *split)
+    ranks = train_ranks(base, tmp_path / "cp-pp", 4, *plain, *layout, *split)
     _assert_matches(ranks, one, base, steps=3)
 
 
@@ -375,24 +348,14 @@ def test_a_checkpoint_resumes_across_context_parallelism_at_the_exact_data_posit
     base, reference, tmp_path, saved, resumed
 ) -> None:
     run = tmp_path / "run"
-    _run(base, run, 2 if saved else 1, *saved, "--train.max_steps=2")
-    ranks = _run(base, run, 2 if resumed else 1, *resumed, record_batches=True)
+    train_ranks(base, run, 2 if saved else 1, *saved, "--train.max_steps=2")
+    ranks = train_ranks(base, run, 2 if resumed else 1, *resumed, record_batches=True)
     assert {r["start_step"] for r in ranks} == {2}
     _assert_matches(ranks, reference, base, steps=STEPS - 2)
     width = 32 // len(ranks)
     for rank, record in enumerate(ranks):
         for mine, whole in zip(record["batches"], reference["batches"][2:], strict=True):
             assert torch.equal(mine, whole[:, rank * width : (rank + 1) * width])
-
-
-def _sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | None:
-    config = load_config(None, overrides)
-    config.validate(world_size_from_env())
-    session = build_session(config, init_runtime(config.distributed, "cpu"))
-    with session.tracker:
-        # Trained a little, so the greedy tokens depend on the context they attend to.
-        run_training_loop(session, step=0, tokens_seen=0)
-    return sample_text(session)
 
 
 def test_the_end_of_run_sample_under_context_parallelism_is_one_process_sample(
@@ -406,10 +369,10 @@ def test_the_end_of_run_sample_under_context_parallelism_is_one_process_sample(
         "--optimizer.lr=0.01",
     ]
     (one,) = run_distributed(
-        _sample_on_ranks, 1, [*base, *sample, "--train.run_dir=" + str(tmp_path / "one")]
+        sample_on_ranks, 1, [*base, *sample, "--train.run_dir=" + str(tmp_path / "one")]
     )
     ranks = run_distributed(
-        _sample_on_ranks, 2, [*base, *sample, *CP2, "--train.run_dir=" + str(tmp_path / "cp")]
+        sample_on_ranks, 2, [*base, *sample, *CP2, "--train.run_dir=" + str(tmp_path / "cp")]
     )
     assert one and ranks == [one, one]
 
@@ -420,7 +383,7 @@ def test_compiled_blocks_under_context_parallelism_train_like_one_process(
     """train.compile with cp 2: each block compiles with its four all-to-alls inside the
     graph (functional collectives), and training and eval equal one eager process."""
     layout = [*CP2, "--train.compile=true"]
-    ranks = _run(base, tmp_path / "cp", 2, *layout, timeout_s=600)
+    ranks = train_ranks(base, tmp_path / "cp", 2, *layout, timeout_s=600)
     _assert_matches(ranks, reference, base)
     evals = [r["eval_loss"] for r in eval_rows(tmp_path / "cp")]
     _assert_evals_match(evals, reference["eval"], base)

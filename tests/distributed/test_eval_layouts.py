@@ -16,7 +16,7 @@ import pytest
 from kempnerforge.config.loader import load_config, save_config
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import read_rows
-from tests.support.tiny import tiny_run
+from tests.support.tiny import layout_run
 from tests.support.tolerance import layout_atol
 from tests.support.train_run import train_on_ranks
 
@@ -29,14 +29,9 @@ SEQ_LEN, EVAL_STEPS = 32, 3
 
 @pytest.fixture(scope="module")
 def base(token_dirs) -> list[str]:
-    return tiny_run(
-        None,
+    return layout_run(
         token_dirs,
-        "--model.n_heads=4",
-        "--model.n_kv_heads=2",
-        f"--train.max_steps={STEPS}",
-        "--train.deterministic=true",
-        "--scheduler.warmup_steps=1",
+        STEPS,
         f"--checkpoint.interval={STEPS}",
         f"--eval.interval={STEPS}",
         f"--eval.steps={EVAL_STEPS}",

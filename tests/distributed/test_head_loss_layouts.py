@@ -15,9 +15,9 @@ from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.training.build import build_session
 from tests.support.data_files import write_jsonl
 from tests.support.dist import run_distributed
-from tests.support.tiny import tiny_run
+from tests.support.tiny import layout_run
 from tests.support.tolerance import assert_layout_close, grad_norm_terms
-from tests.support.train_run import train_on_ranks
+from tests.support.train_run import train_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -57,25 +57,13 @@ def mixture(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def base() -> list[str]:
-    return tiny_run(
-        None,
-        None,
-        "--model.n_layers=4",
-        "--model.n_heads=4",
-        "--model.n_kv_heads=2",
-        f"--train.max_steps={STEPS}",
-        "--train.deterministic=true",
-        "--scheduler.warmup_steps=1",
-        "--data.document_masking=false",
-        *CHUNK,
-    )
+    return layout_run(None, STEPS, "--model.n_layers=4", "--data.document_masking=false", *CHUNK)
 
 
 @pytest.fixture(scope="module")
 def reference(base, mixture, tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("one")
-    overrides = [*base, f"--train.run_dir={run_dir}", "--train.batch_size=4"]
-    return run_distributed(train_on_ranks, 1, overrides, {"config_path": mixture})[0]
+    return train_ranks(base, run_dir, 1, "--train.batch_size=4", config_path=mixture)[0]
 
 
 def _assert_matches(ranks: list[dict], reference: dict, config: JobConfig) -> None:
@@ -100,8 +88,7 @@ def _assert_matches(ranks: list[dict], reference: dict, config: JobConfig) -> No
 def test_the_chunked_loss_trains_like_one_process_with_per_dataset_losses(
     base, mixture, reference, tmp_path, layout
 ) -> None:
-    overrides = [*base, f"--train.run_dir={tmp_path / 'two'}", *layout]
-    ranks = run_distributed(train_on_ranks, 2, overrides, {"config_path": mixture})
+    ranks = train_ranks(base, tmp_path / "two", 2, *layout, config_path=mixture)
     _assert_matches(ranks, reference, load_config(mixture, base))
 
 
@@ -110,8 +97,8 @@ def test_the_last_stage_of_a_tensor_parallel_pipeline_trains_like_one_process(
 ) -> None:
     """pp 2 x tp 2: the last stage's loss is vocabulary-parallel over plain (replicated)
     tensor parallelism, chunked, with the z-loss and per-dataset losses."""
-    overrides = [*base, f"--train.run_dir={tmp_path / 'four'}", *PP, "--distributed.tp=2"]
-    ranks = run_distributed(train_on_ranks, 4, overrides, {"config_path": mixture}, timeout_s=240.0)
+    layout = [*PP, "--distributed.tp=2"]
+    ranks = train_ranks(base, tmp_path / "four", 4, *layout, config_path=mixture, timeout_s=240.0)
     _assert_matches(ranks, reference, load_config(mixture, base))
 
 

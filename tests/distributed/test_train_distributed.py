@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
-from tests.support.dist import run_distributed
 from tests.support.metrics_rows import eval_rows, train_rows
-from tests.support.tiny import tiny_run
+from tests.support.tiny import SIGMOID_MOE, layout_run
 from tests.support.tolerance import assert_layout_close, grad_norm_terms
-from tests.support.train_run import train_on_ranks
+from tests.support.train_run import train_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -27,17 +26,7 @@ averages."""
 
 @pytest.fixture(scope="module")
 def base(token_dirs) -> list[str]:
-    return tiny_run(
-        None,
-        token_dirs,
-        "--model.n_layers=4",
-        "--model.n_heads=4",
-        "--model.n_kv_heads=2",
-        f"--train.max_steps={STEPS}",
-        "--train.deterministic=true",
-        "--scheduler.warmup_steps=1",
-        "--data.document_masking=false",
-    )
+    return layout_run(token_dirs, STEPS, "--model.n_layers=4", "--data.document_masking=false")
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +37,11 @@ def reference(base, tmp_path_factory) -> dict:
 
 
 def _one_process(base: list[str], run_dir, *extra: str, **kwargs) -> dict:
-    # A process of its own too: the build seeds and sets deterministic mode process-wide.
-    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
-    return run_distributed(train_on_ranks, 1, overrides, kwargs)[0]
+    return train_ranks(base, run_dir, 1, *extra, **kwargs)[0]
 
 
 def _two_ranks(base: list[str], run_dir, *extra: str, **kwargs) -> list[dict]:
-    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
-    return run_distributed(train_on_ranks, 2, overrides, kwargs)
+    return train_ranks(base, run_dir, 2, *extra, **kwargs)
 
 
 def _assert_losses(got: list[float], want: list[float], base: list[str], first: int = 0) -> None:
@@ -172,14 +158,7 @@ def test_one_process_resumes_onto_two_ranks(base, reference, tmp_path) -> None:
     _assert_losses(resumed[1]["losses"], reference["losses"][2:], base, first=2)
 
 
-MOE = [
-    "--model.num_experts=4",
-    "--model.moe_top_k=2",
-    "--model.moe_expert_hidden_dim=16",
-    "--model.moe_router=sigmoid",
-    "--model.moe_bias_update_rate=0.01",
-    "--model.moe_aux_loss_weight=0.01",
-]
+MOE = [*SIGMOID_MOE, "--model.moe_aux_loss_weight=0.01"]
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,11 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
-from kempnerforge.training.build import build_session
-from kempnerforge.training.inference.sample import sample_text
-from kempnerforge.training.loop import run_training_loop
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import eval_rows
 from tests.support.tiny import tiny_run
 from tests.support.tolerance import assert_layout_close, grad_norm_terms, vlm_terms
-from tests.support.train_run import train_on_ranks
+from tests.support.train_run import sample_on_ranks, train_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -126,20 +122,10 @@ def test_a_joint_decoder_under_context_and_data_parallelism_on_four_ranks_trains
     _assert_matches(_run(tmp_path / "cp-dp", 4, *extra, *layout), one, base(None, *extra))
 
 
-def _sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | None:
-    config = load_config(None, overrides)
-    config.validate(world_size_from_env())
-    session = build_session(config, init_runtime(config.distributed, "cpu"))
-    with session.tracker:
-        # Trained a little, so the greedy caption depends on the image and the context.
-        run_training_loop(session, step=0, tokens_seen=0)
-    return sample_text(session)
-
-
 def test_the_caption_sample_under_context_parallelism_is_one_process_sample(tmp_path) -> None:
     """The sample decodes whole windows on every cp rank (whole_sequences switches the
     vision-language model's split off, decoder and all)."""
     sample = ["--vlm.max_text_len=40", "--train.sample_tokens=8", "--eval.interval=0"]
-    (one,) = run_distributed(_sample_on_ranks, 1, base(tmp_path / "one", *sample))
-    ranks = run_distributed(_sample_on_ranks, 2, [*base(tmp_path / "cp", *sample), *CP2])
+    (one,) = run_distributed(sample_on_ranks, 1, base(tmp_path / "one", *sample))
+    ranks = run_distributed(sample_on_ranks, 2, [*base(tmp_path / "cp", *sample), *CP2])
     assert one and ranks == [one, one]

@@ -11,12 +11,14 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kempnerforge.model.head_loss import (
     IGNORE_INDEX,
+    HeadLoss,
     HeadLossSpec,
     linear_cross_entropy,
     logits_head_loss,
 )
 from kempnerforge.model.vocab_parallel_loss import head_loss, is_vocab_sharded, shard_rows
 from tests.support.dist import run_distributed
+from tests.support.parallel import whole
 from tests.support.tolerance import assert_reordered_close, reorder_atol
 
 pytestmark = pytest.mark.distributed
@@ -40,19 +42,24 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return hidden, weight, labels
 
 
-def _reference(z_loss_weight: float) -> dict[str, torch.Tensor]:
-    hidden, weight, labels = _inputs()
-    hidden.requires_grad_()
-    weight.requires_grad_()
-    loss = logits_head_loss(hidden @ weight.t(), labels, z_loss_weight)
+def _backward(loss: HeadLoss, hidden: torch.Tensor, weight: torch.Tensor) -> dict:
+    """Run ``loss``'s backward; return the loss, the per-token losses and the gradients of
+    ``hidden`` and ``weight`` (whole, also when the weight is a sharded DTensor)."""
     loss.loss_sum.backward()
     assert hidden.grad is not None and weight.grad is not None
     return {
         "loss": loss.loss_sum.detach(),
         "tokens": loss.token_losses,
         "grad_hidden": hidden.grad,
-        "grad_weight": weight.grad,
+        "grad_weight": whole(weight.grad),
     }
+
+
+def _reference(z_loss_weight: float) -> dict[str, torch.Tensor]:
+    hidden, weight, labels = _inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    return _backward(logits_head_loss(hidden @ weight.t(), labels, z_loss_weight), hidden, weight)
 
 
 def _vocab_parallel(rank: int, world_size: int, layout: str, spec: HeadLossSpec) -> dict:
@@ -68,17 +75,9 @@ def _vocab_parallel(rank: int, world_size: int, layout: str, spec: HeadLossSpec)
     else:
         leaf = hidden.clone().requires_grad_()
         given = leaf
-    loss = head_loss(given, head, labels, spec)
-    loss.loss_sum.backward()
-    assert leaf.grad is not None and head.weight.grad is not None
-    grad_weight = head.weight.grad
-    assert isinstance(grad_weight, DTensor)
-    return {
-        "loss": loss.loss_sum.detach(),
-        "tokens": loss.token_losses,
-        "grad_hidden": leaf.grad,
-        "grad_weight": grad_weight.full_tensor(),
-    }
+    record = _backward(head_loss(given, head, labels, spec), leaf, head.weight)
+    assert isinstance(head.weight.grad, DTensor)
+    return record
 
 
 @pytest.mark.parametrize("layout", ["sequence", "replicated"])
@@ -144,14 +143,7 @@ def _single_rank_bf16(mode: str) -> dict[str, torch.Tensor]:
     weight.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
         loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=5, z_loss_weight=1e-2)
-    loss.loss_sum.backward()
-    assert hidden.grad is not None and weight.grad is not None
-    return {
-        "loss": loss.loss_sum.detach(),
-        "tokens": loss.token_losses,
-        "grad_hidden": hidden.grad,
-        "grad_weight": weight.grad,
-    }
+    return _backward(loss, hidden, weight)
 
 
 def _vocab_parallel_bf16(rank: int, world_size: int, mode: str) -> dict:
@@ -164,14 +156,9 @@ def _vocab_parallel_bf16(rank: int, world_size: int, mode: str) -> dict:
     leaf = hidden.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
         loss = head_loss(leaf, head, labels, HeadLossSpec(5, 1e-2))
-    loss.loss_sum.backward()
-    assert leaf.grad is not None and isinstance(head.weight.grad, DTensor)
-    return {
-        "loss": loss.loss_sum.detach(),
-        "tokens": loss.token_losses,
-        "grad_hidden": leaf.grad,
-        "grad_weight": head.weight.grad.full_tensor(),
-    }
+    record = _backward(loss, leaf, head.weight)
+    assert isinstance(head.weight.grad, DTensor)
+    return record
 
 
 @pytest.mark.parametrize("mode", ["autocast", "bf16"])

@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -18,23 +16,17 @@ import torch
 from bench.bare_loop import Llama
 from bench.gpu.hand_loop import parse_args
 from bench.gpu.suite import GPU_SHAPES, hand_args, preset_model
+from tests.support.cli import REPO, run_python
 
 pytestmark = pytest.mark.slow
 
-REPO = pathlib.Path(__file__).parents[2]
 GPU = REPO / "bench" / "gpu"
 
 
 def _suite(tmp_path, *args: str) -> dict:
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, str(GPU / "suite.py"), "--dry-run", f"--out={out}", *args],
-        cwd=REPO,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    suite = [str(GPU / "suite.py"), "--dry-run", f"--out={out}", *args]
+    done = run_python(*suite, env_extra={"TMPDIR": str(tmp_path)}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
 

@@ -4,37 +4,26 @@ numbers are measured by hand, see docs/performance.md; no timing is asserted her
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.support.cli import REPO, run_python
 
-REPO = pathlib.Path(__file__).parents[2]
+pytestmark = pytest.mark.slow
 
 
 def test_mfu_bench_prints_one_json_line_of_results(builtin_cache):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "mfu.py"),
-            "--preset=debug",
-            "--seq-len=32",
-            "--batch-size=2",
-            "--steps=2",
-            "--warmup=1",
-            "--ac=full",
-            "--fused-optimizer",
-            "--model.n_layers=2",  # any --section.field=value overrides the preset
-        ],
-        cwd=REPO,
-        env={**os.environ, "KEMPNERFORGE_CACHE": str(builtin_cache)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_python(
+        str(REPO / "bench" / "mfu.py"),
+        "--preset=debug",
+        "--seq-len=32",
+        "--batch-size=2",
+        "--steps=2",
+        "--warmup=1",
+        "--ac=full",
+        "--fused-optimizer",
+        "--model.n_layers=2",  # any --section.field=value overrides the preset
+        env_extra={"KEMPNERFORGE_CACHE": str(builtin_cache)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from tests.support.cli import run_python
 
 pytestmark = pytest.mark.slow
 
-REPO = pathlib.Path(__file__).parents[2]
-
 
 def test_the_moe_layer_bench_times_every_expert_compute():
-    proc = subprocess.run(
-        [sys.executable, "bench/moe.py", "--no-training", "--layer-repeats=1", "--seq-len=32"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python("bench/moe.py", "--no-training", "--layer-repeats=1", "--seq-len=32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("even", "sk"))]
     assert [row[0] for row in rows] == ["even", "skewed"]

@@ -29,16 +29,38 @@ TINY = [
 ]
 
 
-def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path, config: str = DEBUG):
+def run_check_parallel(argv: list[str], cwd: pathlib.Path, cache: pathlib.Path):
+    """`kempnerforge check-parallel` with ``argv``, run in ``cwd`` on the built-in corpus of
+    ``cache``."""
     env = {**os.environ, "KEMPNERFORGE_CACHE": str(cache)}
     env.pop("OMP_NUM_THREADS", None)  # torchrun gives each rank one thread of its own
     return subprocess.run(
-        [sys.executable, "-m", "kempnerforge", "check-parallel", config, *args, *TINY],
+        [sys.executable, "-m", "kempnerforge", "check-parallel", *argv],
         cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
+    )
+
+
+def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path, config: str = DEBUG):
+    """check-parallel of ``config`` shrunk to the TINY model."""
+    return run_check_parallel([config, *args, *TINY], cwd, cache)
+
+
+def check_moe_layouts(layouts: list[str], cwd: pathlib.Path, cache: pathlib.Path):
+    """check-parallel of the debug MoE config under ``layouts`` for 3 steps, its experts
+    32 wide."""
+    return check_parallel(
+        "--layouts",
+        *layouts,
+        "--steps",
+        "3",
+        "--model.moe_expert_hidden_dim=32",
+        cwd=cwd,
+        cache=cache,
+        config=DEBUG_MOE,
     )
 
 
@@ -53,76 +75,44 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
-    layouts = ["dp_shard=2", "tp=2", "pp=2,schedule=1f1b", "pp=2,tp=2"]
-    worlds = {"pp=2,tp=2": "4"}
-    proc = check_parallel("--layouts", *layouts, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
+def assert_every_layout_passes(proc, worlds: dict[str, str]) -> None:
+    """Exit 0 and one row per layout of ``worlds``, each PASS on its number of processes
+    with the loss and gradient-norm differences within 1e-4."""
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert sorted(rows) == sorted(worlds)
+    for layout, world, loss_diff, norm_diff, result in rows.values():
+        assert (world, result) == (worlds[layout], "PASS"), layout
+        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+
+
+def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
+    worlds = {"dp_shard=2": "2", "tp=2": "2", "pp=2,schedule=1f1b": "2", "pp=2,tp=2": "4"}
+    proc = check_parallel("--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
+    assert_every_layout_passes(proc, worlds)
     assert "max rel dloss" in proc.stdout and "|x - x_ref| / |x_ref|" in proc.stdout
     # The pipeline layout changes every run, the reference included, and says so.
     assert "uses 2" in proc.stdout and "data.document_masking = false" in proc.stdout
-    rows = table_rows(proc.stdout)
-    assert sorted(rows) == sorted(layouts)
-    for layout, world, loss_diff, norm_diff, result in rows.values():
-        assert (world, result) == (worlds.get(layout, "2"), "PASS"), layout
-        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
     assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
 
 
 def test_expert_parallel_moe_layouts_match_one_process(tmp_path, builtin_cache):
-    layouts = ["dp_shard=2,ep=2", "dp_shard=2"]
-    proc = check_parallel(
-        "--layouts",
-        *layouts,
-        "--steps",
-        "3",
-        "--model.moe_expert_hidden_dim=32",
-        cwd=tmp_path,
-        cache=builtin_cache,
-        config=DEBUG_MOE,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = table_rows(proc.stdout)
-    assert sorted(rows) == sorted(layouts)
-    for layout, world, loss_diff, norm_diff, result in rows.values():
-        assert (world, result) == ("2", "PASS"), layout
-        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+    worlds = {"dp_shard=2,ep=2": "2", "dp_shard=2": "2"}
+    assert_every_layout_passes(check_moe_layouts(list(worlds), tmp_path, builtin_cache), worlds)
 
 
 def test_moe_pipeline_layouts_match_one_process(tmp_path, builtin_cache):
     """MoE split into pipeline stages, alone and with the experts of each stage split over
     its 2 shard ranks (4 processes)."""
-    layouts = ["pp=2", "pp=2,dp_shard=2,ep=2"]
-    proc = check_parallel(
-        "--layouts",
-        *layouts,
-        "--steps",
-        "3",
-        "--model.moe_expert_hidden_dim=32",
-        cwd=tmp_path,
-        cache=builtin_cache,
-        config=DEBUG_MOE,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = table_rows(proc.stdout)
-    assert sorted(rows) == sorted(layouts)
     worlds = {"pp=2": "2", "pp=2,dp_shard=2,ep=2": "4"}
-    for layout, world, loss_diff, norm_diff, result in rows.values():
-        assert (world, result) == (worlds[layout], "PASS"), layout
-        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+    assert_every_layout_passes(check_moe_layouts(list(worlds), tmp_path, builtin_cache), worlds)
 
 
 def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
     """The debug config packs documents (document masking on): cp 2 alone and beside FSDP."""
-    layouts = ["cp=2", "cp=2,dp_shard=2"]
-    proc = check_parallel("--layouts", *layouts, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = table_rows(proc.stdout)
-    assert sorted(rows) == sorted(layouts)
     worlds = {"cp=2": "2", "cp=2,dp_shard=2": "4"}
-    for layout, world, loss_diff, norm_diff, result in rows.values():
-        assert (world, result) == (worlds[layout], "PASS"), layout
-        assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
+    proc = check_parallel("--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
+    assert_every_layout_passes(proc, worlds)
 
 
 def test_a_refused_layout_is_reported_with_its_config_error_and_exit_1(tmp_path, builtin_cache):
@@ -148,17 +138,8 @@ def test_a_refused_layout_is_reported_with_its_config_error_and_exit_1(tmp_path,
 def test_every_accepted_two_process_layout_trains_as_one_process(tmp_path, builtin_cache):
     """The layout sweep's sample in the suite: the dense config with accumulation, every
     layout of 2 processes (each mesh dimension, and pp with each schedule)."""
-    env = {**os.environ, "KEMPNERFORGE_CACHE": str(builtin_cache)}
-    env.pop("OMP_NUM_THREADS", None)  # torchrun gives each rank one thread of its own
     argv = sweep_argv("dense-accum", "--nproc", "2")  # the later --nproc wins
-    proc = subprocess.run(
-        [sys.executable, "-m", "kempnerforge", "check-parallel", *argv],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_check_parallel(argv, tmp_path, builtin_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "sweep: 10 accepted layouts checked, 10 pass, 0 fail; 0 refused" in proc.stdout
     passed = set(passed_layouts(proc.stdout))

@@ -3,15 +3,14 @@ on a corpus written as shards by separate `kempnerforge prepare-data` processes.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from tests.conftest import synthetic_documents
+from tests.support.cli import run_kempnerforge
 from tests.support.data_files import write_jsonl
 from tests.support.tiny import tiny_run
 
@@ -22,15 +21,7 @@ DEBUG = str(REPO / "configs" / "train" / "debug.toml")
 
 
 def kempnerforge(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "kempnerforge", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_kempnerforge(*args, env_extra={"OMP_NUM_THREADS": "1"})
 
 
 def train_args(data: pathlib.Path, run_dir: pathlib.Path, *extra: str) -> list[str]:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
+from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import read_rows
 from tests.support.tiny import tiny_run
 
@@ -20,15 +19,7 @@ DEBUG = str(REPO / "configs" / "train" / "debug.toml")
 
 
 def kempnerforge(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "kempnerforge", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_kempnerforge(*args, env_extra={"OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -76,27 +76,30 @@ class Run:
             self.proc.wait()
             pytest.fail(f"the run did not exit within {WAIT_S:.0f} s:\n{self.err()[-3000:]}")
 
+    @classmethod
+    def launch(
+        cls, command: list[str], run_dir: pathlib.Path, env: dict[str, str], own_group: bool
+    ) -> Run:
+        """Start ``command`` in the repository, its output appended to ``run_dir``.out and
+        .err beside ``run_dir`` (so a relaunch into the same run directory keeps both)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        logs = run_dir.parent
+        stdout, stderr = logs / f"{run_dir.name}.out", logs / f"{run_dir.name}.err"
+        with open(stdout, "a") as out, open(stderr, "a") as err:
+            proc = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=own_group
+            )
+        return cls(proc, run_dir, stdout, stderr)
+
 
 def start(
     run_dir: pathlib.Path, cache: pathlib.Path, *overrides: str, own_group: bool = False
 ) -> Run:
     """Start a run; with ``own_group`` it leads a process group of its own (its pid is the
     group id), so a signal to the group reaches it and its dataloader workers only."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logs = run_dir.parent
-    stdout, stderr = logs / f"{run_dir.name}.out", logs / f"{run_dir.name}.err"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KEMPNERFORGE_CACHE": str(cache)}
-    with open(stdout, "a") as out, open(stderr, "a") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kempnerforge", "train", DEBUG, *COMMON]
-            + [f"--train.run_dir={run_dir}", *overrides],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=err,
-            start_new_session=own_group,
-        )
-    return Run(proc, run_dir, stdout, stderr)
+    command = [sys.executable, "-m", "kempnerforge", "train", DEBUG, *COMMON]
+    return Run.launch([*command, f"--train.run_dir={run_dir}", *overrides], run_dir, env, own_group)
 
 
 def logged_losses(run_dir: pathlib.Path) -> list[tuple[int, float]]:

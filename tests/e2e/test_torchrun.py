@@ -7,7 +7,6 @@ import contextlib
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 
@@ -26,6 +25,7 @@ from tests.e2e.test_signals import (
     logged_steps,
     wait_until,
 )
+from tests.support.cli import run_kempnerforge
 from tests.support.exit_marks import ATEXIT_DIR_ENV
 from tests.support.metrics_rows import events
 
@@ -45,27 +45,16 @@ TIMEOUT_S = 8
 def start_torchrun(run_dir: pathlib.Path, cache: pathlib.Path, *overrides: str) -> Run:
     """`torchrun --nproc_per_node=2 -m kempnerforge train`, leading its own process group
     (as srun's task does), with rank 0's exit code written to ``run_dir``.exit."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logs = run_dir.parent
-    stdout, stderr = logs / f"{run_dir.name}.out", logs / f"{run_dir.name}.err"
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "KEMPNERFORGE_CACHE": str(cache),
-        "KEMPNERFORGE_EXIT_CODE_FILE": str(logs / f"{run_dir.name}.exit"),
+        "KEMPNERFORGE_EXIT_CODE_FILE": str(run_dir.parent / f"{run_dir.name}.exit"),
     }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=2", "-m", "kempnerforge", "train", DEBUG, *COMMON]
-    with open(stdout, "a") as out, open(stderr, "a") as err:
-        proc = subprocess.Popen(
-            [*command, f"--train.run_dir={run_dir}", *overrides],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
-    return Run(proc, run_dir, stdout, stderr)
+    command += [f"--train.run_dir={run_dir}", *overrides]
+    return Run.launch(command, run_dir, env, own_group=True)
 
 
 def rank_code(run: Run) -> int:
@@ -196,14 +185,15 @@ def test_ranks_end_without_finalisation_once_they_left_their_process_group(
     assert logged_steps(tmp_path / "run") == [1, 2, 3]
     assert not list(tmp_path.glob("atexit-*"))
 
-    one = subprocess.run(
-        [sys.executable, "-m", "kempnerforge", "train", DEBUG, *COMMON, "--train.max_steps=1"]
-        + [f"--train.run_dir={tmp_path / 'one'}", "--train.batch_size=1", hook],
-        cwd=REPO,
-        env={**os.environ, "KEMPNERFORGE_CACHE": str(builtin_cache)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    one_step = ["--train.max_steps=1", f"--train.run_dir={tmp_path / 'one'}"]
+    one = run_kempnerforge(
+        "train",
+        DEBUG,
+        *COMMON,
+        *one_step,
+        "--train.batch_size=1",
+        hook,
+        env_extra={"KEMPNERFORGE_CACHE": str(builtin_cache)},
     )
     assert one.returncode == 0, one.stderr[-3000:]
     assert (tmp_path / "atexit-rank0").read_text() == "finalised\n"

@@ -5,28 +5,25 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from kempnerforge.config.loader import load_config
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.tokenizer import ByteTokenizer
-from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.head_loss import HeadLossSpec
-from kempnerforge.training.build import build_session
 from kempnerforge.training.forward import vlm_batch_loss
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
 from kempnerforge.training.resume_plan import resume_session
+from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import events, read_rows, train_rows
 from tests.support.resume import (
     assert_tensors_bitwise_equal,
+    make_session,
     parameters_of,
 )
 from tests.support.tiny import tiny_run
@@ -62,12 +59,6 @@ def vlm_overrides(run_dir: Path, *extra: str) -> list[str]:
         "--eval.interval=0",
         *extra,
     )
-
-
-def make_session(overrides: list[str]) -> TrainingSession:
-    config = load_config(None, overrides)
-    config.validate(1)
-    return build_session(config, RuntimeContext())
 
 
 class GroupSnapshots(TrainingHook):
@@ -277,14 +268,7 @@ def test_a_saved_clip_tower_trains_with_its_weights_frozen(tmp_path):
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kempnerforge", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    return run_kempnerforge(*args, cwd=cwd, env_extra={"PYTHONPATH": str(REPO)}, timeout=timeout)
 
 
 def test_vlm_debug_config_trains_end_to_end_on_cpu(tmp_path):

@@ -7,16 +7,19 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
+from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.shards import Shard
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.hooks import StepContext, TrainingHook
-from kempnerforge.training.loop import TrainingSession
+from kempnerforge.training.loop import TrainingSession, run_training_loop
+from tests.support.faults import crash_at_step
 
 WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]
 
@@ -61,6 +64,15 @@ def make_session(overrides: list[str]) -> TrainingSession:
     config = load_config(None, overrides)
     config.validate(1)
     return build_session(config, RuntimeContext())
+
+
+def bad_data_after_a_crash(session: TrainingSession, step: int) -> set[int]:
+    """Run ``session`` until it crashes at ``step`` (crash_at_step), as a lost process does;
+    the windows its bad-data record holds by then, which the resumed run must not read."""
+    crash_at_step(session, step)
+    with session.tracker, pytest.raises(RuntimeError, match="went away"):
+        run_training_loop(session)
+    return {w.window for w in read_bad_data(session.checkpointer.directory)}
 
 
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

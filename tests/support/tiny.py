@@ -13,6 +13,11 @@ TINY_MODEL = [
 ]
 """dim 32, 2 layers, 2 heads, 64 positions, the byte vocabulary."""
 
+TINY_MOE = ["--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_expert_hidden_dim=16"]
+"""The tiny model with mixture-of-experts feed-forwards: 4 experts of hidden size 16, 2 a token."""
+SIGMOID_MOE = [*TINY_MOE, "--model.moe_router=sigmoid", "--model.moe_bias_update_rate=0.01"]
+"""TINY_MOE routed by sigmoid scores, balanced by updates of the routers' expert biases."""
+
 
 def tiny_run(
     run_dir: str | os.PathLike[str] | None, data: tuple[str, str] | None, *extra: str
@@ -39,3 +44,20 @@ def tiny_run(
         *corpus,
         *extra,
     ]
+
+
+def layout_run(data: tuple[str, str] | None, steps: int, *extra: str) -> list[str]:
+    """The tiny run (no run directory) that a layout test trains in one process and on
+    several ranks: ``steps`` steps, 4 query heads over 2 key/value heads (grouped-query
+    attention, which tensor and context parallelism split), deterministic kernels and a
+    1-step warmup. ``extra`` comes last, so it overrides any of these."""
+    return tiny_run(
+        None,
+        data,
+        "--model.n_heads=4",
+        "--model.n_kv_heads=2",
+        f"--train.max_steps={steps}",
+        "--train.deterministic=true",
+        "--scheduler.warmup_steps=1",
+        *extra,
+    )

@@ -2,10 +2,12 @@
 
 Called in the test process (world size 1) or on every rank of run_distributed (the launch
 comes from the environment, as under torchrun). Returns plain data, so it pickles back.
+train_ranks runs it on gloo ranks; sample_on_ranks is the end-of-run sample's counterpart.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -13,8 +15,10 @@ import torch
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.training.build import build_session
+from kempnerforge.training.inference.sample import sample_text
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop
 from kempnerforge.training.resume_plan import apply_resume, plan_resume
+from tests.support.dist import DEFAULT_TIMEOUT_S, run_distributed
 
 
 def train_steps(
@@ -87,3 +91,31 @@ def _record_batches(session: TrainingSession, batches: list[torch.Tensor]) -> No
 def train_on_ranks(rank: int, world_size: int, overrides: list[str], kwargs: dict) -> dict:
     """run_distributed entry point: train_steps on this rank."""
     return train_steps(overrides, **kwargs)
+
+
+def train_ranks(
+    base: list[str],
+    run_dir: str | os.PathLike[str],
+    world_size: int,
+    *extra: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> list[dict]:
+    """train_steps of ``base`` in ``run_dir`` with ``extra`` on ``world_size`` gloo ranks
+    (``kwargs`` go to train_steps); one record a rank, by rank. One process is a rank of
+    its own too: the build seeds and sets deterministic mode process-wide."""
+    overrides = [*base, f"--train.run_dir={run_dir}", *extra]
+    return run_distributed(train_on_ranks, world_size, overrides, kwargs, timeout_s=timeout_s)
+
+
+def sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | None:
+    """run_distributed entry point: train for the config's steps, then the end-of-run sample.
+
+    Trained a little first, so the greedy tokens depend on what they attend to: the
+    context (and a vision-language model's image)."""
+    config = load_config(None, overrides)
+    config.validate(world_size_from_env())
+    session = build_session(config, init_runtime(config.distributed, "cpu"))
+    with session.tracker:
+        run_training_loop(session, step=0, tokens_seen=0)
+    return sample_text(session)

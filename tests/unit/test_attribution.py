@@ -10,21 +10,19 @@ import socket
 import pytest
 import torch
 
-from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import HardwareFaultError
 from kempnerforge.data.bad_windows import BAD_DATA_FILE, BadWindow, read_bad_data
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
-from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.exit_codes import HARDWARE_FAULT, code_of
-from kempnerforge.training.build import build_session
 from kempnerforge.training.faults.attribution import FAULT_HOSTS_ENV
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.resume_plan import resume_session
 from tests.conftest import synthetic_documents
-from tests.support.faults import PoisonedSamples, crash_at_step
+from tests.support.faults import PoisonedSamples
 from tests.support.metrics_rows import events, train_rows
+from tests.support.resume import bad_data_after_a_crash, make_session
 from tests.support.tiny import tiny_run
 
 SEQ, BATCH = 32, 4
@@ -47,12 +45,6 @@ def small_data(tmp_path_factory) -> tuple[str, str]:
     return train, evald
 
 
-def _session(overrides: list[str]):
-    config = load_config(None, overrides)
-    config.validate(1)
-    return build_session(config, RuntimeContext())
-
-
 def _window_at(session, epoch: int, position: int) -> int:
     return session.data.sampler.rank_index(epoch, position)
 
@@ -68,7 +60,7 @@ def test_a_fault_that_repeats_is_the_datas_and_its_windows_are_never_read_again(
         "--checkpoint.interval=2",
         "--train.nan_consecutive_max=1",  # the bad step also rolls back to step 2
     )
-    session = _session(overrides)
+    session = make_session(overrides)
     per_epoch = session.data.sampler.samples_per_rank // BATCH
     assert 2 * per_epoch < 60  # every window comes round at least twice more
     poisoned_window = _window_at(session, 0, 2 * BATCH + 1)  # read by step 3
@@ -102,17 +94,15 @@ def test_a_crash_and_resume_before_the_fault_never_feeds_the_bad_windows_again(
     overrides = tiny_run(
         tmp_path / "run", small_data, *ATTRIBUTE, "--train.max_steps=30", "--checkpoint.interval=2"
     )
-    first = _session(overrides)
+    first = make_session(overrides)
     dataset = first.data.dataset
     poisoned_window = _window_at(first, 0, 2 * BATCH + 1)
     first.loss_fn = PoisonedSamples(first.loss_fn, dataset, [poisoned_window])
-    crash_at_step(first, 3)  # the fault was recorded at step 3; no checkpoint since step 2
-    with first.tracker, pytest.raises(RuntimeError, match="went away"):
-        run_training_loop(first)
-    bad = {w.window for w in read_bad_data(first.checkpointer.directory)}
+    # The fault is recorded at step 3; no checkpoint since step 2.
+    bad = bad_data_after_a_crash(first, 3)
     assert poisoned_window in bad
 
-    resumed = _session(overrides)
+    resumed = make_session(overrides)
     clean = MemoryMappedDataset(small_data[0], SEQ)
     watcher = PoisonedSamples(resumed.loss_fn, clean, [poisoned_window])
     resumed.loss_fn = watcher
@@ -156,10 +146,10 @@ def test_a_fault_that_does_not_repeat_is_the_machines_and_the_clean_rerun_is_the
     tiny_overrides,
 ):
     overrides = [*tiny_overrides, *ATTRIBUTE]
-    clean = _session([*overrides, "--train.run_dir=" + _sibling(tiny_overrides, "clean")])
+    clean = make_session([*overrides, "--train.run_dir=" + _sibling(tiny_overrides, "clean")])
     with clean.tracker:
         run_training_loop(clean)
-    faulty = _session(overrides)
+    faulty = make_session(overrides)
     hook = CorruptOnce(next(faulty.model.parameters()), on_call=4)
     with faulty.tracker:
         assert run_training_loop(faulty)[0] == 6
@@ -184,7 +174,7 @@ def test_too_many_hardware_faults_stop_the_run_with_exit_code_76(
 ):
     hosts = tmp_path / "fault-hosts"
     monkeypatch.setenv(FAULT_HOSTS_ENV, str(hosts))
-    session = _session([*tiny_overrides, *ATTRIBUTE, "--train.max_hardware_faults=2"])
+    session = make_session([*tiny_overrides, *ATTRIBUTE, "--train.max_hardware_faults=2"])
     param = next(session.model.parameters())
     CorruptOnce(param, on_call=2)
     CorruptOnce(param, on_call=4)  # step 3 (call 3 is the first fault's re-run)
@@ -200,7 +190,7 @@ def test_too_many_hardware_faults_stop_the_run_with_exit_code_76(
 
 def test_a_spike_that_repeats_is_the_datas(tiny_overrides):
     overrides = [*tiny_overrides, *ATTRIBUTE, "--train.spike_window=4", "--train.spike_sigmas=3"]
-    session = _session(overrides)
+    session = make_session(overrides)
     window = _window_at(session, 0, 5 * BATCH)  # read by step 6
     target = session.data.dataset[window]["labels"].numpy().tobytes()
     real = session.loss_fn

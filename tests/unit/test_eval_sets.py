@@ -87,18 +87,24 @@ def test_an_unknown_key_in_an_eval_set_names_it():
 # --- data --------------------------------------------------------------------------------
 
 
+def _eval_only_pipeline(eval_sets: list[EvalSetConfig]):
+    """The default config's data pipeline over ``eval_sets`` alone (no training data), 4
+    windows of 32 tokens a batch."""
+    return build_data_pipeline(
+        load_config(None).data,
+        seq_len=32,
+        batch_size=4,
+        seed=0,
+        with_train=False,
+        eval_sets=eval_sets,
+    )
+
+
 def test_a_missing_eval_set_path_is_a_data_error_naming_field_and_file(tmp_path, token_dirs):
     missing = tmp_path / "nowhere"
     sets = [EvalSetConfig("ok", token_dirs[1]), EvalSetConfig("gone", str(missing))]
     with pytest.raises(DataError, match=r"eval\.sets\[1\]\.path") as info:
-        build_data_pipeline(
-            load_config(None).data,
-            seq_len=32,
-            batch_size=4,
-            seed=0,
-            with_train=False,
-            eval_sets=sets,
-        )
+        _eval_only_pipeline(sets)
     assert str(missing) in str(info.value)
 
 
@@ -109,26 +115,12 @@ def test_an_eval_set_of_another_tokenizer_is_a_data_error(tmp_path, token_dirs):
     meta["tokenizer"] = "some-other-tokenizer"
     (other / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=r"eval\.sets\[0\]\.path: .*other.*tokenizer"):
-        build_data_pipeline(
-            load_config(None).data,
-            seq_len=32,
-            batch_size=4,
-            seed=0,
-            with_train=False,
-            eval_sets=[EvalSetConfig("x", str(other))],
-        )
+        _eval_only_pipeline([EvalSetConfig("x", str(other))])
 
 
 def test_pipeline_holds_the_named_sets_in_order(token_dirs):
     train, evald = token_dirs
-    pipe = build_data_pipeline(
-        load_config(None).data,
-        seq_len=32,
-        batch_size=4,
-        seed=0,
-        with_train=False,
-        eval_sets=[EvalSetConfig("b", evald), EvalSetConfig("a", train)],
-    )
+    pipe = _eval_only_pipeline([EvalSetConfig("b", evald), EvalSetConfig("a", train)])
     assert list(pipe.eval_datasets) == ["b", "a"]
     assert pipe.eval_dataset is pipe.eval_datasets["b"]
     first = next(pipe.eval_batches(1, 2, "a"))["input_ids"]

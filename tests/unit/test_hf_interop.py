@@ -43,6 +43,19 @@ TINY: dict[str, Any] = dict(
 )
 
 
+HF_TINY: dict[str, Any] = dict(
+    vocab_size=259,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+)
+"""The models transformers makes here, in its config's words: TINY's size with 2 key/value
+heads, initialized as widely as tiny_cfg (far from 0, so a wrong mapping shows)."""
+
+
 def tiny_cfg(**fields) -> ModelConfig:
     # A larger init than training's 0.02, so the logits are far from 0 and a wrong mapping
     # (a swapped norm, a missing bias) shows far above the tolerance.
@@ -154,17 +167,7 @@ def test_load_llama_into_a_fresh_model_reproduces_it(tmp_path):
 
 def test_a_model_exported_by_transformers_loads_into_ours(tmp_path):
     """The other direction: a LlamaForCausalLM made and saved by transformers itself."""
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=259,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,
-    )
+    hf_cfg = transformers.LlamaConfig(**HF_TINY, intermediate_size=48, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
@@ -259,16 +262,7 @@ def test_moe_round_trip_is_bitwise_router_bias_included(tmp_path, name):
 
 def _transformers_moe(kind: str) -> Any:
     """A tiny MoE model made by transformers itself, with a non-zero router bias (GLM)."""
-    shape = dict(
-        vocab_size=259,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-        num_experts_per_tok=2,
-    )
+    shape = dict(HF_TINY, num_experts_per_tok=2)
     if kind == "mixtral":
         config = transformers.MixtralConfig(**shape, intermediate_size=16, num_local_experts=4)
         cls = transformers.MixtralForCausalLM

@@ -19,31 +19,17 @@ from kempnerforge.training.hooks import (
     TrainingHook,
     load_hooks,
 )
+from tests.support.logs import package_records
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = "expected an import path 'package.module:ClassName' naming a TrainingHook subclass"
 
 
-class ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def logs():
     """Records of the kempnerforge loggers, whatever configure_logging did before."""
-    handler = ListHandler()
-    root = logging.getLogger("kempnerforge")
-    old_level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    yield handler.records
-    root.removeHandler(handler)
-    root.setLevel(old_level)
+    with package_records(logging.DEBUG) as records:
+        yield records
 
 
 def make_ctx(step: int, loss: float = 3.0) -> StepContext:

@@ -9,25 +9,14 @@ import torch
 
 from kempnerforge.metrics import mfu as mfu_module
 from kempnerforge.metrics.mfu import mfu, peak_flops_per_sec
-
-
-class ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from tests.support.logs import package_records
 
 
 @pytest.fixture
 def warnings_seen():
     """WARNING records of the kempnerforge loggers, whatever configure_logging did before."""
-    handler = ListHandler()
-    root = logging.getLogger("kempnerforge")
-    root.addHandler(handler)
-    yield handler.records
-    root.removeHandler(handler)
+    with package_records(logging.WARNING) as records:
+        yield records
 
 
 @pytest.fixture

@@ -42,21 +42,14 @@ DIM = 16
 ROUTERS = ("softmax", "sigmoid")
 
 
+MOE_FIELDS: dict = dict(n_heads=2, vocab_size=VOCAB, multiple_of=16, num_experts=4, moe_top_k=2)
+"""What the layer and the model configs share: 2 heads, 4 experts, 2 of them a token."""
+
+
 def layer_config(**overrides: object) -> ModelConfig:
     """One-block config whose MoE layer is 4 experts of width 8 over a 16-wide stream."""
-    fields: dict = dict(
-        dim=DIM,
-        n_layers=1,
-        n_heads=2,
-        vocab_size=VOCAB,
-        max_seq_len=32,
-        multiple_of=16,
-        num_experts=4,
-        moe_top_k=2,
-        moe_expert_hidden_dim=8,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    shape = dict(dim=DIM, n_layers=1, max_seq_len=32, moe_expert_hidden_dim=8)
+    return ModelConfig(**{**MOE_FIELDS, **shape, **overrides})
 
 
 def moe_layer(seed: int = 0, **overrides: object) -> MoEFeedForward:
@@ -70,19 +63,9 @@ def moe_layer(seed: int = 0, **overrides: object) -> MoEFeedForward:
 
 
 def model_config(**overrides: object) -> ModelConfig:
-    fields: dict = dict(
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        vocab_size=VOCAB,
-        max_seq_len=16,
-        multiple_of=16,
-        num_experts=4,
-        moe_top_k=2,
-        moe_expert_hidden_dim=16,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    """Two-block config of 4 experts of width 16 over a 32-wide stream, 16 positions."""
+    shape = dict(dim=32, n_layers=2, max_seq_len=16, moe_expert_hidden_dim=16)
+    return ModelConfig(**{**MOE_FIELDS, **shape, **overrides})
 
 
 def moe_model(**overrides: object) -> Transformer:
@@ -879,17 +862,7 @@ def test_compiled_moe_blocks_match_eager(capacity) -> None:
     from kempnerforge.distributed.parallelize import apply_compile
     from kempnerforge.model.transformer import Transformer
 
-    cfg = ModelConfig(
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        vocab_size=64,
-        max_seq_len=32,
-        num_experts=4,
-        moe_top_k=2,
-        moe_expert_hidden_dim=16,
-        moe_capacity_factor=capacity,
-    )
+    cfg = model_config(n_heads=4, max_seq_len=32, multiple_of=256, moe_capacity_factor=capacity)
     eager, compiled = Transformer(cfg), Transformer(cfg)
     eager.init_weights(1)
     compiled.init_weights(1)
