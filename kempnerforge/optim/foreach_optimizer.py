@@ -1,5 +1,6 @@
-"""The base of Lion, Muon and schedule-free AdamW: the ``foreach`` group option and a step()
-that runs the closure and then steps each parameter group, written once for all three."""
+"""The base of Lion, Muon and schedule-free AdamW: the ``foreach`` group option, a step()
+that runs the closure and then steps each parameter group, and per-parameter state created
+on first use, written once for all three."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ class ForeachOptimizer(torch.optim.Optimizer):
     def _group_step(self, group: dict[str, Any]) -> None:
         """Update the group's parameters that have a gradient, and their state."""
         raise NotImplementedError
+
+    def _states(
+        self, params: list[torch.Tensor], fresh: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    ) -> list[dict[str, Any]]:
+        """Each parameter's state, filled with ``fresh(p)`` the first time it is asked for:
+        a parameter that never has a gradient never gets state."""
+        states = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state.update(fresh(p))
+            states.append(state)
+        return states

@@ -45,15 +45,14 @@ class Lion(ForeachOptimizer):
 
     def _group_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
-        moms = [self._momentum(p) for p in params]
+        moms = [state["exp_avg"] for state in self._states(params, _fresh_state)]
         for ps, gs, ms in bucket(params, grads, moms):
             _update(ps, gs, ms, group)
 
-    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"]
+
+def _fresh_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first step: the momentum m at zero."""
+    return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 def _update(

@@ -96,25 +96,13 @@ class Muon(ForeachOptimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
-        bufs = []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs.append(state["momentum_buffer"])
+        bufs = [state["momentum_buffer"] for state in self._states(params, _fresh_muon_state)]
         for ps, gs, bs in bucket(params, grads, bufs):
             _muon_update(ps, gs, bs, group)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
-        states = []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states.append(state)
+        states = self._states(params, _fresh_adamw_state)
         lists = bucket(
             params,
             grads,
@@ -124,6 +112,20 @@ class Muon(ForeachOptimizer):
         )
         for ps, gs, ms, vs, steps in lists:
             _adamw_update(ps, gs, ms, vs, steps, group)
+
+
+def _fresh_muon_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A matrix's state before its first Muon step: the momentum buffer at zero."""
+    return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def _fresh_adamw_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first AdamW step; the step count stays on the CPU."""
+    return {
+        "step": torch.zeros((), dtype=torch.float32),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
 
 
 def _muon_update(

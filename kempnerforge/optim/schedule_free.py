@@ -60,17 +60,9 @@ class ScheduleFreeAdamW(ForeachOptimizer):
         }
         super().__init__(params, defaults, foreach)
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        state = self.state[p]
-        if not state:
-            state["z"] = p.detach().clone()
-            state["x"] = p.detach().clone()
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
     def _points(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The x and z of each parameter, state created where missing."""
-        states = [self._init_state(p) for p in params]
+        states = self._states(params, _fresh_state)
         return [s["x"] for s in states], [s["z"] for s in states]
 
     @torch.no_grad()
@@ -114,6 +106,15 @@ class ScheduleFreeAdamW(ForeachOptimizer):
         for ps, gs, x, z, v in bucket(params, grads, xs, zs, vs):
             _update(ps, gs, x, z, v, group, lr_t, c)
             _interpolate(ps, x, z, group)
+
+
+def _fresh_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first step: z and x at the parameter, v at zero."""
+    return {
+        "z": p.detach().clone(),
+        "x": p.detach().clone(),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
 
 
 def _update(
