@@ -37,7 +37,7 @@ from kempnerforge.checkpoint.resume import (
     require_marker,
     saved_keys,
 )
-from kempnerforge.checkpoint.saver import CheckpointSaver, CommitCallback
+from kempnerforge.checkpoint.saver import CheckpointSaver
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError, incomplete
 from kempnerforge.core.logging import get_logger
@@ -47,7 +47,7 @@ __all__ = ["CheckpointError", "CheckpointManager"]
 logger = get_logger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(CheckpointSaver):
     """Saves, finds and loads this run's checkpoints (see the module docstring for layout).
 
     Every rank constructs one and calls save/poll/wait/load/find_resume_path together:
@@ -58,6 +58,9 @@ class CheckpointManager:
     one, once, at the first async save when it was given none. The directory must be one
     shared filesystem path for all ranks. ``config_sha256`` is recorded in each marker
     unless a save passes its own.
+
+    Saving (save, poll, writing, record_write_vote, on_commit, failed_saves_in_a_row) is
+    the CheckpointSaver this class extends; finding, checking and loading are here.
     """
 
     def __init__(
@@ -76,55 +79,25 @@ class CheckpointManager:
             raise ValueError(f"world_size={world_size} needs torch.distributed to be initialized")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.cfg = cfg
-        self.directory = Path(directory)
-        self.rank = rank
-        self.world_size = world_size
-        self.process_group = process_group
-        self.config_sha256 = config_sha256
-        self._no_dist = not initialized
-        self._coord = Coordinator(
-            self.directory, rank=rank, world_size=world_size, process_group=process_group
-        )
-        self._verified: set[Path] = set()
-        """Checkpoints a verdict of this run found complete: a load of one checks no more."""
-        self._known_complete: set[Path] = set()
-        """Those, and the checkpoints this run wrote: retention reads nothing of them."""
-        self._saver = CheckpointSaver(
+        root = Path(directory)
+        super().__init__(
             cfg,
-            self.directory,
-            self._coord,
+            root,
+            Coordinator(root, rank=rank, world_size=world_size, process_group=process_group),
             rank=rank,
             world_size=world_size,
             process_group=process_group,
             side_group=side_group,
-            no_dist=self._no_dist,
+            no_dist=not initialized,
             config_sha256=config_sha256,
-            known_complete=self._known_complete,
         )
-
-    @property
-    def on_commit(self) -> CommitCallback | None:
-        """Called on every rank once a checkpoint is committed (its directory and ``latest``
-        in place), with its step, its path and the seconds since its save started: in sync
-        mode before save() returns, in async mode from poll(), wait() or the next save()."""
-        return self._saver.on_commit
-
-    @on_commit.setter
-    def on_commit(self, callback: CommitCallback | None) -> None:
-        self._saver.on_commit = callback
+        self._verified: set[Path] = set()
+        """Checkpoints a verdict of this run found complete: a load of one checks no more."""
 
     @property
     def pending_step(self) -> int | None:
         """The step of the async save being written and not yet committed, or None."""
-        pending = self._saver.pending
-        return None if pending is None else pending.step
-
-    @property
-    def failed_saves_in_a_row(self) -> int:
-        """Saves that failed (FailedSave) since the last committed one; the same on every
-        rank."""
-        return self._saver.failed_in_a_row
+        return None if self.pending is None else self.pending.step
 
     def is_on_schedule(self, step: int) -> bool:
         """True when `step` is a positive multiple of checkpoint.interval (never if it is 0)."""
@@ -138,72 +111,13 @@ class CheckpointManager:
         """
         return self.is_on_schedule(step) and step <= max_steps
 
-    def save(
-        self,
-        step: int,
-        *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        train_state: dict[str, Any],
-        config_sha256: str = "",
-    ) -> str:
-        """Write checkpoint ``step_<step>``; return its final path. Collective.
-
-        ``train_state`` holds plain types and tensors only (checked here, so a save never
-        succeeds that a weights-only load would refuse). The manager adds ``step``, the
-        scheduler's state_dict and, when absent, this rank's RNG state. Re-saving a step
-        replaces its checkpoint without ``latest`` ever naming a missing one.
-
-        Sync mode commits before returning. Async mode first waits for and commits the
-        save in flight (raising its failure), copies model and optimizer state, starts
-        the write and returns: the path exists only once poll(), wait() or the next
-        save() has committed it. A write or commit that fails raises FailedSave (a
-        CheckpointError naming the directory, the step and why, a full disk named as such)
-        on every rank alike, after rank 0 has removed the partial ``step_<N>.tmp``; the
-        previous checkpoint stays complete and ``latest`` stays on it, so the caller may
-        go on and save again later.
-        """
-        return self._saver.save(
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_state=train_state,
-            config_sha256=config_sha256,
-        )
-
-    @property
-    def writing(self) -> bool:
-        """True while this rank's background write (async mode) is still running."""
-        return self._saver.writing
-
-    def record_write_vote(self, any_writing: bool) -> None:
-        """Keep the outcome of a vote every rank took together: was any rank still writing?
-
-        The training step folds ``writing`` into its own world-wide reduction (as it does
-        the stop vote) and hands the result here, so the next poll() needs no collective.
-        """
-        self._saver.record_write_vote(any_writing)
-
-    def poll(self) -> str | None:
-        """Commit the save in flight if its write has finished, without waiting for it.
-
-        Returns the committed path, or None (nothing in flight, or still writing); raises
-        CheckpointError when the background write failed. Cheap enough to call every
-        step: nothing when no save is in flight; else it acts on the vote recorded since
-        the last poll (record_write_vote), or, when none was, asks every rank with a
-        one-integer all-reduce on the manager's group. Collective.
-        """
-        return self._saver.poll()
-
     def wait(self) -> None:
         """Block until the save in flight (if any) is durable, then commit it. Collective.
 
         Raises CheckpointError when its background write failed. In sync mode, or with
         nothing in flight, returns at once. The loop calls it before teardown.
         """
-        self._saver.finish_pending()
+        self.finish_pending()
 
     def find_resume_path(self) -> str | None:
         """The checkpoint checkpoint.resume_from selects, or None to start fresh. Collective.
@@ -215,7 +129,7 @@ class CheckpointManager:
         ones this raises, rather than silently starting over. Each checkpoint tried costs
         one verdict (see verify). A save in flight is committed first.
         """
-        self._saver.finish_pending()
+        self.finish_pending()
         return self._choose(self.cfg.resume_from)
 
     def newest_complete_path(self) -> str | None:
@@ -226,7 +140,7 @@ class CheckpointManager:
         checkpoint this run wrote may have been damaged since). A save in flight is
         committed first.
         """
-        self._saver.finish_pending()
+        self.finish_pending()
         try:
             return self._choose("auto")
         except CheckpointError:
@@ -261,10 +175,10 @@ class CheckpointManager:
         failure = self._coord.first_failure(local)
         if failure is not None:
             self._verified.discard(root)
-            self._known_complete.discard(root)
+            self.known_complete.discard(root)
             return failure[1]
         self._verified.add(root)
-        self._known_complete.add(root)
+        self.known_complete.add(root)
         return []
 
     def _choose(self, choice: str) -> str | None:
@@ -338,7 +252,7 @@ class CheckpointManager:
         checkpoint is checked (verify) unless a verdict of this run already found it
         complete. Collective.
         """
-        self._saver.finish_pending()
+        self.finish_pending()
         root = Path(path)
         self._require_complete(root)
         state, saved = self._coord.on_every_rank(
@@ -366,7 +280,7 @@ class CheckpointManager:
         Raises CheckpointError naming `path` when it is incomplete (checked as load()
         checks it) or does not fit `model`. A save in flight is committed first.
         """
-        self._saver.finish_pending()
+        self.finish_pending()
         root = Path(path)
         self._require_complete(root)
 

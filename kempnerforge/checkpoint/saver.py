@@ -89,8 +89,8 @@ def write_rank_files(
 class CheckpointSaver:
     """Writes and commits this run's checkpoints; at most one async save in flight.
 
-    Collective like the manager that owns it: every rank calls the same methods in the
-    same order. ``on_commit`` is called on every rank once a checkpoint is committed.
+    The saving half of CheckpointManager, which extends it with finding, checking and
+    loading. Collective: every rank calls the same methods in the same order.
     """
 
     def __init__(
@@ -105,7 +105,6 @@ class CheckpointSaver:
         side_group: dist.ProcessGroup | None,
         no_dist: bool,
         config_sha256: str,
-        known_complete: set[Path],
     ) -> None:
         self.cfg = cfg
         self.directory = directory
@@ -113,24 +112,34 @@ class CheckpointSaver:
         self.world_size = world_size
         self.process_group = process_group
         self.config_sha256 = config_sha256
-        self.known_complete = known_complete
+        self.known_complete: set[Path] = set()
+        """Checkpoints this run wrote or a verdict of it found complete: retention reads
+        nothing of them."""
         self._coord = coord
         self._no_dist = no_dist
         self._side_group = side_group
         self._writer = BackgroundWriter()
         self.pending: PendingSave | None = None
         self.on_commit: CommitCallback | None = None
+        """Called on every rank once a checkpoint is committed (its directory and ``latest``
+        in place), with its step, its path and the seconds since its save started: in sync
+        mode before save() returns, in async mode from poll(), wait() or the next save()."""
         self._write_vote: tuple[PendingSave, bool] | None = None
-        self.failed_in_a_row = 0
-        """Saves that failed since the last one committed."""
+        self.failed_saves_in_a_row = 0
+        """Saves that failed (FailedSave) since the last committed one; the same on every
+        rank."""
 
     @property
     def writing(self) -> bool:
-        """True while this rank's background write is still running."""
+        """True while this rank's background write (async mode) is still running."""
         return self.pending is not None and not self.pending.future.done()
 
     def record_write_vote(self, any_writing: bool) -> None:
-        """Keep whether any rank's background write was running, as every rank agreed."""
+        """Keep the outcome of a vote every rank took together: was any rank still writing?
+
+        The training step folds ``writing`` into its own world-wide reduction (as it does
+        the stop vote) and hands the result here, so the next poll() needs no collective.
+        """
         self._write_vote = None if self.pending is None else (self.pending, any_writing)
 
     def save(
@@ -143,7 +152,22 @@ class CheckpointSaver:
         train_state: dict[str, Any],
         config_sha256: str = "",
     ) -> str:
-        """Write checkpoint ``step_<step>``; return its final path (see CheckpointManager.save)."""
+        """Write checkpoint ``step_<step>``; return its final path. Collective.
+
+        ``train_state`` holds plain types and tensors only (checked here, so a save never
+        succeeds that a weights-only load would refuse). The saver adds ``step``, the
+        scheduler's state_dict and, when absent, this rank's RNG state. Re-saving a step
+        replaces its checkpoint without ``latest`` ever naming a missing one.
+
+        Sync mode commits before returning. Async mode first waits for and commits the
+        save in flight (raising its failure), copies model and optimizer state, starts
+        the write and returns: the path exists only once poll(), wait() or the next
+        save() has committed it. A write or commit that fails raises FailedSave (a
+        CheckpointError naming the directory, the step and why, a full disk named as such)
+        on every rank alike, after rank 0 has removed the partial ``step_<N>.tmp``; the
+        previous checkpoint stays complete and ``latest`` stays on it, so the caller may
+        go on and save again later.
+        """
         self.finish_pending()
         started = time.monotonic()
         name = f"step_{step}"
@@ -197,7 +221,14 @@ class CheckpointSaver:
         return str(path)
 
     def poll(self) -> str | None:
-        """Commit the save in flight if its write has finished (see CheckpointManager.poll)."""
+        """Commit the save in flight if its write has finished, without waiting for it.
+
+        Returns the committed path, or None (nothing in flight, or still writing); raises
+        CheckpointError when the background write failed. Cheap enough to call every
+        step: nothing when no save is in flight; else it acts on the vote recorded since
+        the last poll (record_write_vote), or, when none was, asks every rank with a
+        one-integer all-reduce on the manager's group. Collective.
+        """
         vote, self._write_vote = self._write_vote, None
         if self.pending is None:
             return None
@@ -229,7 +260,7 @@ class CheckpointSaver:
         return str(path)
 
     def _committed(self, step: int, path: str, elapsed: float) -> None:
-        self.failed_in_a_row = 0
+        self.failed_saves_in_a_row = 0
         self.known_complete.add(Path(path))  # written whole by this run: retention trusts it
         if self.on_commit is not None:
             self.on_commit(step, path, elapsed)
@@ -315,7 +346,7 @@ class CheckpointSaver:
             return
         tmp = self.directory / f"step_{step}.tmp"
         self._coord.on_rank0(lambda: discard_partial(self.directory, tmp))
-        self.failed_in_a_row += 1
+        self.failed_saves_in_a_row += 1
         reason = diagnosis.reason
         if self.world_size > 1 and "rank " not in reason:
             reason = f"rank {rank}: {reason}"

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -164,12 +163,7 @@ class TokenFileWriter:
     def __enter__(self) -> TokenFileWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None:
             self.abort()
 

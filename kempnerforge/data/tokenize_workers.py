@@ -12,7 +12,6 @@ import pickle
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from types import TracebackType
 from typing import TypeVar
 
 import numpy as np
@@ -109,12 +108,7 @@ class ChunkEncoder:
     def __enter__(self) -> ChunkEncoder:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -199,7 +199,7 @@ class MetricsTracker:
                 self._console.draw_bar(self._bar_text())
             return None
 
-        return self._log_interval_row(step, loss, grad_norm, lr, tokens_seen, extra)
+        return self._log_interval_row()
 
     def flush(self) -> dict[str, Any] | None:
         """Write the row of a part-finished interval now (a run stopping off the cadence).
@@ -209,18 +209,13 @@ class MetricsTracker:
         """
         if self._unlogged is None or self._interval_steps == 0:
             return None
-        return self._log_interval_row(*self._unlogged)
+        return self._log_interval_row()
 
-    def _log_interval_row(
-        self,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        lr: float,
-        tokens_seen: int,
-        extra: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        row = self._step_row(step, loss, grad_norm, lr, tokens_seen, extra)
+    def _log_interval_row(self) -> dict[str, Any]:
+        """Write and return the row of the interval ending at the step in ``_unlogged``
+        (which end_step has just set, or flush found set), then start the next interval."""
+        assert self._unlogged is not None
+        row = self._step_row(*self._unlogged)
         self._unlogged = None
         self._interval_steps = self._interval_tokens = 0
         self._interval_time = self._interval_loss = self._interval_wait = 0.0

@@ -6,15 +6,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from kempnerforge.optim.foreach_optimizer import ForeachOptimizer
 from kempnerforge.optim.multi_tensor import bucket, foreach_or_loop, use_foreach, with_grad
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(ForeachOptimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
 
     Per step, with gradient g and momentum m:
@@ -39,64 +40,44 @@ class Lion(torch.optim.Optimizer):
         *,
         foreach: bool | None = None,
     ) -> None:
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": foreach}
-        super().__init__(params, defaults)
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        super().__init__(params, defaults, foreach)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # state dicts saved before the switch existed
-            group.setdefault("foreach", None)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads = with_grad(group)
-            moms = [self._momentum(p) for p in params]
-            for ps, gs, ms in bucket(params, grads, moms):
-                foreach = use_foreach(group["foreach"], ps)
-                (_foreach_update if foreach else _loop_update)(ps, gs, ms, group)
-        return loss
-
-    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"]
+    def _group_step(self, group: dict[str, Any]) -> None:
+        params, grads = with_grad(group)
+        moms = [state["exp_avg"] for state in self._states(params, _fresh_state)]
+        for ps, gs, ms in bucket(params, grads, moms):
+            _update(ps, gs, ms, group)
 
 
-def _loop_update(
+def _fresh_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first step: the momentum m at zero."""
+    return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def _update(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     moms: list[torch.Tensor],
     group: dict[str, Any],
 ) -> None:
+    """One bucket's step, per parameter or as foreach calls (see use_foreach): the same
+    operations in the same order either way."""
     lr, wd = group["lr"], group["weight_decay"]
     beta1, beta2 = group["betas"]
-    for p, g, m in zip(params, grads, moms, strict=True):
-        update = torch.lerp(g, m, beta1).sign_()  # beta1 * m + (1 - beta1) * g
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-        p.add_(update, alpha=-lr)
-        m.lerp_(g, 1 - beta2)  # beta2 * m + (1 - beta2) * g
-
-
-def _foreach_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    moms: list[torch.Tensor],
-    group: dict[str, Any],
-) -> None:
-    lr, wd = group["lr"], group["weight_decay"]
-    beta1, beta2 = group["betas"]
-    update = foreach_or_loop("lerp", _lerp_each, grads, moms, beta1)
-    foreach_or_loop("sign_", _sign_each, update)
+    if not use_foreach(group["foreach"], params):
+        for p, g, m in zip(params, grads, moms, strict=True):
+            update = torch.lerp(g, m, beta1).sign_()  # beta1 * m + (1 - beta1) * g
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr)
+            m.lerp_(g, 1 - beta2)  # beta2 * m + (1 - beta2) * g
+        return
+    updates = foreach_or_loop("lerp", _lerp_each, grads, moms, beta1)
+    foreach_or_loop("sign_", _sign_each, updates)
     if wd != 0:
         torch._foreach_mul_(params, 1 - lr * wd)
-    torch._foreach_add_(params, update, alpha=-lr)
+    torch._foreach_add_(params, updates, alpha=-lr)
     torch._foreach_lerp_(moms, grads, 1 - beta2)
 
 

@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
+from kempnerforge.optim.foreach_optimizer import ForeachOptimizer
 from kempnerforge.optim.multi_tensor import bucket, use_foreach, with_grad
 
 # Quintic Newton-Schulz coefficients: they push every singular value into a band around 1
@@ -44,7 +45,7 @@ def newton_schulz_orthogonalize(
     return x.to(matrix.dtype)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ForeachOptimizer):
     """Muon over groups with ``use_muon=True``, AdamW over the groups with ``use_muon=False``.
 
     Muon groups (2-D hidden matrices): buf = momentum * buf + g; the Nesterov update
@@ -81,53 +82,27 @@ class Muon(torch.optim.Optimizer):
             "eps": eps,
             "weight_decay": weight_decay,
             "use_muon": True,
-            "foreach": foreach,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, foreach)
         for group in self.param_groups:
             if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("Muon groups hold 2-D matrices only; put the rest in AdamW groups")
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # state dicts saved before the switch existed
-            group.setdefault("foreach", None)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
-        return loss
+    def _group_step(self, group: dict[str, Any]) -> None:
+        if group["use_muon"]:
+            self._muon_step(group)
+        else:
+            self._adamw_step(group)
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
-        bufs = []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs.append(state["momentum_buffer"])
+        bufs = [state["momentum_buffer"] for state in self._states(params, _fresh_muon_state)]
         for ps, gs, bs in bucket(params, grads, bufs):
-            foreach = use_foreach(group["foreach"], ps)
-            (_muon_foreach if foreach else _muon_loop)(ps, gs, bs, group)
+            _muon_update(ps, gs, bs, group)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
-        states = []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states.append(state)
+        states = self._states(params, _fresh_adamw_state)
         lists = bucket(
             params,
             grads,
@@ -136,38 +111,41 @@ class Muon(torch.optim.Optimizer):
             [s["step"] for s in states],
         )
         for ps, gs, ms, vs, steps in lists:
-            if group["foreach"] is None and _fused_adamw_takes(ps):
-                update = _adamw_fused
-            elif use_foreach(group["foreach"], ps):
-                update = _adamw_foreach
-            else:
-                update = _adamw_loop
-            update(ps, gs, ms, vs, steps, group)
+            _adamw_update(ps, gs, ms, vs, steps, group)
 
 
-def _muon_loop(
+def _fresh_muon_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A matrix's state before its first Muon step: the momentum buffer at zero."""
+    return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def _fresh_adamw_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first AdamW step; the step count stays on the CPU."""
+    return {
+        "step": torch.zeros((), dtype=torch.float32),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+
+
+def _muon_update(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     bufs: list[torch.Tensor],
     group: dict[str, Any],
 ) -> None:
+    """One bucket's Muon step, per matrix or as foreach calls (see use_foreach): the same
+    operations in the same order either way; Newton-Schulz runs per matrix in both."""
     lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-    for p, g, buf in zip(params, grads, bufs, strict=True):
-        buf.mul_(mu).add_(g)
-        update = g.add(buf, alpha=mu)  # Nesterov: look ahead along the momentum
-        ortho = newton_schulz_orthogonalize(update, group["ns_steps"])
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-        p.add_(ortho, alpha=-lr * _shape_scale(p))
-
-
-def _muon_foreach(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    bufs: list[torch.Tensor],
-    group: dict[str, Any],
-) -> None:
-    lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    if not use_foreach(group["foreach"], params):
+        for p, g, buf in zip(params, grads, bufs, strict=True):
+            buf.mul_(mu).add_(g)
+            update = g.add(buf, alpha=mu)  # Nesterov: look ahead along the momentum
+            ortho = newton_schulz_orthogonalize(update, group["ns_steps"])
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.add_(ortho, alpha=-lr * _shape_scale(p))
+        return
     torch._foreach_mul_(bufs, mu)
     torch._foreach_add_(bufs, grads)
     updates = torch._foreach_add(grads, bufs, alpha=mu)
@@ -191,7 +169,7 @@ def _shape_scale(p: torch.Tensor) -> float:
     return math.sqrt(max(1.0, p.size(0) / p.size(1)))
 
 
-def _adamw_loop(
+def _adamw_update(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -199,70 +177,54 @@ def _adamw_loop(
     steps: list[torch.Tensor],
     group: dict[str, Any],
 ) -> None:
+    """One bucket's AdamW step: torch's fused kernel where 'auto' can take it (see
+    _fused_adamw_takes), else per parameter or as foreach calls (see use_foreach), which
+    run the same operations in the same order."""
+    if group["foreach"] is None and _fused_adamw_takes(params):
+        functional_adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            fused=True,
+            amsgrad=False,
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        return
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     beta1, beta2 = group["betas"]
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        step += 1
-        t = int(step.item())
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-
-
-def _adamw_foreach(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    group: dict[str, Any],
-) -> None:
-    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-    beta1, beta2 = group["betas"]
+    if not use_foreach(group["foreach"], params):
+        for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+            step += 1
+            t = int(step.item())
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+        return
     torch._foreach_add_(steps, 1)
     ts = [int(s.item()) for s in steps]  # CPU scalars: no device sync
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denom = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in ts])
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
+    denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in ts])
+    torch._foreach_sqrt_(denoms)
+    torch._foreach_add_(denoms, eps)
     if wd != 0:
         torch._foreach_mul_(params, 1 - lr * wd)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**t) for t in ts])
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - beta1**t) for t in ts])
 
 
 def _fused_adamw_takes(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW kernel can step these parameters with this state: it
     wants each step count on its parameter's device, and the counts live on the CPU."""
     return all(p.device.type == "cpu" and torch.is_floating_point(p) for p in params)
-
-
-def _adamw_fused(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    group: dict[str, Any],
-) -> None:
-    beta1, beta2 = group["betas"]
-    functional_adamw(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        [],
-        steps,
-        fused=True,
-        amsgrad=False,
-        beta1=beta1,
-        beta2=beta2,
-        lr=group["lr"],
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=False,
-    )

@@ -7,15 +7,16 @@ train/eval switch between the gradient point y and the averaged point x."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from kempnerforge.optim.foreach_optimizer import ForeachOptimizer
 from kempnerforge.optim.multi_tensor import bucket, copy_all, use_foreach, with_grad
 
 
-class ScheduleFreeAdamW(torch.optim.Optimizer):
+class ScheduleFreeAdamW(ForeachOptimizer):
     """Schedule-free AdamW (Defazio et al. 2024, "The Road Less Scheduled").
 
     Keeps, per parameter, the base sequence z, the average x and Adam's second moment v;
@@ -56,26 +57,12 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
             "train_mode": True,
             "k": 0,
             "weight_sum": 0.0,
-            "foreach": foreach,
         }
-        super().__init__(params, defaults)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # state dicts saved before the switch existed
-            group.setdefault("foreach", None)
-
-    def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        state = self.state[p]
-        if not state:
-            state["z"] = p.detach().clone()
-            state["x"] = p.detach().clone()
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+        super().__init__(params, defaults, foreach)
 
     def _points(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The x and z of each parameter, state created where missing."""
-        states = [self._init_state(p) for p in params]
+        states = self._states(params, _fresh_state)
         return [s["x"] for s in states], [s["z"] for s in states]
 
     @torch.no_grad()
@@ -102,19 +89,9 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
                 _interpolate(ps, x, z, group)
             group["train_mode"] = True
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if not group["train_mode"]:
-                raise RuntimeError("ScheduleFreeAdamW.step() in eval mode: call train() first")
-            self._group_step(group)
-        return loss
-
     def _group_step(self, group: dict[str, Any]) -> None:
+        if not group["train_mode"]:
+            raise RuntimeError("ScheduleFreeAdamW.step() in eval mode: call train() first")
         beta2 = group["betas"][1]
         group["k"] += 1
         k, warmup = group["k"], group["warmup_steps"]
@@ -127,12 +104,20 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         xs, zs = self._points(params)
         vs = [self.state[p]["exp_avg_sq"] for p in params]
         for ps, gs, x, z, v in bucket(params, grads, xs, zs, vs):
-            foreach = use_foreach(group["foreach"], ps)
-            (_foreach_update if foreach else _loop_update)(ps, gs, x, z, v, group, lr_t, c)
+            _update(ps, gs, x, z, v, group, lr_t, c)
             _interpolate(ps, x, z, group)
 
 
-def _loop_update(
+def _fresh_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first step: z and x at the parameter, v at zero."""
+    return {
+        "z": p.detach().clone(),
+        "x": p.detach().clone(),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+
+
+def _update(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     xs: list[torch.Tensor],
@@ -142,26 +127,17 @@ def _loop_update(
     lr_t: float,
     c: float,
 ) -> None:
+    """One bucket's v, z and x, per parameter or as foreach calls (see use_foreach): the
+    same operations in the same order either way."""
     beta2, wd, eps = group["betas"][1], group["weight_decay"], group["eps"]
-    for p, g, x, z, v in zip(params, grads, xs, zs, vs, strict=True):
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        if wd != 0:
-            z.sub_(p, alpha=lr_t * wd)  # decay at y, where g was taken
-        z.addcdiv_(g, v.sqrt().add_(eps), value=-lr_t)
-        x.lerp_(z, c)
-
-
-def _foreach_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    xs: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    group: dict[str, Any],
-    lr_t: float,
-    c: float,
-) -> None:
-    beta2, wd, eps = group["betas"][1], group["weight_decay"], group["eps"]
+    if not use_foreach(group["foreach"], params):
+        for p, g, x, z, v in zip(params, grads, xs, zs, vs, strict=True):
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            if wd != 0:
+                z.sub_(p, alpha=lr_t * wd)  # decay at y, where g was taken
+            z.addcdiv_(g, v.sqrt().add_(eps), value=-lr_t)
+            x.lerp_(z, c)
+        return
     torch._foreach_mul_(vs, beta2)
     torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
     if wd != 0:

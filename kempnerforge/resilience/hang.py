@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from kempnerforge.core.logging import get_logger
 from kempnerforge.resilience.exit_codes import HANG
@@ -161,12 +160,7 @@ class HangWatchdog:
             _current = self
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         global _current
         if _current is self:
             _current = None

@@ -15,7 +15,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from kempnerforge.core.logging import get_logger
@@ -159,12 +158,7 @@ class RunLock:
         self.acquire()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
 
