@@ -24,13 +24,18 @@ DEBUG_MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 PAUSE_ENV = "KF_TEST_STEP_PAUSE_S"
 """How long each step of a group pauses (SlowSteps; default 0.5 s): the test's kills and
 relaunches then land mid-run on a loaded 2-core machine too."""
+SLOW_WHILE_ENV = "KF_TEST_SLOW_WHILE"
+"""A file: SlowSteps pauses only while it exists (always when the variable is unset), so a
+test that has done its kills and relaunches lets the groups finish at full speed."""
 
 
 class SlowSteps(TrainingHook):
     """Pause after each step, so a run lasts long enough to be killed and rejoined."""
 
     def on_step_end(self, ctx: StepContext) -> None:
-        time.sleep(float(os.environ.get(PAUSE_ENV, "0.5")))
+        slow_while = os.environ.get(SLOW_WHILE_ENV)
+        if slow_while is None or os.path.exists(slow_while):
+            time.sleep(float(os.environ.get(PAUSE_ENV, "0.5")))
 
 
 class RouterBiases(TrainingHook):
@@ -94,15 +99,22 @@ def group_args(job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: 
 
 
 def start_group(
-    group: int, args: list[str], log: pathlib.Path, processes: int = 1, pause_s: float = 0.5
+    group: int,
+    args: list[str],
+    log: pathlib.Path,
+    processes: int = 1,
+    pause_s: float = 0.5,
+    slow_while: pathlib.Path | None = None,
 ) -> subprocess.Popen:
     """`kempnerforge train` as replica group ``group`` (under torchrun for several
-    ``processes``), pausing ``pause_s`` after each step; its output goes to ``log``."""
+    ``processes``), pausing ``pause_s`` after each step (while ``slow_while`` exists, when
+    given); its output goes to ``log``."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "KEMPNERFORGE_REPLICA_GROUP": str(group),
         PAUSE_ENV: str(pause_s),
+        **({SLOW_WHILE_ENV: str(slow_while)} if slow_while is not None else {}),
     }
     launcher = [sys.executable]
     if processes > 1:
@@ -176,6 +188,9 @@ class ReplicaJob:
         self.groups: dict[int, subprocess.Popen] = {}
         self.processes = processes
         self.pause_s = pause_s
+        self.slow_while = job_dir / "slow_steps"
+        """The groups pause after each step while this file exists: until finish()."""
+        self.slow_while.touch()
         self.lighthouse = start_lighthouse(self.port)
 
     def __enter__(self) -> ReplicaJob:
@@ -189,7 +204,9 @@ class ReplicaJob:
     def start(self, *groups: int) -> None:
         """Launch (or relaunch) ``groups``."""
         for g in groups:
-            self.groups[g] = start_group(g, self.args, self.logs[g], self.processes, self.pause_s)
+            self.groups[g] = start_group(
+                g, self.args, self.logs[g], self.processes, self.pause_s, self.slow_while
+            )
 
     def run_dir(self, group: int) -> pathlib.Path:
         return self.dir / f"replica_{group}"
@@ -203,7 +220,20 @@ class ReplicaJob:
         self.lighthouse = start_lighthouse(self.port)
 
     def finish(self) -> None:
-        """Wait for every running group to exit 0 (fail with its log's tail otherwise)."""
+        """Wait for every running group to exit 0 (fail with its log's tail otherwise).
+
+        The test's kills and relaunches are over: once every running group has logged a
+        step since this call (a relaunched or resumed group has joined the others), the
+        groups stop pausing and train the rest at full speed."""
+        logged = {g: len(train_rows(self.run_dir(g), live=True)) for g in self.groups}
+        deadline = time.monotonic() + 120.0
+        for g, process in sorted(self.groups.items()):
+            run_dir = self.run_dir(g)
+            while len(train_rows(run_dir, live=True)) <= logged[g] and process.poll() is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        self.slow_while.unlink(missing_ok=True)
         for g, process in sorted(self.groups.items()):
             finish(process, self.logs[g])
 
