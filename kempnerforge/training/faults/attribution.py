@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import HardwareFaultError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import write_bad_data
 from kempnerforge.resilience.nan import LOSS_SPIKE, NaNDetector
-from kempnerforge.training.faults.rollback import attempt_positions, data_position
 from kempnerforge.training.session import StepResult, TrainingSession
 
 logger = get_logger(__name__)
@@ -48,7 +48,7 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
     the rollback streak and names the windows it read.
     """
     train = session.config.train
-    describe = functools.partial(data_position, session.data, train)
+    describe = functools.partial(session.data.describe_last_read, _rows_per_step(train))
     if train.attribute_faults and session.replicas.replays_attempts:
         result, described = _attempt_with_rerun(session, step)
         if described is not None:
@@ -59,6 +59,11 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
         result.loss, result.grad_norm, step + 1, data_position=describe
     )
     return result, good
+
+
+def _rows_per_step(train: TrainConfig) -> int:
+    """The positions of the data order each data-parallel rank reads in one step."""
+    return train.batch_size * train.grad_accum_steps
 
 
 def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult, str | None]:
@@ -84,7 +89,7 @@ def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult
         if repeat is None:
             _record_hardware_fault(session, step + 1, fault, first, second, ranks[0])
             return second, None
-        described = data_position(session.data, session.config.train)
+        described = session.data.describe_last_read(_rows_per_step(session.config.train))
         _record_bad_data(session, step + 1, repeat, dp_ranks[1])
         return second, described
     finally:
@@ -148,14 +153,13 @@ def _agree(
 def _record_bad_data(session: TrainingSession, step: int, fault: str, dp_ranks: list[int]) -> None:
     """The fault repeated: record the step's windows (of the ranks whose own loss showed it,
     else of every rank) as bad data, skip them from the next batch on, log ``bad_data``."""
-    data, train = session.data, session.config.train
-    positions = attempt_positions(data, train)
-    if positions is None:
+    data = session.data
+    ranks = dp_ranks or list(range(data.dp_size))
+    read = data.windows_last_read(_rows_per_step(session.config.train), ranks)
+    if read is None:
         logger.warning("step %d: the fault repeated, but the loader keeps no position", step)
         return
-    epoch, start, stop = positions
-    ranks = dp_ranks or list(range(data.dp_size))
-    windows = data.windows_read(epoch, start, stop, ranks)
+    epoch, windows = read
     new = data.add_bad_windows(windows)
     path = ""
     if new and session.runtime.rank == 0:
