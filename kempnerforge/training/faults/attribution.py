@@ -78,13 +78,14 @@ def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult
         if fault is None:
             return first, None
         bound = detector.spikes.bound()
-        evidence = [_local_evidence(session, fault, bound.threshold if bound else None)]
+        threshold = bound.threshold if bound else None
+        evidence = [_local_evidence(detector, session.model, fault, threshold)]
         session.optimizer.zero_grad(set_to_none=True)
         restore_rng_state(rng)
         stream.replay_attempt()
         second = session.step_fn(session, step)
         repeat = detector.fault_of(second.loss, second.grad_norm)
-        evidence.append(_local_evidence(session, repeat, bound.threshold if bound else None))
+        evidence.append(_local_evidence(detector, session.model, repeat, threshold))
         ranks, dp_ranks = _agree(session, evidence)
         if repeat is None:
             _record_hardware_fault(session, step + 1, fault, first, second, ranks[0])
@@ -96,13 +97,16 @@ def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult
         stream.end_attempt()
 
 
-def _local_evidence(session: TrainingSession, fault: str | None, threshold: float | None) -> int:
-    """How strongly this rank's own numbers show ``fault``: 2 when its share of the loss is
-    non-finite (or, for a spike, above the threshold), 1 when only its gradients are
-    non-finite (after the data-parallel reduction, which spreads them), 0 otherwise."""
+def _local_evidence(
+    detector: NaNDetector, model: torch.nn.Module, fault: str | None, threshold: float | None
+) -> int:
+    """How strongly this rank's own numbers show ``fault``: 2 when its share of the loss
+    (``detector.local_loss``) is non-finite (or, for a spike, above the threshold), 1 when
+    only the gradients of ``model`` are non-finite (after the data-parallel reduction, which
+    spreads them), 0 otherwise."""
     if fault is None:
         return 0
-    local = session.nan_detector.local_loss
+    local = detector.local_loss
     if local is not None:
         value = float(local)
         if fault == LOSS_SPIKE:
@@ -110,7 +114,7 @@ def _local_evidence(session: TrainingSession, fault: str | None, threshold: floa
                 return 2
         elif not math.isfinite(value):
             return 2
-    return 1 if _local_grads_non_finite(session.model) else 0
+    return 1 if _local_grads_non_finite(model) else 0
 
 
 def _local_grads_non_finite(model: torch.nn.Module) -> bool:
@@ -233,7 +237,8 @@ def _record_hardware_fault(
         ranks=ranks[:_SHOWN_RANKS],
         count=detector.hardware_faults,
     )
-    _note_fault_host(session, host)
+    if session.runtime.rank == 0:
+        _note_fault_host(host)
     if limit and detector.hardware_faults >= limit:
         where = f"host {host}, rank {rank}" if host else "an unnamed rank"
         raise HardwareFaultError(detector.hardware_faults, limit, step, where)
@@ -254,10 +259,11 @@ def _host_of(session: TrainingSession, rank: int) -> str:
     return bytes(b for b in buffer.tolist() if b).decode("utf-8", "replace")
 
 
-def _note_fault_host(session: TrainingSession, host: str | None) -> None:
-    """Append ``host`` to the file FAULT_HOSTS_ENV names, on rank 0, when both are given."""
+def _note_fault_host(host: str | None) -> None:
+    """Append ``host`` to the file FAULT_HOSTS_ENV names, when both are given (rank 0's
+    call: one line a fault)."""
     target = os.environ.get(FAULT_HOSTS_ENV)
-    if not target or not host or session.runtime.rank != 0:
+    if not target or not host:
         return
     with open(target, "a", encoding="utf-8") as f:
         f.write(host + "\n")
