@@ -217,7 +217,17 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     _update_weights(session, result, lr, progress.step + 1, progress.tokens_seen + tokens)
     progress.step += 1
     progress.tokens_seen += tokens
-    router_row = _finish_router_step(session, progress.step)
+    # An MoE model's routers after the update: the sigmoid routers' balancing step, from this
+    # step's load over every rank, and on log steps their metrics row, every pipeline stage's
+    # layers included (model/router_step.py; nothing for a model without MoE layers).
+    router_row = finish_router_step(
+        session.model,
+        session.config.model,
+        session.runtime.group("dp_cp"),
+        max_steps=session.config.train.max_steps,
+        with_metrics=session.tracker.logs_step(progress.step),
+        stage_group=session.runtime.group("pp"),
+    )
     advance_phases(session, progress.step)
     _log_step(session, result, progress, lr, tokens, router_row)
     _evaluate_if_due(session, progress.step)
@@ -260,21 +270,6 @@ def _update_weights(
     session.scheduler.step()
     refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
     optimizer.zero_grad(set_to_none=True)
-
-
-def _finish_router_step(session: TrainingSession, step: int) -> dict[str, object] | None:
-    """An MoE model's routers after the update: the sigmoid routers' balancing step, from
-    this step's load over every rank, and on log steps their metrics row, every pipeline
-    stage's layers included (model/router_step.py; nothing for a model without MoE layers)."""
-    config = session.config
-    return finish_router_step(
-        session.model,
-        config.model,
-        session.runtime.group("dp_cp"),
-        max_steps=config.train.max_steps,
-        with_metrics=session.tracker.logs_step(step),
-        stage_group=session.runtime.group("pp"),
-    )
 
 
 def _log_step(
@@ -342,7 +337,8 @@ def _save_if_due(session: TrainingSession, progress: _Progress) -> None:
         with tolerating_failed_saves(session), watch(CHECKPOINT, progress.step):
             checkpointer.wait()  # the save in flight fails on its own account, not this one's
         with tolerating_failed_saves(session):
-            _save_checkpoint(session, progress)
+            save_checkpoint(session, progress.step, progress.tokens_seen)
+            progress.last_saved = progress.step
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:
@@ -356,7 +352,8 @@ def _finish(session: TrainingSession, progress: _Progress) -> None:
         session.tracker.log_event(progress.step, "shutdown", signal=name)
     if unsaved:
         # Off-schedule end (or a shutdown): never lose the steps since the last save.
-        _save_checkpoint(session, progress)
+        save_checkpoint(session, progress.step, progress.tokens_seen)
+        progress.last_saved = progress.step
 
 
 def _drain_after_failure(checkpointer: CheckpointManager) -> None:
@@ -368,11 +365,6 @@ def _drain_after_failure(checkpointer: CheckpointManager) -> None:
 
 
 # --- Checkpoints ------------------------------------------------------------------------
-
-
-def _save_checkpoint(session: TrainingSession, progress: _Progress) -> None:
-    save_checkpoint(session, progress.step, progress.tokens_seen)
-    progress.last_saved = progress.step
 
 
 def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:
