@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from kempnerforge.training.family import family_of
 from kempnerforge.training.faults.attribution import attempt_step
 from kempnerforge.training.faults.rollback import roll_back_or_stop
 from kempnerforge.training.faults.save_failures import tolerating_failed_saves
-from kempnerforge.training.hooks import StepContext
+from kempnerforge.training.hooks import HookRunner, StepContext
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
@@ -214,9 +215,19 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     """Update the weights, advance step, schedule and phases, then log, evaluate and save."""
     lr = session.optimizer.param_groups[0]["lr"]  # the LR this update uses
     tokens = _tokens_per_step(session, result, progress.step + 1)
-    _update_weights(session, result, lr, progress.step + 1, progress.tokens_seen + tokens)
     progress.step += 1
     progress.tokens_seen += tokens
+    ctx = StepContext(
+        progress.step,
+        result.loss,
+        result.grad_norm,
+        lr,
+        progress.tokens_seen,
+        session.model,
+        session.optimizer,
+    )
+    _update_weights(session.optimizer, session.scheduler, session.hooks, ctx)
+    refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
     # An MoE model's routers after the update: the sigmoid routers' balancing step, from this
     # step's load over every rank, and on log steps their metrics row, every pipeline stage's
     # layers included (model/router_step.py; nothing for a model without MoE layers).
@@ -229,7 +240,7 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         stage_group=session.runtime.group("pp"),
     )
     advance_phases(session, progress.step)
-    _log_step(session, result, progress, lr, tokens, router_row)
+    _log_step(session, result, ctx, tokens, router_row)
     _evaluate_if_due(session, progress.step)
     if session.profiler is not None:
         session.profiler.step()
@@ -255,34 +266,27 @@ def _tokens_per_step(session: TrainingSession, result: StepResult, step: int) ->
 
 
 def _update_weights(
-    session: TrainingSession, result: StepResult, lr: float, step: int, tokens_seen: int
+    optimizer: torch.optim.Optimizer, scheduler: Any, hooks: HookRunner, ctx: StepContext
 ) -> None:
-    """The optimizer update: the gradient hooks see the gradients first, then the optimizer
-    and the schedule step, the LR in force is rewritten and the gradients are dropped."""
-    optimizer = session.optimizer
-    if len(session.hooks):
-        session.hooks.on_gradients(
-            StepContext(
-                step, result.loss, result.grad_norm, lr, tokens_seen, session.model, optimizer
-            )
-        )
+    """The optimizer update of step ``ctx.step``: the gradient hooks see the gradients
+    first, then the optimizer and the schedule step and the gradients are dropped."""
+    if len(hooks):
+        hooks.on_gradients(ctx)
     optimizer.step()
-    session.scheduler.step()
-    refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
+    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def _log_step(
     session: TrainingSession,
     result: StepResult,
-    progress: _Progress,
-    lr: float,
+    ctx: StepContext,
     tokens: int,
     router_row: dict[str, object] | None,
 ) -> None:
-    """The step's metrics row (with the mixture, router and health columns), then the
-    hooks' on_step_end."""
-    step, tokens_seen = progress.step, progress.tokens_seen
+    """The metrics row of step ``ctx.step`` (with the mixture, router and health columns),
+    then the hooks' on_step_end."""
+    step = ctx.step
     mixture_row = dataset_metrics_row(
         result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts
     )
@@ -297,17 +301,13 @@ def _log_step(
         step,
         loss=result.loss,
         grad_norm=result.grad_norm,
-        lr=lr,
+        lr=ctx.lr,
         tokens=tokens,
-        tokens_seen=tokens_seen,
+        tokens_seen=ctx.tokens_seen,
         data_wait_s=session.batches.take_wait_s(),
         extra=extra or None,
     )
-    session.hooks.on_step_end(
-        StepContext(
-            step, result.loss, result.grad_norm, lr, tokens_seen, session.model, session.optimizer
-        )
-    )
+    session.hooks.on_step_end(ctx)
 
 
 def _evaluate_if_due(session: TrainingSession, step: int) -> None:
