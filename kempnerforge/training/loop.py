@@ -131,7 +131,14 @@ def run_training_loop(
     max_steps = session.config.train.max_steps
     _start(session, step)
     try:
-        while progress.step < max_steps and not _stop_agreed(session):
+        # Every rank stops after the same step and saves the same checkpoint, whichever rank
+        # got the signal: the step bodies vote as part of their one host read (finish_step),
+        # and only when no vote was taken since the last boundary (before the first step,
+        # after a rollback) is there a vote here. (NaN verdicts need no such agreement: the
+        # step bodies reduce loss and gradient norm, so every rank judges the same numbers.)
+        while progress.step < max_steps and not agreed_stop(
+            session.shutdown_handler, session.runtime
+        ):
             with watch(STEP, progress.step + 1):  # the hang watchdog's limit (hang.py)
                 _train_step(session, progress)
         _finish(session, progress)
@@ -171,22 +178,6 @@ def _start(session: TrainingSession, step: int) -> None:
         session.batches.ensure_started()  # spawns workers outside the timed region
     if session.profiler is not None:
         session.profiler.start()
-
-
-def _stop_agreed(session: TrainingSession) -> bool:
-    """Whether to stop at this step boundary, agreed by every rank.
-
-    Every rank must stop after the same step and save the same checkpoint, whichever rank
-    got the signal. The step bodies vote as part of their one host read (finish_step);
-    only when no vote was taken since the last boundary (before the first step, after a
-    rollback) is there a vote here. (NaN verdicts need no such agreement: the step bodies
-    reduce loss and gradient norm, so every rank judges the same numbers.)
-    """
-    handler = session.shutdown_handler
-    vote = handler.take_vote()
-    if vote is not None and session.runtime.is_distributed:
-        return vote  # one process has no one to agree with: it acts at once, below
-    return agreed_stop(handler, session.runtime)
 
 
 def _skip_bad_step(session: TrainingSession, result: StepResult, progress: _Progress) -> None:
