@@ -32,7 +32,7 @@ from kempnerforge.training.family import family_of
 from kempnerforge.training.faults.attribution import attempt_step
 from kempnerforge.training.faults.rollback import roll_back_or_stop
 from kempnerforge.training.faults.save_failures import tolerating_failed_saves
-from kempnerforge.training.hooks import HookRunner, StepContext
+from kempnerforge.training.hooks import HookRunner, StepContext, announce_commit
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
@@ -171,7 +171,12 @@ def _train_step(session: TrainingSession, progress: _Progress) -> None:
 def _start(session: TrainingSession, step: int) -> None:
     """Before the first step: phases due now, hooks, the data iterator and the profiler."""
     session.model.train()
-    session.checkpointer.on_commit = functools.partial(_checkpoint_committed, session)
+    session.checkpointer.on_commit = functools.partial(
+        announce_commit,
+        session.hooks,
+        session.tracker,
+        session.config.checkpoint.async_mode == "async",
+    )
     advance_phases(session, step)  # phases starting at step 0 (or missed before a resume)
     session.hooks.on_train_begin(session.config)
     if session.batches.has_data:
@@ -375,15 +380,3 @@ def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> st
         )
     session.tracker.log_event(step, "checkpoint", path=path)
     return path
-
-
-def _checkpoint_committed(session: TrainingSession, step: int, path: str, seconds: float) -> None:
-    """A checkpoint is durable under its final name: only now are the hooks told, so a hook
-    that copies or uploads ``path`` always finds it complete. In async mode, where that is
-    steps after the save started, a ``checkpoint_committed`` event marks the moment; a sync
-    save is committed when its ``checkpoint`` event is written."""
-    if session.config.checkpoint.async_mode == "async":
-        session.tracker.log_event(
-            step, "checkpoint_committed", path=path, seconds=round(seconds, 3)
-        )
-    session.hooks.on_checkpoint_save(step, path)
