@@ -20,15 +20,15 @@ def roll_back(session: TrainingSession, path: str, step: int) -> tuple[int, int]
     The LR is scaled by train.nan_rollback_lr_scale (compounding over rollbacks), on top of
     the schedule and the phase in force.
     """
-    tc = session.config.train
-    streak = describe_attempts(session.nan_detector.streak)
+    tc, detector = session.config.train, session.nan_detector
+    streak = describe_attempts(detector.streak)
+    detector.record_rollback(tc.nan_rollback_lr_scale)  # the streak starts over
     session.checkpointer.wait()
     state = session.checkpointer.load(
         path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
     )
     set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
     new_step, tokens_seen = restore_train_state(session, state, keep_live_position=True)
-    session.nan_detector.record_rollback(tc.nan_rollback_lr_scale)
     refresh_learning_rates(session)
     logger.warning(
         "rolled back from step %d to %s (step %d) after %d non-finite attempts in a row (%s); "
