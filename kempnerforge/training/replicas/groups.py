@@ -103,7 +103,9 @@ class ReplicaGroup(TrainingHook):
             ft.num_replica_groups * config.train.grad_accum_steps,
             config.train.batch_size,
         )
-        self.manager = make_manager(session, self.group_id, self._load_live, self._live_state)
+        self.manager = make_manager(
+            ft, session.runtime, self.group_id, self._load_live, self._live_state
+        )
         session.use_batches(self.batches)
         session.use_replicas(TorchftReplicas(self.manager, ft.num_replica_groups))
         session.step_fn = ReplicaStep(session.step_fn, self)
