@@ -26,7 +26,7 @@ class QuorumLost(Exception):
     lighthouse formed no quorum within fault_tolerance.quorum_timeout_s.
 
     Raised before the attempt's forward, so the group's state is its last committed
-    step's; run_replica_training catches it and calls stop_after_quorum_loss.
+    step's; ReplicaGroup.train catches it and calls stop_after_quorum_loss.
     """
 
     def __init__(self, group_id: int, step: int, cause: BaseException) -> None:
