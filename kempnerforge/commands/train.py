@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kempnerforge.distributed.runtime import RuntimeContext
     from kempnerforge.launch.allocator import AllocatorPlan
     from kempnerforge.resilience.shutdown import ShutdownHandler
+    from kempnerforge.training.resume_plan import ResumePlan
     from kempnerforge.training.session import TrainingSession
 
 
@@ -169,11 +170,7 @@ def _build_and_train(
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
-    from kempnerforge.training.replicas.groups import (
-        checkpointer_kind,
-        resume_or_join,
-        run_replica_training,
-    )
+    from kempnerforge.training.replicas.groups import checkpointer_kind
     from kempnerforge.training.resume_plan import plan_resume
     from kempnerforge.training.workspace import record_config
 
@@ -205,9 +202,29 @@ def _build_and_train(
         config.train.hang_timeout_s, config.run_dir, runtime.rank, on_exit=_record_exit_code
     )
     with watchdog, session.tracker:
-        step, tokens_seen = resume_or_join(session, plan)
-        step, tokens_seen = run_replica_training(session, step=step, tokens_seen=tokens_seen)
+        step, tokens_seen = _resume_and_train(session, plan)
     return session, step, tokens_seen
+
+
+def _resume_and_train(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:
+    """Resume the built session from ``plan`` and train it to its end: (step, tokens_seen).
+
+    With [fault_tolerance] this launch is one of the job's replica groups
+    (training/replicas/groups.py): its group is installed into the session first, the one
+    change a session gets after its build, then it joins the groups' first quorum, which
+    stands in for the resume, and trains with them.
+    """
+    from kempnerforge.training.loop import run_training_loop
+    from kempnerforge.training.replicas.groups import ReplicaGroup
+    from kempnerforge.training.resume_plan import apply_resume
+
+    if not session.config.fault_tolerance.enabled:
+        step, tokens_seen = apply_resume(session, plan)
+        return run_training_loop(session, step=step, tokens_seen=tokens_seen)
+    group = ReplicaGroup(session)
+    group.install()
+    step, tokens_seen = group.join(plan)
+    return group.train(step, tokens_seen)
 
 
 def _ignore_stop_signals() -> None:

@@ -51,7 +51,7 @@ def next_good_window(index: int, bad: frozenset[int], size: int, path: str) -> i
 
 class BadWindowSkipping:
     """What every training dataset does with its bad windows: ``skip_windows`` lists them
-    (window_reads.apply_bad_windows sets it), and sample ``index`` reads ``window_for(index)``,
+    (DataPipeline.add_bad_windows sets it), and sample ``index`` reads ``window_for(index)``,
     the stand-in for a bad one, so the token and the image-text datasets skip alike.
 
     Mixed in ahead of torch's Dataset by a dataset with a ``path`` and windows ``0`` to

@@ -1,9 +1,15 @@
 """DataPipeline: the tokenizer, training loader and held-out data of one job as the loop reads
-them (its batches, eval batches, position, mixture weights); built in pipeline_build.py."""
+them (its batches, eval batches, position, mixture weights, bad windows); built in
+pipeline_build.py.
+
+Which windows positions of the data order read is a pure function of the sampler's order and
+the datasets' skip lists, so any rank can name the windows of any rank's positions without
+asking it; the position itself is read from the loader's own state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,12 +19,11 @@ from torch.utils.data import default_collate
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import BadWindow, BadWindows
-from kempnerforge.data.dataloader import TrainDataLoader, load_loader_state
-from kempnerforge.data.dataset import IGNORE_INDEX, SampleDataset
+from kempnerforge.data.dataloader import TrainDataLoader, load_loader_state, sampler_state_of
+from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset, SampleDataset
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.sampler import ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.data.window_reads import apply_bad_windows, windows_read
 
 logger = get_logger(__name__)
 
@@ -37,6 +42,8 @@ NO_IMAGE_TEXT_EVAL_DATA = (
 PENDING_WEIGHTS_KEY = "pending_mixture_weights"
 # Key of the bad windows (bad_windows.py) in DataPipeline.state_dict().
 BAD_WINDOWS_KEY = "bad_windows"
+_SHOWN_WINDOWS = 8
+"""Windows of one source that describe_last_read names; the rest it counts."""
 
 
 @dataclass
@@ -82,21 +89,90 @@ class DataPipeline:
     def add_bad_windows(self, windows: list[BadWindow]) -> list[BadWindow]:
         """Skip ``windows`` from the next batch drawn on; return the ones not known before.
 
-        Like set_weights, the change reaches the loader's workers only through a fresh
-        iterator (``BatchStream.reset()``), so a caller mid-run drops the iterator next.
+        Every source of the training data (token windows or image-text samples) gets the
+        bad windows of its own path and window length; a window of another dataset, or of
+        another window length, is kept, not applied. Like set_weights, the change reaches
+        the loader's workers only through a fresh iterator (``BatchStream.reset()``), so a
+        caller mid-run drops the iterator next.
         """
         new = self.bad_windows.add(windows)
         if new and self.dataset is not None:
-            applied = apply_bad_windows(self.dataset, self.bad_windows)
+            applied = 0
+            for source in _sources_of(self.dataset):
+                skip = self.bad_windows.of(source.path, _window_len(source))
+                source.skip_windows = skip
+                applied += len(skip)
             logger.info("skipping %d bad data window(s) of the training data", applied)
         return new
 
-    def windows_read(self, epoch: int, start: int, stop: int, ranks: list[int]) -> list[BadWindow]:
+    def position(self) -> tuple[int, int] | None:
+        """(epoch, positions read per rank in it): where the training loader stands in the
+        data order; None when no loader keeps a position.
+
+        Read from the loader's own state, exact also with worker processes, which prefetch
+        ahead of the sampler; the same on every rank.
+        """
+        if self.dataloader is None or self.sampler is None or self.dataset is None:
+            return None
+        sampler_state = sampler_state_of(self.dataloader.state_dict())
+        if not sampler_state:
+            return None
+        return int(sampler_state["epoch"]), int(sampler_state["yielded"])
+
+    def windows_last_read(
+        self, count: int, ranks: Iterable[int]
+    ) -> tuple[int, list[BadWindow]] | None:
+        """The epoch, and the windows data-parallel ``ranks`` read at their last ``count``
+        positions (a training step's, for ``count`` its rows per rank; see windows_read);
+        None when there is no position."""
+        position = self.position()
+        if position is None:
+            return None
+        epoch, end = position
+        return epoch, self.windows_read(epoch, max(end - count, 0), end, ranks)
+
+    def windows_read(
+        self, epoch: int, start: int, stop: int, ranks: Iterable[int]
+    ) -> list[BadWindow]:
         """The windows data-parallel ``ranks`` read at their positions ``start`` to ``stop -
-        1`` of ``epoch`` (stand-ins in place of bad windows); [] without training data."""
-        if self.dataset is None or self.sampler is None:
+        1`` of ``epoch``, rank by rank in draw order, as (path, window, window length); []
+        without training data.
+
+        A window recorded as bad appears as the stand-in read in its place. O(ranks x
+        positions), each position computed in O(1).
+        """
+        dataset, sampler = self.dataset, self.sampler
+        if dataset is None or sampler is None:
             return []
-        return windows_read(self.dataset, self.sampler, epoch, start, stop, ranks)
+        positions = range(max(start, 0), min(stop, sampler.samples_per_rank))
+        indices = [
+            sampler.global_index(epoch, rank + position * sampler.dp_size)
+            for rank in ranks
+            for position in positions
+        ]
+        return [_window_of(dataset, index) for index in indices]
+
+    def describe_last_read(self, count: int) -> str:
+        """Where this rank's last ``count`` positions came from: epoch and dataset windows
+        ("epoch 0: windows 3, 9 of <path>"); empty when there is no position.
+
+        A window w of a prepared directory holds its tokens ``[w * seq_len, w * seq_len +
+        seq_len]``; a window recorded as bad data shows as the stand-in read in its place.
+        """
+        read = self.windows_last_read(count, [self.dp_rank])
+        if read is None:
+            return ""
+        epoch, reads = read
+        names = {}
+        if isinstance(self.dataset, MixtureDataset):
+            sources = zip(self.dataset.names, self.dataset.datasets, strict=True)
+            names = {source.path: f"{name} ({source.path})" for name, source in sources}
+        by_source: dict[str, list[int]] = {}
+        for window in reads:
+            by_source.setdefault(names.get(window.path, window.path), []).append(window.window)
+        parts = [f"windows {_shown(windows)} of {name}" for name, windows in by_source.items()]
+        rank = f", rank {self.dp_rank}" if self.dp_size > 1 else ""
+        return f"epoch {epoch}{rank}: " + "; ".join(parts)
 
     def set_weights(self, weights_by_name: dict[str, float]) -> None:
         """Change the mixture weights of the named sources; the others keep theirs.
@@ -229,3 +305,27 @@ def _eval_row(
     row = dict(dataset[base % size])
     row["labels"] = torch.full_like(row["labels"], IGNORE_INDEX)
     return row
+
+
+def _sources_of(dataset: MixtureDataset | SampleDataset) -> list[SampleDataset]:
+    """The datasets windows are read from: a mixture's sources, or the dataset itself."""
+    return list(dataset.datasets) if isinstance(dataset, MixtureDataset) else [dataset]
+
+
+def _window_len(dataset: SampleDataset) -> int:
+    """The tokens per window of a prepared directory; 0 for a dataset of entries."""
+    return dataset.seq_len if isinstance(dataset, MemoryMappedDataset) else 0
+
+
+def _window_of(dataset: MixtureDataset | SampleDataset, index: int) -> BadWindow:
+    """The window sample ``index`` of ``dataset`` reads: its stand-in, for a bad one."""
+    if isinstance(dataset, MixtureDataset):
+        source, window = dataset.locate(index)
+        return _window_of(dataset.datasets[source], window)
+    return BadWindow(dataset.path, dataset.window_for(index), _window_len(dataset))
+
+
+def _shown(windows: list[int]) -> str:
+    """The first _SHOWN_WINDOWS of ``windows``, then how many more there are."""
+    more = f" and {len(windows) - _SHOWN_WINDOWS} more" if len(windows) > _SHOWN_WINDOWS else ""
+    return ", ".join(map(str, windows[:_SHOWN_WINDOWS])) + more

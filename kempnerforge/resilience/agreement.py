@@ -33,11 +33,17 @@ def agree_on_stop(
 def agreed_stop(handler: ShutdownHandler, runtime: RuntimeContext) -> bool:
     """Whether to stop now, agreed by every rank from their handlers' requests.
 
-    Collective when distributed (agree_on_stop); a stop another rank asked for becomes this
-    handler's request too, so the shutdown is logged and exits the same everywhere.
+    A stop vote every rank took together since the last call (a training step's, kept by
+    ShutdownHandler.record_vote) is that agreement: no collective is held for it. Without
+    one, collective when distributed (agree_on_stop); a stop another rank asked for becomes
+    this handler's request too, so the shutdown is logged and exits the same everywhere.
+    One process has no one to agree with: it acts on its own request at once.
     """
+    vote = handler.take_vote()
     if not runtime.is_distributed:
         return handler.requested
+    if vote is not None:
+        return vote
     stop = agree_on_stop(handler.requested, runtime.device)
     if stop and not handler.requested:
         handler.request("another rank received a stop signal")

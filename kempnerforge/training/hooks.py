@@ -15,6 +15,7 @@ from kempnerforge.core.logging import get_logger
 
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig
+    from kempnerforge.metrics.tracker import MetricsTracker
 
 logger = get_logger(__name__)
 
@@ -131,6 +132,24 @@ class HookRunner:
                         name,
                         MAX_HOOK_FAILURES,
                     )
+
+
+def announce_commit(
+    hooks: HookRunner,
+    tracker: MetricsTracker,
+    in_async_mode: bool,
+    step: int,
+    path: str,
+    seconds: float,
+) -> None:
+    """A checkpoint is durable under its final name (the checkpoint manager's on_commit):
+    only now are the hooks told, so a hook that copies or uploads ``path`` always finds it
+    complete. In async mode, where that is steps after the save started, a
+    ``checkpoint_committed`` event marks the moment; a sync save is committed when its
+    ``checkpoint`` event is written."""
+    if in_async_mode:
+        tracker.log_event(step, "checkpoint_committed", path=path, seconds=round(seconds, 3))
+    hooks.on_checkpoint_save(step, path)
 
 
 _ALLOWED = "an import path 'package.module:ClassName' naming a TrainingHook subclass"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from kempnerforge.training.families import family_of
 from kempnerforge.training.faults.attribution import attempt_step
 from kempnerforge.training.faults.rollback import roll_back_or_stop
 from kempnerforge.training.faults.save_failures import tolerating_failed_saves
-from kempnerforge.training.hooks import StepContext
+from kempnerforge.training.hooks import HookRunner, StepContext, announce_commit
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
@@ -130,7 +131,14 @@ def run_training_loop(
     max_steps = session.config.train.max_steps
     _start(session, step)
     try:
-        while progress.step < max_steps and not _stop_agreed(session):
+        # Every rank stops after the same step and saves the same checkpoint, whichever rank
+        # got the signal: the step bodies vote as part of their one host read (finish_step),
+        # and only when no vote was taken since the last boundary (before the first step,
+        # after a rollback) is there a vote here. (NaN verdicts need no such agreement: the
+        # step bodies reduce loss and gradient norm, so every rank judges the same numbers.)
+        while progress.step < max_steps and not agreed_stop(
+            session.shutdown_handler, session.runtime
+        ):
             with watch(STEP, progress.step + 1):  # the hang watchdog's limit (hang.py)
                 _train_step(session, progress)
         _finish(session, progress)
@@ -163,29 +171,18 @@ def _train_step(session: TrainingSession, progress: _Progress) -> None:
 def _start(session: TrainingSession, step: int) -> None:
     """Before the first step: phases due now, hooks, the data iterator and the profiler."""
     session.model.train()
-    session.checkpointer.on_commit = functools.partial(_checkpoint_committed, session)
+    session.checkpointer.on_commit = functools.partial(
+        announce_commit,
+        session.hooks,
+        session.tracker,
+        session.config.checkpoint.async_mode == "async",
+    )
     advance_phases(session, step)  # phases starting at step 0 (or missed before a resume)
     session.hooks.on_train_begin(session.config)
     if session.batches.has_data:
         session.batches.ensure_started()  # spawns workers outside the timed region
     if session.profiler is not None:
         session.profiler.start()
-
-
-def _stop_agreed(session: TrainingSession) -> bool:
-    """Whether to stop at this step boundary, agreed by every rank.
-
-    Every rank must stop after the same step and save the same checkpoint, whichever rank
-    got the signal. The step bodies vote as part of their one host read (finish_step);
-    only when no vote was taken since the last boundary (before the first step, after a
-    rollback) is there a vote here. (NaN verdicts need no such agreement: the step bodies
-    reduce loss and gradient norm, so every rank judges the same numbers.)
-    """
-    handler = session.shutdown_handler
-    vote = handler.take_vote()
-    if vote is not None and session.runtime.is_distributed:
-        return vote  # one process has no one to agree with: it acts at once, below
-    return agreed_stop(handler, session.runtime)
 
 
 def _skip_bad_step(session: TrainingSession, result: StepResult, progress: _Progress) -> None:
@@ -214,12 +211,32 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     """Update the weights, advance step, schedule and phases, then log, evaluate and save."""
     lr = session.optimizer.param_groups[0]["lr"]  # the LR this update uses
     tokens = _tokens_per_step(session, result, progress.step + 1)
-    _update_weights(session, result, lr, progress.step + 1, progress.tokens_seen + tokens)
     progress.step += 1
     progress.tokens_seen += tokens
-    router_row = _finish_router_step(session, progress.step)
+    ctx = StepContext(
+        progress.step,
+        result.loss,
+        result.grad_norm,
+        lr,
+        progress.tokens_seen,
+        session.model,
+        session.optimizer,
+    )
+    _update_weights(session.optimizer, session.scheduler, session.hooks, ctx)
+    refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
+    # An MoE model's routers after the update: the sigmoid routers' balancing step, from this
+    # step's load over every rank, and on log steps their metrics row, every pipeline stage's
+    # layers included (model/router_step.py; nothing for a model without MoE layers).
+    router_row = finish_router_step(
+        session.model,
+        session.config.model,
+        session.runtime.group("dp_cp"),
+        max_steps=session.config.train.max_steps,
+        with_metrics=session.tracker.logs_step(progress.step),
+        stage_group=session.runtime.group("pp"),
+    )
     advance_phases(session, progress.step)
-    _log_step(session, result, progress, lr, tokens, router_row)
+    _log_step(session, result, ctx, tokens, router_row)
     _evaluate_if_due(session, progress.step)
     if session.profiler is not None:
         session.profiler.step()
@@ -245,49 +262,27 @@ def _tokens_per_step(session: TrainingSession, result: StepResult, step: int) ->
 
 
 def _update_weights(
-    session: TrainingSession, result: StepResult, lr: float, step: int, tokens_seen: int
+    optimizer: torch.optim.Optimizer, scheduler: Any, hooks: HookRunner, ctx: StepContext
 ) -> None:
-    """The optimizer update: the gradient hooks see the gradients first, then the optimizer
-    and the schedule step, the LR in force is rewritten and the gradients are dropped."""
-    optimizer = session.optimizer
-    if len(session.hooks):
-        session.hooks.on_gradients(
-            StepContext(
-                step, result.loss, result.grad_norm, lr, tokens_seen, session.model, optimizer
-            )
-        )
+    """The optimizer update of step ``ctx.step``: the gradient hooks see the gradients
+    first, then the optimizer and the schedule step and the gradients are dropped."""
+    if len(hooks):
+        hooks.on_gradients(ctx)
     optimizer.step()
-    session.scheduler.step()
-    refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
+    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _finish_router_step(session: TrainingSession, step: int) -> dict[str, object] | None:
-    """An MoE model's routers after the update: the sigmoid routers' balancing step, from
-    this step's load over every rank, and on log steps their metrics row, every pipeline
-    stage's layers included (model/router_step.py; nothing for a model without MoE layers)."""
-    config = session.config
-    return finish_router_step(
-        session.model,
-        config.model,
-        session.runtime.group("dp_cp"),
-        max_steps=config.train.max_steps,
-        with_metrics=session.tracker.logs_step(step),
-        stage_group=session.runtime.group("pp"),
-    )
 
 
 def _log_step(
     session: TrainingSession,
     result: StepResult,
-    progress: _Progress,
-    lr: float,
+    ctx: StepContext,
     tokens: int,
     router_row: dict[str, object] | None,
 ) -> None:
-    """The step's metrics row (with the mixture, router and health columns), then the
-    hooks' on_step_end."""
-    step, tokens_seen = progress.step, progress.tokens_seen
+    """The metrics row of step ``ctx.step`` (with the mixture, router and health columns),
+    then the hooks' on_step_end."""
+    step = ctx.step
     mixture_row = dataset_metrics_row(
         result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts
     )
@@ -302,17 +297,13 @@ def _log_step(
         step,
         loss=result.loss,
         grad_norm=result.grad_norm,
-        lr=lr,
+        lr=ctx.lr,
         tokens=tokens,
-        tokens_seen=tokens_seen,
+        tokens_seen=ctx.tokens_seen,
         data_wait_s=session.batches.take_wait_s(),
         extra=extra or None,
     )
-    session.hooks.on_step_end(
-        StepContext(
-            step, result.loss, result.grad_norm, lr, tokens_seen, session.model, session.optimizer
-        )
-    )
+    session.hooks.on_step_end(ctx)
 
 
 def _evaluate_if_due(session: TrainingSession, step: int) -> None:
@@ -342,7 +333,8 @@ def _save_if_due(session: TrainingSession, progress: _Progress) -> None:
         with tolerating_failed_saves(session), watch(CHECKPOINT, progress.step):
             checkpointer.wait()  # the save in flight fails on its own account, not this one's
         with tolerating_failed_saves(session):
-            _save_checkpoint(session, progress)
+            save_checkpoint(session, progress.step, progress.tokens_seen)
+            progress.last_saved = progress.step
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:
@@ -356,7 +348,8 @@ def _finish(session: TrainingSession, progress: _Progress) -> None:
         session.tracker.log_event(progress.step, "shutdown", signal=name)
     if unsaved:
         # Off-schedule end (or a shutdown): never lose the steps since the last save.
-        _save_checkpoint(session, progress)
+        save_checkpoint(session, progress.step, progress.tokens_seen)
+        progress.last_saved = progress.step
 
 
 def _drain_after_failure(checkpointer: CheckpointManager) -> None:
@@ -368,11 +361,6 @@ def _drain_after_failure(checkpointer: CheckpointManager) -> None:
 
 
 # --- Checkpoints ------------------------------------------------------------------------
-
-
-def _save_checkpoint(session: TrainingSession, progress: _Progress) -> None:
-    save_checkpoint(session, progress.step, progress.tokens_seen)
-    progress.last_saved = progress.step
 
 
 def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:
@@ -392,15 +380,3 @@ def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> st
         )
     session.tracker.log_event(step, "checkpoint", path=path)
     return path
-
-
-def _checkpoint_committed(session: TrainingSession, step: int, path: str, seconds: float) -> None:
-    """A checkpoint is durable under its final name: only now are the hooks told, so a hook
-    that copies or uploads ``path`` always finds it complete. In async mode, where that is
-    steps after the save started, a ``checkpoint_committed`` event marks the moment; a sync
-    save is committed when its ``checkpoint`` event is written."""
-    if session.config.checkpoint.async_mode == "async":
-        session.tracker.log_event(
-            step, "checkpoint_committed", path=path, seconds=round(seconds, 3)
-        )
-    session.hooks.on_checkpoint_save(step, path)

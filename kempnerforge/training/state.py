@@ -22,12 +22,14 @@ def capture_train_state(
     """Everything besides weights and optimizer that a resume needs to continue exactly:
     the data position, the RNG, the NaN detector's counters and ``extra``
     (checkpoint_extra)."""
+    counters = nan_detector.state_dict()
+    position = data.state_dict()
     return {
         "step": step,
         "tokens_seen": tokens_seen,
-        "dataloader": data.state_dict(),
+        "dataloader": position,
         "rng": capture_rng_state(),
-        "nan_detector": nan_detector.state_dict(),
+        "nan_detector": counters,
         "extra": extra,
     }
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
 from kempnerforge.model.router_stage import record_stage_router_stats
@@ -18,7 +20,7 @@ from kempnerforge.training.accumulate import accumulate, finish_step, step_token
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.loss import TokenCrossEntropy
 from kempnerforge.training.mixture_metrics import DatasetSums
-from kempnerforge.training.session import StepResult, TrainingSession
+from kempnerforge.training.session import Replicas, StepResult, TrainingSession
 
 
 def text_step(session: TrainingSession, step: int) -> StepResult:
@@ -43,7 +45,7 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             b if needs_document_mask(b.get("doc_ids")) else _without(b, "doc_ids")
             for b in micro_batches
         ]
-    per_dataset = _dataset_sums(session, micro_batches)
+    per_dataset = _dataset_sums(session.data, micro_batches, session.runtime.device)
     spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
     # The model computes the loss only when it is the built-in one (a replaced
     # session.loss_fn gets the logits).
@@ -64,33 +66,36 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
 
     loss, grad_norm, _ = accumulate(session, micro_batches, micro_loss)
     result = StepResult(loss=loss, grad_norm=grad_norm)
-    _report_dataset_sums(session, result, per_dataset)
+    _report_dataset_sums(result, per_dataset, session.runtime, session.replicas)
     return result
 
 
 def _dataset_sums(
-    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]]
+    data: DataPipeline, micro_batches: list[dict[str, torch.Tensor]], device: torch.device
 ) -> DatasetSums | None:
-    """Per-dataset sums for a mixture's step (batches carry ``dataset_idx``), else None."""
-    names = getattr(session.data, "dataset_names", [])
+    """Per-dataset sums on ``device`` for a mixture's step (batches carry ``dataset_idx``),
+    else None."""
+    names = getattr(data, "dataset_names", [])
     if names and "dataset_idx" in micro_batches[0]:
-        return DatasetSums(names, session.runtime.device)
+        return DatasetSums(names, device)
     return None
 
 
 def _report_dataset_sums(
-    session: TrainingSession, result: StepResult, per_dataset: DatasetSums | None
+    result: StepResult,
+    per_dataset: DatasetSums | None,
+    runtime: RuntimeContext,
+    replicas: Replicas,
 ) -> None:
     """Reduce the step's per-dataset sums over the data- and context-parallel ranks (losses
     also over the pipeline) and the replica groups into ``result``."""
     if per_dataset is None:
         return
-    runtime = session.runtime
     (
         result.dataset_token_counts,
         result.dataset_loss_sums,
         result.dataset_loss_counts,
-    ) = per_dataset.finish(runtime.group("dp_cp"), runtime.group("pp"), session.replicas)
+    ) = per_dataset.finish(runtime.group("dp_cp"), runtime.group("pp"), replicas)
 
 
 def _without(batch: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
@@ -150,7 +155,7 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     tokens = step_tokens(runtime, micro_batches)
     inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(runtime.device)
     labels = torch.cat([b["labels"] for b in micro_batches]).to(runtime.device)
-    per_dataset = _dataset_sums(session, micro_batches)
+    per_dataset = _dataset_sums(session.data, micro_batches, runtime.device)
     with training_autocast(tc, runtime.device):
         loss_sums = bundle.run(inputs, labels, tokens.scale)
     record_stage_router_stats([stage.submod for stage in bundle.stages], bundle.num_microbatches)
@@ -164,5 +169,5 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=runtime.device)
     loss, grad_norm, _ = finish_step(session, loss_sum, tokens)
     result = StepResult(loss=loss, grad_norm=grad_norm)
-    _report_dataset_sums(session, result, per_dataset)
+    _report_dataset_sums(result, per_dataset, runtime, session.replicas)
     return result

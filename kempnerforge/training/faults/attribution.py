@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.checkpoint.rng import capture_rng_state, restore_rng_state
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import HardwareFaultError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import write_bad_data
 from kempnerforge.resilience.nan import LOSS_SPIKE, NaNDetector
-from kempnerforge.training.faults.rollback import attempt_positions, data_position
 from kempnerforge.training.session import StepResult, TrainingSession
 
 logger = get_logger(__name__)
@@ -48,7 +48,7 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
     the rollback streak and names the windows it read.
     """
     train = session.config.train
-    describe = functools.partial(data_position, session.data, train)
+    describe = functools.partial(session.data.describe_last_read, _rows_per_step(train))
     if train.attribute_faults and session.replicas.replays_attempts:
         result, described = _attempt_with_rerun(session, step)
         if described is not None:
@@ -59,6 +59,11 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
         result.loss, result.grad_norm, step + 1, data_position=describe
     )
     return result, good
+
+
+def _rows_per_step(train: TrainConfig) -> int:
+    """The positions of the data order each data-parallel rank reads in one step."""
+    return train.batch_size * train.grad_accum_steps
 
 
 def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult, str | None]:
@@ -73,31 +78,35 @@ def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult
         if fault is None:
             return first, None
         bound = detector.spikes.bound()
-        evidence = [_local_evidence(session, fault, bound.threshold if bound else None)]
+        threshold = bound.threshold if bound else None
+        evidence = [_local_evidence(detector, session.model, fault, threshold)]
         session.optimizer.zero_grad(set_to_none=True)
         restore_rng_state(rng)
         stream.replay_attempt()
         second = session.step_fn(session, step)
         repeat = detector.fault_of(second.loss, second.grad_norm)
-        evidence.append(_local_evidence(session, repeat, bound.threshold if bound else None))
+        evidence.append(_local_evidence(detector, session.model, repeat, threshold))
         ranks, dp_ranks = _agree(session, evidence)
         if repeat is None:
             _record_hardware_fault(session, step + 1, fault, first, second, ranks[0])
             return second, None
-        described = data_position(session.data, session.config.train)
+        described = session.data.describe_last_read(_rows_per_step(session.config.train))
         _record_bad_data(session, step + 1, repeat, dp_ranks[1])
         return second, described
     finally:
         stream.end_attempt()
 
 
-def _local_evidence(session: TrainingSession, fault: str | None, threshold: float | None) -> int:
-    """How strongly this rank's own numbers show ``fault``: 2 when its share of the loss is
-    non-finite (or, for a spike, above the threshold), 1 when only its gradients are
-    non-finite (after the data-parallel reduction, which spreads them), 0 otherwise."""
+def _local_evidence(
+    detector: NaNDetector, model: torch.nn.Module, fault: str | None, threshold: float | None
+) -> int:
+    """How strongly this rank's own numbers show ``fault``: 2 when its share of the loss
+    (``detector.local_loss``) is non-finite (or, for a spike, above the threshold), 1 when
+    only the gradients of ``model`` are non-finite (after the data-parallel reduction, which
+    spreads them), 0 otherwise."""
     if fault is None:
         return 0
-    local = session.nan_detector.local_loss
+    local = detector.local_loss
     if local is not None:
         value = float(local)
         if fault == LOSS_SPIKE:
@@ -105,7 +114,7 @@ def _local_evidence(session: TrainingSession, fault: str | None, threshold: floa
                 return 2
         elif not math.isfinite(value):
             return 2
-    return 1 if _local_grads_non_finite(session.model) else 0
+    return 1 if _local_grads_non_finite(model) else 0
 
 
 def _local_grads_non_finite(model: torch.nn.Module) -> bool:
@@ -148,14 +157,13 @@ def _agree(
 def _record_bad_data(session: TrainingSession, step: int, fault: str, dp_ranks: list[int]) -> None:
     """The fault repeated: record the step's windows (of the ranks whose own loss showed it,
     else of every rank) as bad data, skip them from the next batch on, log ``bad_data``."""
-    data, train = session.data, session.config.train
-    positions = attempt_positions(data, train)
-    if positions is None:
+    data = session.data
+    ranks = dp_ranks or list(range(data.dp_size))
+    read = data.windows_last_read(_rows_per_step(session.config.train), ranks)
+    if read is None:
         logger.warning("step %d: the fault repeated, but the loader keeps no position", step)
         return
-    epoch, start, stop = positions
-    ranks = dp_ranks or list(range(data.dp_size))
-    windows = data.windows_read(epoch, start, stop, ranks)
+    epoch, windows = read
     new = data.add_bad_windows(windows)
     path = ""
     if new and session.runtime.rank == 0:
@@ -229,7 +237,8 @@ def _record_hardware_fault(
         ranks=ranks[:_SHOWN_RANKS],
         count=detector.hardware_faults,
     )
-    _note_fault_host(session, host)
+    if session.runtime.rank == 0:
+        _note_fault_host(host)
     if limit and detector.hardware_faults >= limit:
         where = f"host {host}, rank {rank}" if host else "an unnamed rank"
         raise HardwareFaultError(detector.hardware_faults, limit, step, where)
@@ -250,10 +259,11 @@ def _host_of(session: TrainingSession, rank: int) -> str:
     return bytes(b for b in buffer.tolist() if b).decode("utf-8", "replace")
 
 
-def _note_fault_host(session: TrainingSession, host: str | None) -> None:
-    """Append ``host`` to the file FAULT_HOSTS_ENV names, on rank 0, when both are given."""
+def _note_fault_host(host: str | None) -> None:
+    """Append ``host`` to the file FAULT_HOSTS_ENV names, when both are given (rank 0's
+    call: one line a fault)."""
     target = os.environ.get(FAULT_HOSTS_ENV)
-    if not target or not host or session.runtime.rank != 0:
+    if not target or not host:
         return
     with open(target, "a", encoding="utf-8") as f:
         f.write(host + "\n")

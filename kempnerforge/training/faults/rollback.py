@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.dataloader import sampler_state_of
-from kempnerforge.data.mixture import MixtureDataset
-from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.optim.optimizer import set_optimizer_mode
 from kempnerforge.resilience.nan import NaNAbortError, describe_attempts
 from kempnerforge.training.lr import refresh_learning_rates
@@ -14,51 +10,6 @@ from kempnerforge.training.session import TrainingSession
 from kempnerforge.training.state import restore_train_state
 
 logger = get_logger(__name__)
-
-_SHOWN_WINDOWS = 8
-
-
-def attempt_positions(data: DataPipeline, train: TrainConfig) -> tuple[int, int, int] | None:
-    """(epoch, start, stop): the positions of every rank's share of the data order that the
-    step just taken read; None when the loader keeps no position.
-
-    Read from the loader's own state (exact also with worker processes, which prefetch
-    ahead of the sampler). The position is the same on every rank.
-    """
-    if data.dataloader is None or data.sampler is None or data.dataset is None:
-        return None
-    sampler_state = sampler_state_of(data.dataloader.state_dict())
-    if not sampler_state:
-        return None
-    epoch, end = int(sampler_state["epoch"]), int(sampler_state["yielded"])
-    return epoch, max(end - train.batch_size * train.grad_accum_steps, 0), end
-
-
-def data_position(data: DataPipeline, train: TrainConfig) -> str:
-    """Where the batches of the step just taken came from: epoch and dataset windows.
-
-    A window w of a prepared directory holds its tokens ``[w * seq_len, w * seq_len +
-    seq_len]``; a window recorded as bad data shows as the stand-in read in its place.
-    Empty when the loader keeps no position.
-    """
-    positions = attempt_positions(data, train)
-    if positions is None:
-        return ""
-    epoch, start, end = positions
-    names = {}
-    if isinstance(data.dataset, MixtureDataset):
-        sources = zip(data.dataset.names, data.dataset.datasets, strict=True)
-        names = {source.path: f"{name} ({source.path})" for name, source in sources}
-    by_source: dict[str, list[int]] = {}
-    for read in data.windows_read(epoch, start, end, [data.dp_rank]):
-        by_source.setdefault(names.get(read.path, read.path), []).append(read.window)
-    parts = []
-    for name, windows in by_source.items():
-        shown = ", ".join(map(str, windows[:_SHOWN_WINDOWS]))
-        more = f" and {len(windows) - _SHOWN_WINDOWS} more" if len(windows) > _SHOWN_WINDOWS else ""
-        parts.append(f"windows {shown}{more} of {name}")
-    rank = f", rank {data.dp_rank}" if data.dp_size > 1 else ""
-    return f"epoch {epoch}{rank}: " + "; ".join(parts)
 
 
 def roll_back(session: TrainingSession, path: str, step: int) -> tuple[int, int]:
@@ -69,15 +20,15 @@ def roll_back(session: TrainingSession, path: str, step: int) -> tuple[int, int]
     The LR is scaled by train.nan_rollback_lr_scale (compounding over rollbacks), on top of
     the schedule and the phase in force.
     """
-    tc = session.config.train
-    streak = describe_attempts(session.nan_detector.streak)
+    tc, detector = session.config.train, session.nan_detector
+    streak = describe_attempts(detector.streak)
+    detector.record_rollback(tc.nan_rollback_lr_scale)  # the streak starts over
     session.checkpointer.wait()
     state = session.checkpointer.load(
         path, model=session.model, optimizer=session.optimizer, scheduler=session.scheduler
     )
     set_optimizer_mode(session.optimizer, True)  # checkpoints hold a schedule-free eval point
     new_step, tokens_seen = restore_train_state(session, state, keep_live_position=True)
-    session.nan_detector.record_rollback(tc.nan_rollback_lr_scale)
     refresh_learning_rates(session)
     logger.warning(
         "rolled back from step %d to %s (step %d) after %d non-finite attempts in a row (%s); "

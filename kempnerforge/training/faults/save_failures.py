@@ -28,28 +28,25 @@ def tolerating_failed_saves(session: TrainingSession) -> Iterator[None]:
     try:
         yield
     except FailedSave as error:
-        _report(session, error)
-
-
-def _report(session: TrainingSession, error: FailedSave) -> None:
-    checkpointer = session.checkpointer
-    failed, allowed = checkpointer.failed_saves_in_a_row, session.config.checkpoint.max_failed_saves
-    path = checkpointer.directory / f"step_{error.step}"
-    fields: dict[str, object] = {"reason": error.reason, "path": str(path), "in_a_row": failed}
-    if error.bytes_free is not None:
-        fields["bytes_free"] = error.bytes_free
-    session.tracker.log_event(error.step, "checkpoint_failed", **fields)
-    if failed >= allowed:
-        raise CheckpointError(
-            checkpointer.directory,
-            f"{failed} checkpoint saves in a row failed (checkpoint.max_failed_saves = "
-            f"{allowed}), the last: {error.problem}",
-        ) from error
-    logger.warning(
-        "checkpoint %s was not saved (%s); training goes on and the next save tries again "
-        "(%d of checkpoint.max_failed_saves = %d failed in a row)",
-        path,
-        error.reason,
-        failed,
-        allowed,
-    )
+        checkpointer = session.checkpointer
+        failed = checkpointer.failed_saves_in_a_row
+        allowed = session.config.checkpoint.max_failed_saves
+        path = checkpointer.directory / f"step_{error.step}"
+        fields: dict[str, object] = {"reason": error.reason, "path": str(path), "in_a_row": failed}
+        if error.bytes_free is not None:
+            fields["bytes_free"] = error.bytes_free
+        session.tracker.log_event(error.step, "checkpoint_failed", **fields)
+        if failed >= allowed:
+            raise CheckpointError(
+                checkpointer.directory,
+                f"{failed} checkpoint saves in a row failed (checkpoint.max_failed_saves = "
+                f"{allowed}), the last: {error.problem}",
+            ) from error
+        logger.warning(
+            "checkpoint %s was not saved (%s); training goes on and the next save tries "
+            "again (%d of checkpoint.max_failed_saves = %d failed in a row)",
+            path,
+            error.reason,
+            failed,
+            allowed,
+        )

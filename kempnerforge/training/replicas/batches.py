@@ -43,7 +43,8 @@ class ReplicaBatches(BatchStream):
     run's; here it counts whole steps: ``yielded`` is always a multiple of a step's
     windows per rank. Reads are synchronous, straight from the map-style dataset: which
     slots a group reads is known only once the step's quorum is, so nothing can be
-    prefetched, and the loader (and its workers) is never started.
+    prefetched, and the loader (and its workers) is never started: ReplicaGroup.install
+    puts a SamplerPosition in its place.
     """
 
     def __init__(self, pipeline: DataPipeline, num_slots: int, batch_size: int) -> None:
@@ -58,7 +59,6 @@ class ReplicaBatches(BatchStream):
             positions_per_epoch=sampler.samples_per_rank * sampler.dp_size,
         )
         self.slots.check(getattr(dataset, "path", "the training data"))
-        pipeline.dataloader = SamplerPosition(sampler)  # type: ignore[assignment]
         self.assignment: list[int] = []
         """The slots of the step being attempted (set from its quorum by assign)."""
 

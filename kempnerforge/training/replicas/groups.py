@@ -1,11 +1,12 @@
 """Fault-tolerant replica groups on torchft: the quorum of each step, the commit, the live
 state a rejoining group takes from a peer, and which group writes the job's checkpoints.
 
-resume_or_join is the one place that chooses: without [fault_tolerance] it is the usual
-resume (apply_resume); with it, this launch joins the job's replica groups, and the step
-body, the batch stream, the cross-group reductions and the checkpointer's saver rule are
-replaced here, so the loop and the step bodies hold no branch for it. torchft is imported
-only on that path.
+With [fault_tolerance] the train command makes this launch's ReplicaGroup, installs it into
+the built session (ReplicaGroup.install: the step body, the batch stream, the cross-group
+reductions, a hook and the checkpointer's saver rule are replaced there, the one change a
+session gets after its build), joins the first quorum in place of the usual resume
+(ReplicaGroup.join) and trains with the groups (ReplicaGroup.train), so the loop and the
+step bodies hold no branch for it. torchft is imported only on that path.
 
 Each step attempt: the group joins a quorum (torchft Manager.start_quorum, synchronous);
 a group behind the quorum's newest step takes a peer's live state first. The quorum's n
@@ -23,9 +24,10 @@ from typing import Any
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.core.logging import get_logger
+from kempnerforge.training.family import StepFn
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
-from kempnerforge.training.replicas.batches import ReplicaBatches
+from kempnerforge.training.replicas.batches import ReplicaBatches, SamplerPosition
 from kempnerforge.training.replicas.manager import TorchftReplicas, make_manager
 from kempnerforge.training.replicas.quorum_loss import (
     LastCommit,
@@ -43,7 +45,7 @@ class ReplicaRejoined(Exception):
     """A running group took its peers' live state: the loop restarts at their position.
 
     Raised right after the quorum in which the group healed, before the step's forward,
-    and caught by run_replica_training, which re-enters the loop at ``position``; the
+    and caught by ReplicaGroup.train, which re-enters the loop at ``position``; the
     step's attempt then goes on in the same quorum, so the peers wait only for that.
     """
 
@@ -80,8 +82,9 @@ class GroupCheckpointManager(CheckpointManager):
 class ReplicaGroup(TrainingHook):
     """This launch's membership in the job's replica groups (one object per process).
 
-    It is also a hook: after each optimizer step it records the loop's step and tokens
-    seen, which the live state it serves to a rejoining peer carries.
+    Made from a built session, which it changes only in install. It is also a hook: after
+    each optimizer step it records the loop's step and tokens seen, which the live state it
+    serves to a rejoining peer carries.
     """
 
     def __init__(self, session: TrainingSession) -> None:
@@ -103,9 +106,25 @@ class ReplicaGroup(TrainingHook):
             ft.num_replica_groups * config.train.grad_accum_steps,
             config.train.batch_size,
         )
-        self.manager = make_manager(session, self.group_id, self._load_live, self._live_state)
+        self.manager = make_manager(
+            ft, session.runtime, self.group_id, self._load_live, self._live_state
+        )
+        self.replicas = TorchftReplicas(self.manager, ft.num_replica_groups)
+
+    def install(self) -> None:
+        """Make the built session this group's, before the resume: the one change a session
+        gets after its build.
+
+        Its loader stands for the sampler's position (SamplerPosition), its batches are the
+        slots of each step's quorum (ReplicaBatches), its reductions span the quorum's groups
+        (TorchftReplicas), its step body is attempted until every group commits it
+        (ReplicaStep), this group hears of every step as a hook, and a checkpoint is written
+        by the group is_saver names.
+        """
+        session = self.session
+        session.data.dataloader = SamplerPosition(session.data.sampler)  # type: ignore[assignment]
         session.use_batches(self.batches)
-        session.use_replicas(TorchftReplicas(self.manager, ft.num_replica_groups))
+        session.use_replicas(self.replicas)
         session.step_fn = ReplicaStep(session.step_fn, self)
         session.hooks.add(self)
         if isinstance(session.checkpointer, GroupCheckpointManager):
@@ -231,6 +250,23 @@ class ReplicaGroup(TrainingHook):
         self._running = True
         return step, tokens_seen
 
+    # --- Training -----------------------------------------------------------------------
+
+    def train(self, step: int, tokens_seen: int) -> tuple[int, int]:
+        """run_training_loop from ``step``, re-entered at the replica groups' position
+        whenever this group takes their live state mid-run (ReplicaRejoined). A lost quorum
+        (QuorumLost) ends it as a stop request does, after stop_after_quorum_loss. Returns
+        the loop's final (step, tokens_seen)."""
+        while True:
+            try:
+                return run_training_loop(self.session, step=step, tokens_seen=tokens_seen)
+            except ReplicaRejoined as moved:
+                step, tokens_seen = moved.position
+            except QuorumLost as lost:
+                position = stop_after_quorum_loss(self.session, lost, self.last_commit())
+                self.manager.shutdown(wait=False)
+                return position
+
     # --- The live state -----------------------------------------------------------------
 
     def _live_state(self) -> dict[str, Any]:
@@ -283,7 +319,7 @@ class ReplicaGroup(TrainingHook):
 class ReplicaStep:
     """The family's step body, attempted until every group of its quorum commits it."""
 
-    def __init__(self, inner: Callable[[TrainingSession, int], StepResult], group: ReplicaGroup):
+    def __init__(self, inner: StepFn, group: ReplicaGroup):
         self.inner = inner
         self.group = group
         self.__name__ = getattr(inner, "__name__", "step")
@@ -296,30 +332,3 @@ class ReplicaStep:
                 return result
             session.optimizer.zero_grad(set_to_none=True)
             session.batches.take_wait_s()
-
-
-def run_replica_training(
-    session: TrainingSession, *, step: int = 0, tokens_seen: int = 0
-) -> tuple[int, int]:
-    """run_training_loop, re-entered at the replica groups' position whenever this group
-    takes their live state mid-run (ReplicaRejoined); the loop itself without them. A lost
-    quorum (QuorumLost) ends it as a stop request does, after stop_after_quorum_loss."""
-    while True:
-        try:
-            return run_training_loop(session, step=step, tokens_seen=tokens_seen)
-        except ReplicaRejoined as moved:
-            step, tokens_seen = moved.position
-        except QuorumLost as lost:
-            assert isinstance(session.step_fn, ReplicaStep)
-            group = session.step_fn.group
-            position = stop_after_quorum_loss(session, lost, group.last_commit())
-            group.manager.shutdown(wait=False)
-            return position
-
-
-def resume_or_join(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:
-    """Where the loop starts: the usual resume, or with [fault_tolerance] joining the
-    job's replica groups (ReplicaGroup.join). Returns (step, tokens_seen)."""
-    if not session.config.fault_tolerance.enabled:
-        return apply_resume(session, plan)
-    return ReplicaGroup(session).join(plan)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kempnerforge.training.session import Replicas, TrainingSession
+from kempnerforge.config.fault_tolerance import FaultToleranceConfig
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.training.session import Replicas
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -57,7 +59,8 @@ class TorchftReplicas(Replicas):
 
 
 def make_manager(
-    session: TrainingSession,
+    ft: FaultToleranceConfig,
+    runtime: RuntimeContext,
     group_id: int,
     load: Callable[[dict[str, Any]], None],
     save: Callable[[], dict[str, Any]],
@@ -68,7 +71,6 @@ def make_manager(
 
     from kempnerforge.distributed.live_state import WeightsOnlyHTTPTransport
 
-    ft, runtime = session.config.fault_tolerance, session.runtime
     timeout = timedelta(seconds=ft.timeout_s)
     store_addr, store_port = _group_store(runtime.is_distributed)
     if runtime.device.type == "cuda":

@@ -26,7 +26,7 @@ class QuorumLost(Exception):
     lighthouse formed no quorum within fault_tolerance.quorum_timeout_s.
 
     Raised before the attempt's forward, so the group's state is its last committed
-    step's; run_replica_training catches it and calls stop_after_quorum_loss.
+    step's; ReplicaGroup.train catches it and calls stop_after_quorum_loss.
     """
 
     def __init__(self, group_id: int, step: int, cause: BaseException) -> None:
@@ -67,7 +67,11 @@ def stop_after_quorum_loss(
         step, "replica_quorum_lost", group=lost.group_id, saved=saves, error=str(lost)
     )
     if saves:
-        _save(session, step, tokens_seen)
+        # A checkpoint of the step exactly as the loop writes one, committed before the
+        # process exits (in async mode too).
+        save_checkpoint(session, step, tokens_seen)
+        with watch(CHECKPOINT, step):
+            session.checkpointer.wait()
         logger.warning(
             "replica group %d saved step %d for the job: a relaunch resumes there",
             lost.group_id,
@@ -76,10 +80,3 @@ def stop_after_quorum_loss(
     session.tracker.flush()
     session.shutdown_handler.request("the replica groups' quorum was lost")
     return step, tokens_seen
-
-
-def _save(session: TrainingSession, step: int, tokens_seen: int) -> None:
-    """A checkpoint of ``step`` exactly as the loop writes one, committed before return."""
-    save_checkpoint(session, step, tokens_seen)
-    with watch(CHECKPOINT, step):
-        session.checkpointer.wait()  # async mode: the process exits next, the write must be durable
