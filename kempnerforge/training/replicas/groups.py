@@ -24,7 +24,7 @@ from typing import Any
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.core.logging import get_logger
-from kempnerforge.training.family import StepFn
+from kempnerforge.training.families import StepFn
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.replicas.batches import ReplicaBatches, SamplerPosition
