@@ -31,10 +31,11 @@ def newton_schulz_orthogonalize(
 
     Normalises by the Frobenius norm so every singular value starts in [0, 1], then runs
     ``steps`` quintic iterations X <- a X + (b A + c A^2) X with A = X X^T. A tall matrix is
-    transposed first so A is the smaller Gram matrix.
+    transposed first so A is the smaller Gram matrix. Runs in float32, or in float64 for a
+    float64 matrix (the map's own derivatives are taken there, see tests/support/tolerance).
     """
     a, b, c = NS_COEFFICIENTS
-    x = matrix.float()
+    x = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
