@@ -1,6 +1,8 @@
 """Muon as the trainer builds it (build_optimizer over a model parallelized by
 parallelize_model) under FSDP and HSDP: given the same gradients, every weight and
-momentum buffer equals one process's Muon step on the whole model, bit for bit."""
+momentum buffer stays within the roundings of one process's Muon step on the whole model
+(muon_atol on the Muon side, adamw_atol on the AdamW side: the shards' elementwise kernels
+may round otherwise than the whole tensors', on another CPU if not on this one)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.support.parallel import (
     whole_grads,
     whole_params,
 )
+from tests.support.tolerance import adamw_atol, muon_atol
 
 pytestmark = pytest.mark.distributed
 
@@ -65,9 +68,13 @@ def _muon_against_one_process(rank: int, world_size: int, layout: str) -> dict[s
         return plain(matrix, steps, eps)
 
     init = max_diff(whole_params(model), whole_params(reference))
+    start = whole_params(reference)
+    history: dict[str, list[torch.Tensor]] = {name: [] for name in start}
     for _ in range(STEPS):
         lm_loss(model(ids[mine]), labels[mine]).backward()
         grads = whole_grads(model)
+        for name, g in grads.items():
+            history[name].append(g)
         for name, p in reference.named_parameters():
             p.grad = grads[name].clone()
         muon.newton_schulz_orthogonalize = counted
@@ -80,10 +87,13 @@ def _muon_against_one_process(rank: int, world_size: int, layout: str) -> dict[s
         ref_optimizer.zero_grad()
     muon_group = optimizer.param_groups[0]
     assert muon_group["use_muon"]
+    params_bound, buffers_bound = _bounds(reference, ref_optimizer, start, history)
     return {
         "init": init,
-        "params": max_diff(whole_params(model), whole_params(reference)),
-        "buffers": max_diff(_buffers(model, optimizer), _buffers(reference, ref_optimizer)),
+        "params": _share_of_bound(whole_params(model), whole_params(reference), params_bound),
+        "buffers": _share_of_bound(
+            _buffers(model, optimizer), _buffers(reference, ref_optimizer), buffers_bound
+        ),
         "dtensors": all(isinstance(p, DTensor) for p in muon_group["params"]),
         "matrices": len(muon_group["params"]),
         "calls": calls,
@@ -99,6 +109,48 @@ def _buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     }
 
 
+def _bounds(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start: dict[str, torch.Tensor],
+    grads: dict[str, list[torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per parameter name, from its starting weight and whole gradients: how far the
+    sharded run's weight may end from the reference's (muon_atol on Muon groups, adamw_atol
+    on the others), and the momentum buffer's (Muon groups)."""
+    params_bound, buffers_bound = {}, {}
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        group = group_of[id(p)]
+        if group["use_muon"]:
+            params_bound[name], buffers_bound[name] = muon_atol(
+                start[name],
+                grads[name],
+                lr=group["lr"],
+                momentum=group["momentum"],
+                weight_decay=group["weight_decay"],
+                ns_steps=group["ns_steps"],
+            )
+        else:
+            params_bound[name] = adamw_atol(
+                start[name],
+                grads[name],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+    return params_bound, buffers_bound
+
+
+def _share_of_bound(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: dict[str, torch.Tensor]
+) -> float:
+    """The largest |got - want| / bound over every element of same-named tensors."""
+    assert got.keys() == want.keys() == bound.keys(), sorted(set(got) ^ set(bound))
+    return max(((got[n].double() - want[n].double()).abs() / bound[n]).max().item() for n in want)
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def ranks(request) -> tuple[str, list[dict[str, Any]]]:
     _, world_size = LAYOUTS[request.param]
@@ -106,10 +158,15 @@ def ranks(request) -> tuple[str, list[dict[str, Any]]]:
 
 
 def test_muon_under_data_parallel_sharding_steps_like_one_process(ranks):
+    """The starting weights are copies, equal exactly; after STEPS steps every weight and
+    buffer is within its bound (a share of at most 1). A skipped momentum or a shard
+    handed to the wrong owner moves a weight by a share of lr, far past the bounds."""
     _, results = ranks
     for result in results:
         assert result["dtensors"]
-        assert (result["init"], result["params"], result["buffers"]) == (0.0, 0.0, 0.0)
+        assert result["init"] == 0.0
+        assert result["params"] <= 1.0, f"weights differ by {result['params']:.3g} of the bound"
+        assert result["buffers"] <= 1.0, f"buffers differ by {result['buffers']:.3g} of the bound"
 
 
 def test_each_matrix_is_orthogonalised_once_per_shard_group(ranks):
