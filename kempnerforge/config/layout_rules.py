@@ -51,16 +51,8 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
     check_pipeline_layout(config)
     check_pipeline_schedule(dist, train, dist.resolved_dp(world_size) * dist.cp)
     check_expert_layout(config, shape["dp_shard"])
-    sharded = shape["dp_shard"] * dist.cp > 1  # FSDP shards over dp_shard x cp
-    if config.optimizer.name == "muon" and (sharded or dist.tp > 1):
-        raise ConfigError(
-            "optimizer.name",
-            "muon",
-            "an optimizer other than 'muon' when parameters are sharded "
-            "(distributed.dp_shard * distributed.cp > 1 or distributed.tp > 1)",
-            "Muon orthogonalises whole matrices and each rank holds only a shard; "
-            "use 'adamw', or data parallelism by replication (distributed.dp_replicate)",
-        )
+    if config.optimizer.name == "muon":
+        check_muon_layout(config, shape["dp_shard"])
     dp = dist.resolved_dp(world_size)
     if train.global_batch_size and train.global_batch_size % dp:
         raise ConfigError(
@@ -68,6 +60,26 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
             train.global_batch_size,
             f"a multiple of the data-parallel degree {dp} (dp_replicate * dp_shard)",
             "the global batch does not split evenly over the data-parallel ranks",
+        )
+
+
+def check_muon_layout(config: JobConfig, dp_shard: int) -> None:
+    """Muon orthogonalises whole matrices. Sharded by FSDP over dp_shard alone (with or
+    without dp_replicate), each matrix is gathered on one rank of its shard group, which
+    steps it as one process would (kempnerforge/optim/muon_sharded.py); shards from
+    context, tensor, pipeline or expert parallelism are not handled yet."""
+    dist = config.distributed
+    unshardable = dist.cp > 1 or dist.tp > 1
+    sharded_with_more = dp_shard > 1 and (dist.pp > 1 or config.model.num_experts > 0)
+    if unshardable or sharded_with_more:
+        raise ConfigError(
+            "optimizer.name",
+            "muon",
+            "an optimizer other than 'muon' when parameters are sharded other than by "
+            "FSDP over distributed.dp_shard alone (distributed.cp > 1, distributed.tp > 1, "
+            "or dp_shard > 1 with distributed.pp > 1 or experts)",
+            "Muon orthogonalises whole matrices; use 'adamw', or shard with dp_shard "
+            "and dp_replicate only",
         )
 
 

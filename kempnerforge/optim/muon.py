@@ -7,14 +7,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as functional_adamw
 
 from kempnerforge.optim.foreach_optimizer import ForeachOptimizer
 from kempnerforge.optim.multi_tensor import bucket, use_foreach, with_grad
+from kempnerforge.optim.muon_sharded import orthogonalize_sharded
 
 # Quintic Newton-Schulz coefficients: they push every singular value into a band around 1
 # in few steps, trading exact orthogonality (singular values end in about [0.68, 1.13]) for
@@ -29,10 +31,11 @@ def newton_schulz_orthogonalize(
 
     Normalises by the Frobenius norm so every singular value starts in [0, 1], then runs
     ``steps`` quintic iterations X <- a X + (b A + c A^2) X with A = X X^T. A tall matrix is
-    transposed first so A is the smaller Gram matrix.
+    transposed first so A is the smaller Gram matrix. Runs in float32, or in float64 for a
+    float64 matrix (the map's own derivatives are taken there, see tests/support/tolerance).
     """
     a, b, c = NS_COEFFICIENTS
-    x = matrix.float()
+    x = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
@@ -54,6 +57,10 @@ class Muon(ForeachOptimizer):
     AdamW groups (embeddings, output head, 1-D parameters): decoupled-decay AdamW with
     bias correction. Each group keeps its own lr, so a LambdaLR scales both sides from
     their own initial values. All state is per parameter, so state_dict round-trips.
+
+    DTensor matrices (FSDP2, tensor parallelism) keep their momentum sharded like
+    themselves; each whole matrix is orthogonalised once per step by one of the ranks that
+    share it, and each rank applies its shard of the result (see muon_sharded).
 
     ``foreach``: False loops over a group's parameters; True runs the same operations as
     one foreach call per op (Newton-Schulz stays per matrix), with the same results; None
@@ -135,9 +142,13 @@ def _muon_update(
     group: dict[str, Any],
 ) -> None:
     """One bucket's Muon step, per matrix or as foreach calls (see use_foreach): the same
-    operations in the same order either way; Newton-Schulz runs per matrix in both."""
+    operations in the same order either way; Newton-Schulz runs per matrix in both.
+
+    A bucket of DTensors takes the foreach calls whatever ``foreach`` says: its matrices
+    are orthogonalised together, in one exchange among the ranks that share them."""
     lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-    if not use_foreach(group["foreach"], params):
+    sharded = isinstance(params[0], DTensor)
+    if not use_foreach(group["foreach"], params) and not sharded:
         for p, g, buf in zip(params, grads, bufs, strict=True):
             buf.mul_(mu).add_(g)
             update = g.add(buf, alpha=mu)  # Nesterov: look ahead along the momentum
@@ -149,7 +160,7 @@ def _muon_update(
     torch._foreach_mul_(bufs, mu)
     torch._foreach_add_(bufs, grads)
     updates = torch._foreach_add(grads, bufs, alpha=mu)
-    orthos = [newton_schulz_orthogonalize(u, group["ns_steps"]) for u in updates]
+    orthos = _orthogonalize_all(updates, group["ns_steps"])
     del updates
     if wd != 0:
         torch._foreach_mul_(params, 1 - lr * wd)
@@ -162,6 +173,21 @@ def _muon_update(
         os_.append(ortho)
     for scale, (ps, os_) in by_scale.items():
         torch._foreach_add_(ps, os_, alpha=-lr * scale)
+
+
+def _orthogonalize_all(updates: Sequence[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """Newton-Schulz of each update's whole matrix. Plain tensors are whole already; a
+    bucket of DTensors (sharded by FSDP or tensor parallelism) is orthogonalised once per
+    matrix across the ranks that share it (see muon_sharded), each rank getting its shard."""
+
+    def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+        # Looked up at call time: both paths run whatever this module's name holds.
+        return newton_schulz_orthogonalize(matrix, steps)
+
+    dtensors = [u for u in updates if isinstance(u, DTensor)]
+    if dtensors:  # bucket() never mixes DTensors and plain tensors
+        return list(orthogonalize_sharded(dtensors, orthogonalize))
+    return [orthogonalize(u) for u in updates]
 
 
 def _shape_scale(p: torch.Tensor) -> float:

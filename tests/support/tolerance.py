@@ -13,6 +13,7 @@ missing reduction moves the result by a share of |result| that no n * u reaches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,3 +168,125 @@ def vlm_terms(config: JobConfig) -> tuple[int, int]:
         layers = cfg.n_layers // config.vlm.cross_attention_every_n_layers
         extra += layers * (4 * cfg.dim + cfg.head_dim + 2 * config.image_tokens(spec))
     return config.decoder_positions(spec), extra
+
+
+def newton_schulz_sensitivity(matrix: torch.Tensor, steps: int, iterations: int = 10) -> float:
+    """Twice the operator norm (Frobenius to Frobenius) of newton_schulz_orthogonalize's
+    Jacobian at ``matrix``, taken in float64: an input moved by d in Frobenius norm moves
+    the result by at most about d times this. A property of the map at that point, not of
+    any machine's kernels.
+
+    The norm is estimated by ``iterations`` power-iteration steps on J^T J (a jvp, then a
+    vjp) from a fixed start. The factor 2 is the margin for the second-order terms a
+    linearisation leaves out, and for power iteration approaching the largest singular
+    value from below.
+    """
+    from kempnerforge.optim.muon import newton_schulz_orthogonalize
+
+    point = matrix.detach().double()
+
+    def orthogonalize(x: torch.Tensor) -> torch.Tensor:
+        return newton_schulz_orthogonalize(x, steps)
+
+    _, pullback = torch.func.vjp(orthogonalize, point)
+    direction = torch.randn(
+        point.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    direction /= direction.norm()
+    norm = 0.0
+    for _ in range(iterations):
+        _, pushed = torch.func.jvp(orthogonalize, (point,), (direction,))
+        norm = float(pushed.norm())
+        (pulled,) = pullback(pushed)
+        if float(pulled.norm()) == 0.0:
+            break
+        direction = pulled / pulled.norm()
+    return 2.0 * norm
+
+
+ROUNDING = 2 * unit_roundoff(torch.float32)
+"""How far two fp32 kernels' results of one elementwise operation can differ, relative to
+the operation's scale: each lies within one rounding (u) of the exact result."""
+
+
+def muon_atol(
+    weight: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    ns_steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise bounds (the weight, the momentum buffer) on how far two fp32 runs of
+    Muon's step on one matrix can end apart after len(grads) steps, given the same weight
+    and gradients, when their elementwise operations may each round differently (one on a
+    shard, one on the whole matrix) and Newton-Schulz is the same program on both.
+
+    Replayed in float64 for the magnitudes, per step: the buffer's multiply and add, each
+    one ROUNDING at the scale mu |buf| + |g|, plus the earlier difference times mu; the
+    Nesterov update's the same way; that bounds the Newton-Schulz input's difference, whose
+    Frobenius norm times newton_schulz_sensitivity bounds every element of the result's
+    difference; then the decay and the scaled add, three roundings at |p| + lr * scale *
+    |NS|, plus lr * scale times the result's bound, plus the earlier difference decayed.
+    """
+    mu = momentum
+    decay = 1 - lr * weight_decay
+    scale = math.sqrt(max(1.0, weight.size(0) / weight.size(1)))
+    from kempnerforge.optim.muon import newton_schulz_orthogonalize
+
+    p = weight.detach().double().clone()
+    buf = torch.zeros_like(p)
+    p_bound, buf_bound = torch.zeros_like(p), torch.zeros_like(p)
+    for g in grads:
+        g = g.detach().double()
+        buf_bound = mu * buf_bound + 2 * ROUNDING * (mu * buf.abs() + g.abs())
+        buf = mu * buf + g
+        update = g + mu * buf
+        update_bound = mu * buf_bound + 2 * ROUNDING * (g.abs() + mu * buf.abs())
+        ortho = newton_schulz_orthogonalize(update, ns_steps)
+        ortho_bound = newton_schulz_sensitivity(update, ns_steps) * float(update_bound.norm())
+        step = lr * scale * ortho
+        p_bound = decay * p_bound + lr * scale * ortho_bound
+        p_bound += 3 * ROUNDING * (p.abs() + step.abs())
+        p = decay * p - step
+    return p_bound, buf_bound
+
+
+def adamw_atol(
+    weight: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    """Elementwise bound on how far two fp32 runs of AdamW's step on one parameter (one on
+    a shard, one on the whole tensor; the loop, foreach or fused kernel) can end apart
+    after len(grads) steps, given the same weight and gradients.
+
+    AdamW is elementwise: the decay, the lerp of m, the two updates of v, the bias
+    correction, the square root, the eps and the addcdiv are about a dozen roundings a step.
+    Those of the weight's own update fall at the scale |p| + |step|; those inside m and v
+    carry over from step to step (each relative to its own scale: v has no cancellation,
+    m's scale is the sum of its terms' |values|), so the t-th step's update is taken as
+    12 * t roundings at lr / (1 - beta1**t) * (sum of m's |terms|) / (sqrt(v_hat) + eps).
+    Replayed in float64 for the magnitudes.
+    """
+    beta1, beta2 = betas
+    decay = 1 - lr * weight_decay
+    p = weight.detach().double().clone()
+    m, v, m_terms = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    bound = torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.detach().double()
+        m = beta1 * m + (1 - beta1) * g
+        m_terms = beta1 * m_terms + (1 - beta1) * g.abs()
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = (v / (1 - beta2**t)).sqrt() + eps
+        step_size = lr / (1 - beta1**t)
+        step = step_size * m / denom
+        bound = decay * bound + 12 * ROUNDING * (p.abs() + t * step_size * m_terms / denom)
+        p = decay * p - step
+    return bound

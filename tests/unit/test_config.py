@@ -216,7 +216,7 @@ def test_dump_leaves_out_none_fields():
             "train.grad_accum_steps = 1: expected a multiple of distributed.pp = 2",
         ),
         (
-            ["--optimizer.name=muon", "--distributed.dp_shard=2"],
+            ["--optimizer.name=muon", "--distributed.tp=2", "--distributed.dp_shard=1"],
             2,
             "optimizer.name = 'muon': expected an optimizer other than 'muon' when parameters",
         ),
@@ -252,6 +252,31 @@ def test_validate_accepts_defaults_and_a_matching_global_batch():
     pipeline = ["--distributed.pp=2", "--train.grad_accum_steps=4", "--data.document_masking=false"]
     load_config(None, [*pipeline, "--distributed.pp_split_points=[1]"]).validate(2)
     load_config(None, ["--train.global_batch_size=16", "--train.grad_accum_steps=2"]).validate(1)
+
+
+def test_muon_takes_fsdp_and_hsdp_and_refuses_the_other_shardings():
+    """Sharded Muon is proven for FSDP and HSDP over dp_shard alone
+    (tests/distributed/test_muon_fsdp.py); every other sharding keeps the refusal."""
+    muon = "--optimizer.name=muon"
+    load_config(None, [muon, "--distributed.dp_shard=2"]).validate(2)
+    load_config(None, [muon, "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]).validate(
+        4
+    )
+    refused = [
+        ["--distributed.tp=2", "--distributed.dp_shard=1"],
+        ["--distributed.cp=2", "--distributed.dp_shard=1"],
+        [
+            "--distributed.pp=2",
+            "--distributed.dp_shard=2",
+            "--train.grad_accum_steps=2",
+            "--data.document_masking=false",
+        ],
+    ]
+    for overrides in refused:
+        with pytest.raises(ConfigError, match="optimizer.name = 'muon'"):
+            load_config(None, [muon, *overrides]).validate(
+                4 if "--distributed.pp=2" in overrides else 2
+            )
 
 
 @pytest.fixture
