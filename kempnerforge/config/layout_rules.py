@@ -64,22 +64,38 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
 
 
 def check_muon_layout(config: JobConfig, dp_shard: int) -> None:
-    """Muon orthogonalises whole matrices. Sharded by FSDP over dp_shard alone (with or
-    without dp_replicate), each matrix is gathered on one rank of its shard group, which
-    steps it as one process would (kempnerforge/optim/muon_sharded.py); shards from
-    context, tensor, pipeline or expert parallelism are not handled yet."""
+    """Muon orthogonalises whole matrices. A matrix sharded on one mesh dimension is
+    gathered on one rank of that dimension's group, which steps it as one process would
+    (kempnerforge/optim/muon_sharded.py): FSDP over dp_shard (and cp, which FSDP shards
+    over too), HSDP, tensor parallelism alone, and FSDP within each pipeline stage or
+    beside experts. These are the layouts checked against one process; FSDP with tensor
+    parallelism shards a matrix on two mesh dimensions, which the exchange does not do."""
     dist = config.distributed
-    unshardable = dist.cp > 1 or dist.tp > 1
-    sharded_with_more = dp_shard > 1 and (dist.pp > 1 or config.model.num_experts > 0)
-    if unshardable or sharded_with_more:
+    experts = config.model.num_experts > 0
+    if dist.tp > 1 and (dp_shard > 1 or dist.cp > 1):
+        raise ConfigError(
+            "distributed.tp",
+            dist.tp,
+            "1 with optimizer.name = 'muon' when distributed.dp_shard * distributed.cp > 1",
+            "FSDP and tensor parallelism shard each matrix on two mesh dimensions; Muon "
+            "gathers matrices sharded on one",
+        )
+    if dist.tp > 1 and (dist.pp > 1 or dist.dp_replicate > 1 or experts):
+        raise ConfigError(
+            "distributed.tp",
+            dist.tp,
+            "1 with optimizer.name = 'muon' and distributed.pp > 1, distributed.dp_replicate "
+            "> 1 or experts",
+            "Muon under tensor parallelism is checked against one process alone only",
+        )
+    fsdp = dp_shard > 1 or dist.cp > 1
+    if fsdp and (dist.cp > 1) + (dist.pp > 1) + experts > 1:
         raise ConfigError(
             "optimizer.name",
             "muon",
-            "an optimizer other than 'muon' when parameters are sharded other than by "
-            "FSDP over distributed.dp_shard alone (distributed.cp > 1, distributed.tp > 1, "
-            "or dp_shard > 1 with distributed.pp > 1 or experts)",
-            "Muon orthogonalises whole matrices; use 'adamw', or shard with dp_shard "
-            "and dp_replicate only",
+            "at most one of distributed.cp > 1, distributed.pp > 1 and experts when FSDP "
+            "shards the parameters",
+            "Muon is checked against one process with each of them alone; use 'adamw'",
         )
 
 

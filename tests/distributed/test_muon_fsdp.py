@@ -1,8 +1,9 @@
 """Muon as the trainer builds it (build_optimizer over a model parallelized by
-parallelize_model) under FSDP and HSDP: given the same gradients, every weight and
-momentum buffer stays within the roundings of one process's Muon step on the whole model
-(muon_atol on the Muon side, adamw_atol on the AdamW side: the shards' elementwise kernels
-may round otherwise than the whole tensors', on another CPU if not on this one)."""
+parallelize_model) under FSDP, HSDP, tensor parallelism alone and context parallelism
+(FSDP over the cp ranks): given the same gradients, every weight and momentum buffer stays
+within the roundings of one process's Muon step on the whole model (muon_atol on the Muon
+side, adamw_atol on the AdamW side: the shards' elementwise kernels may round otherwise
+than the whole tensors', on another CPU if not on this one)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,19 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 MUON = ["--optimizer.name=muon", "--optimizer.weight_decay=0.1", "--optimizer.lr=0.02"]
 LAYOUTS = {
-    # name: (overrides, ranks)
+    # name: (overrides, ranks, owners: the ranks one matrix's shards are spread over)
     # FSDP over 2 ranks: the muon side's rows (32 and 96) split evenly, the AdamW side's
     # 64-row embedding too.
-    "fsdp": (["--distributed.dp_shard=2"], 2),
+    "fsdp": (["--distributed.dp_shard=2"], 2, 2),
     # HSDP with shard groups of one: each replica orthogonalises all of its own.
-    "hsdp_replicas": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
+    "hsdp_replicas": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2, 1),
     # HSDP 2 x 2: two replicas, each sharding over its own pair of ranks.
-    "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4),
+    "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4, 2),
+    # Tensor parallelism alone: wq/wk/wv/w1/w3 split by rows, wo/w2 by columns (Shard(1)),
+    # so the exchange cuts and joins both dimensions.
+    "tp": (["--distributed.tp=2", "--distributed.dp_shard=1"], 2, 2),
+    # Context parallelism alone: FSDP shards over the cp ranks (the dp_shard_cp mesh).
+    "cp": (["--distributed.cp=2", "--distributed.dp_shard=1"], 2, 2),
 }
 MATRICES = 14
 """The Muon side of the tiny model: wq, wk, wv, wo, w1, w2, w3 of its two blocks."""
@@ -153,7 +159,7 @@ def _share_of_bound(
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def ranks(request) -> tuple[str, list[dict[str, Any]]]:
-    _, world_size = LAYOUTS[request.param]
+    _, world_size, _ = LAYOUTS[request.param]
     return request.param, run_distributed(_muon_against_one_process, world_size, request.param)
 
 
@@ -171,8 +177,8 @@ def test_muon_under_data_parallel_sharding_steps_like_one_process(ranks):
 
 def test_each_matrix_is_orthogonalised_once_per_shard_group(ranks):
     """Each shard group's ranks split its matrices between them; replicas each do their
-    own, so a rank runs MATRICES / dp_shard Newton-Schulz calls a step."""
+    own, so a rank runs MATRICES / owners Newton-Schulz calls a step."""
     layout, results = ranks
-    dp_shard = 1 if layout == "hsdp_replicas" else 2
+    owners = LAYOUTS[layout][2]
     assert [r["matrices"] for r in results] == [MATRICES] * len(results)
-    assert [r["calls"] for r in results] == [MATRICES // dp_shard * STEPS] * len(results)
+    assert [r["calls"] for r in results] == [MATRICES // owners * STEPS] * len(results)

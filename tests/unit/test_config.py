@@ -216,9 +216,9 @@ def test_dump_leaves_out_none_fields():
             "train.grad_accum_steps = 1: expected a multiple of distributed.pp = 2",
         ),
         (
-            ["--optimizer.name=muon", "--distributed.tp=2", "--distributed.dp_shard=1"],
-            2,
-            "optimizer.name = 'muon': expected an optimizer other than 'muon' when parameters",
+            ["--optimizer.name=muon", "--distributed.tp=2", "--distributed.dp_shard=2"],
+            4,
+            "distributed.tp = 2: expected 1 with optimizer.name = 'muon' when",
         ),
         (
             ["--train.global_batch_size=9", "--train.batch_size=3", "--distributed.dp_shard=2"],
@@ -254,29 +254,35 @@ def test_validate_accepts_defaults_and_a_matching_global_batch():
     load_config(None, ["--train.global_batch_size=16", "--train.grad_accum_steps=2"]).validate(1)
 
 
-def test_muon_takes_fsdp_and_hsdp_and_refuses_the_other_shardings():
-    """Sharded Muon is proven for FSDP and HSDP over dp_shard alone
-    (tests/distributed/test_muon_fsdp.py); every other sharding keeps the refusal."""
+def test_muon_takes_one_dimensional_shards_and_refuses_the_others():
+    """Sharded Muon is checked against one process under FSDP, HSDP, tensor parallelism
+    alone, context parallelism (with or without dp_shard), FSDP within pipeline stages and
+    beside experts (tests/distributed/test_muon_fsdp.py and check-parallel); FSDP with
+    tensor parallelism shards on two mesh dimensions, and combinations not checked are
+    refused."""
     muon = "--optimizer.name=muon"
-    load_config(None, [muon, "--distributed.dp_shard=2"]).validate(2)
-    load_config(None, [muon, "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]).validate(
-        4
-    )
-    refused = [
-        ["--distributed.tp=2", "--distributed.dp_shard=1"],
-        ["--distributed.cp=2", "--distributed.dp_shard=1"],
-        [
-            "--distributed.pp=2",
-            "--distributed.dp_shard=2",
-            "--train.grad_accum_steps=2",
-            "--data.document_masking=false",
-        ],
+    pipeline = ["--distributed.pp=2", "--train.grad_accum_steps=2", "--data.document_masking=false"]
+    experts = ["--model.num_experts=4", "--model.moe_top_k=2"]
+    accepted = [
+        (["--distributed.dp_shard=2"], 2),
+        (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4),
+        (["--distributed.tp=2", "--distributed.dp_shard=1"], 2),
+        (["--distributed.cp=2", "--distributed.dp_shard=1"], 2),
+        (["--distributed.cp=2", "--distributed.dp_shard=2"], 4),
+        ([*pipeline, "--distributed.dp_shard=2"], 4),
+        ([*experts, "--distributed.ep=2", "--distributed.dp_shard=2"], 2),
     ]
-    for overrides in refused:
-        with pytest.raises(ConfigError, match="optimizer.name = 'muon'"):
-            load_config(None, [muon, *overrides]).validate(
-                4 if "--distributed.pp=2" in overrides else 2
-            )
+    for overrides, world_size in accepted:
+        load_config(None, [muon, *overrides]).validate(world_size)
+    refused = [
+        (["--distributed.tp=2", "--distributed.dp_shard=2"], 4, "distributed.tp = 2"),
+        (["--distributed.tp=2", "--distributed.cp=2"], 4, "distributed.tp = 2"),
+        ([*pipeline, "--distributed.tp=2"], 4, "distributed.tp = 2"),
+        ([*pipeline, "--distributed.cp=2"], 4, "optimizer.name = 'muon'"),
+    ]
+    for overrides, world_size, field in refused:
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, [muon, *overrides]).validate(world_size)
 
 
 @pytest.fixture
