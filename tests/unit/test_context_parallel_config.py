@@ -83,9 +83,12 @@ VLM = [
             "world size 2",
         ),
         (
-            ["--distributed.cp=2", "--optimizer.name=muon"],
-            2,
-            "optimizer.name = 'muon': expected an optimizer other than 'muon' when parameters",
+            # Muon runs under cp alone; beside tp, FSDP over dp_shard_cp and tensor
+            # parallelism would shard each matrix on two mesh dimensions.
+            ["--distributed.cp=2", "--distributed.tp=2", "--optimizer.name=muon"],
+            4,
+            "distributed.tp = 2: expected 1 with optimizer.name = 'muon' when "
+            "distributed.dp_shard * distributed.cp > 1",
         ),
     ],
 )
