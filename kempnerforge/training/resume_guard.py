@@ -157,7 +157,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_changes(saved: dict[str, Any], config: JobConfig) -> list[Change]:
     """The fields whose value in ``config`` differs from the ``saved`` config dict."""
-    old, new = _flatten(saved), _flatten(config_to_dict(config))
+    return _dict_changes(saved, config_to_dict(config))
+
+
+def _dict_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
+    """The fields whose value in the ``current`` config dict differs from ``saved``."""
+    old, new = _flatten(saved), _flatten(current)
     return [
         Change(field, old.get(field), new.get(field))
         for field in sorted(old.keys() | new.keys())
@@ -201,9 +206,9 @@ def check_config_changes(
             path,
         )
         return cfg.reset_optimizer
-    after = global_batch(config_to_dict(config), world_size)
+    current = config_to_dict(config)
     changes = _without_batch_resplits(
-        config_changes(saved, config), saved, after, path, saved_world_size, world_size
+        _dict_changes(saved, current), saved, current, path, saved_world_size, world_size
     )
     _check_optimizer_name(changes, path, reset_optimizer=cfg.reset_optimizer)
     _check_refused(changes, path, allow_config_change=cfg.allow_config_change)
@@ -214,13 +219,14 @@ def check_config_changes(
 def _without_batch_resplits(
     changes: list[Change],
     saved: dict[str, Any],
-    after: int | None,
+    current: dict[str, Any],
     path: str,
     saved_world_size: int,
     world_size: int,
 ) -> list[Change]:
-    """``changes`` less the batch-split fields, each logged, when this run's global batch
-    ``after`` is the one saved (a resume on a new layout); all of ``changes`` otherwise.
+    """``changes`` less the batch-split fields, each logged, when the global batch of this
+    run's config dict ``current`` is the one saved (a resume on a new layout); all of
+    ``changes`` otherwise.
 
     The split alone does not change which samples a step sees, so only a changed global
     batch is left for the refusal rules to judge.
@@ -228,6 +234,7 @@ def _without_batch_resplits(
     if not any(c.field in BATCH_SPLIT for c in changes):
         return changes
     before = global_batch(saved, saved_world_size)
+    after = global_batch(current, world_size)
     if before is None or before != after:
         return changes
     for change in [c for c in changes if c.field in BATCH_SPLIT]:
