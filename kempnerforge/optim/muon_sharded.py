@@ -82,23 +82,30 @@ def _shard_mesh_dim(u: DTensor) -> int | None:
 
 def _exchange(updates: list[DTensor], mesh_dim: int, orthogonalize: Orthogonalize) -> list[DTensor]:
     """Orthogonalise updates sharded over one mesh dimension: shards to owners, whole
-    matrices orthogonalised there, results back in shards. Two all-to-alls in all."""
+    matrices orthogonalised there, results back in shards. Two all-to-alls in all.
+
+    The host work per rank is about the matrices plus the group's size: one pass over the
+    matrices for what this rank sends and gets back, and each owned matrix's shapes on
+    every rank (owned matrices are about 1/n of them)."""
     mesh = updates[0].device_mesh
     group = mesh.get_group(mesh_dim)
     n = mesh.size(mesh_dim)
     me = mesh.get_local_rank(mesh_dim)
     dims = [_shard_dim(u, mesh_dim) for u in updates]
-    shapes = [
-        [_local_shape(u, d, n, r) for r in range(n)] for u, d in zip(updates, dims, strict=True)
-    ]
-    owned = [i for i in range(len(updates)) if owner_of(i, n) == me]
     device, dtype = updates[0].to_local().device, updates[0].dtype
 
-    # Shards to owners: to rank r, my shards of r's matrices, in index order.
-    sends = [
-        [updates[i].to_local().reshape(-1) for i in range(len(updates)) if owner_of(i, n) == r]
-        for r in range(n)
-    ]
+    # Shards to owners: to rank r, my shards of r's matrices, in index order; and from
+    # each owner, later, my shard of each of its results.
+    sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    back_from = [0] * n
+    owned = []
+    for i, u in enumerate(updates):
+        owner = owner_of(i, n)
+        sends[owner].append(u.to_local().reshape(-1))
+        back_from[owner] += u.to_local().numel()
+        if owner == me:
+            owned.append(i)
+    shapes = {i: [_local_shape(updates[i], dims[i], n, r) for r in range(n)] for i in owned}
     from_each = [sum(_numel(shapes[i][r]) for i in owned) for r in range(n)]
     received = _all_to_all(sends, from_each, group, device, dtype)
 
@@ -114,18 +121,14 @@ def _exchange(updates: list[DTensor], mesh_dim: int, orthogonalize: Orthogonaliz
 
     # Results back: to rank r, r's shard of each matrix I own; from each owner, my shards.
     backs = [[_shard_of(results[i], dims[i], n, r) for i in owned] for r in range(n)]
-    back_from = [
-        sum(_numel(shapes[i][me]) for i in range(len(updates)) if owner_of(i, n) == r)
-        for r in range(n)
-    ]
     returned = _all_to_all(backs, back_from, group, device, dtype)
     out: list[DTensor] = []
     offsets = [0] * n
     for i, u in enumerate(updates):
         r = owner_of(i, n)
-        count = _numel(shapes[i][me])
-        local = returned[r][offsets[r] : offsets[r] + count].view(shapes[i][me])
-        offsets[r] += count
+        mine = u.to_local()
+        local = returned[r][offsets[r] : offsets[r] + mine.numel()].view(mine.shape)
+        offsets[r] += mine.numel()
         out.append(_as_dtensor(local, u))
     return out
 
