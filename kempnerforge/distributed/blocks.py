@@ -5,13 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kempnerforge.model.contract import DecoderStack, FamilyModel
-
-
-def model_stages(model: FamilyModel) -> list[DecoderStack]:
-    """The stacks of decoder blocks ``model`` holds: the text model itself, a
-    vision-language model's decoder, the kept layers of a pipeline rank."""
-    return model.decoder_stacks()
+from kempnerforge.model.contract import FamilyModel
 
 
 def transformer_blocks(model: FamilyModel) -> list[tuple[int, nn.Module]]:
@@ -21,7 +15,7 @@ def transformer_blocks(model: FamilyModel) -> list[tuple[int, nn.Module]]:
     pipeline stage checkpoints the same layers as the whole model would.
     """
     blocks: dict[int, tuple[int, nn.Module]] = {}
-    for stage in model_stages(model):
+    for stage in model.decoder_stacks():
         for key, block in stage.layers.items():
             blocks[id(block)] = (int(key), block)
     return sorted(blocks.values(), key=lambda item: item[0])

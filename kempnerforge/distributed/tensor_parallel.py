@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from kempnerforge.distributed.blocks import model_stages, transformer_blocks
+from kempnerforge.distributed.blocks import transformer_blocks
 from kempnerforge.model.contract import DecoderStack, FamilyModel
 
 
@@ -42,7 +42,7 @@ def apply_tp(
     divide (a sample's prompt). A pipeline stage that lacks the embedding or the head
     passes plain tensors between stages, so it gets plain TP: replicated activations.
     """
-    stages = model_stages(model)
+    stages = model.decoder_stacks()
     if sequence_parallel is None:
         sequence_parallel = all(has_both_ends(stage) for stage in stages)
     block_plan = _sequence_parallel_block_plan() if sequence_parallel else _plain_block_plan()
