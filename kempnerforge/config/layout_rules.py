@@ -51,8 +51,6 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
     check_pipeline_layout(config)
     check_pipeline_schedule(dist, train, dist.resolved_dp(world_size) * dist.cp)
     check_expert_layout(config, shape["dp_shard"])
-    if config.optimizer.name == "muon":
-        check_muon_layout(config, shape["dp_shard"])
     dp = dist.resolved_dp(world_size)
     if train.global_batch_size and train.global_batch_size % dp:
         raise ConfigError(
@@ -60,42 +58,6 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
             train.global_batch_size,
             f"a multiple of the data-parallel degree {dp} (dp_replicate * dp_shard)",
             "the global batch does not split evenly over the data-parallel ranks",
-        )
-
-
-def check_muon_layout(config: JobConfig, dp_shard: int) -> None:
-    """Muon orthogonalises whole matrices. A matrix sharded on one mesh dimension is
-    gathered on one rank of that dimension's group, which steps it as one process would
-    (kempnerforge/optim/muon_sharded.py): FSDP over dp_shard (and cp, which FSDP shards
-    over too), HSDP, tensor parallelism alone, and FSDP within each pipeline stage or
-    beside experts. These are the layouts checked against one process; FSDP with tensor
-    parallelism shards a matrix on two mesh dimensions, which the exchange does not do."""
-    dist = config.distributed
-    experts = config.model.num_experts > 0
-    if dist.tp > 1 and (dp_shard > 1 or dist.cp > 1):
-        raise ConfigError(
-            "distributed.tp",
-            dist.tp,
-            "1 with optimizer.name = 'muon' when distributed.dp_shard * distributed.cp > 1",
-            "FSDP and tensor parallelism shard each matrix on two mesh dimensions; Muon "
-            "gathers matrices sharded on one",
-        )
-    if dist.tp > 1 and (dist.pp > 1 or dist.dp_replicate > 1 or experts):
-        raise ConfigError(
-            "distributed.tp",
-            dist.tp,
-            "1 with optimizer.name = 'muon' and distributed.pp > 1, distributed.dp_replicate "
-            "> 1 or experts",
-            "Muon under tensor parallelism is checked against one process alone only",
-        )
-    fsdp = dp_shard > 1 or dist.cp > 1
-    if fsdp and (dist.cp > 1) + (dist.pp > 1) + experts > 1:
-        raise ConfigError(
-            "optimizer.name",
-            "muon",
-            "at most one of distributed.cp > 1, distributed.pp > 1 and experts when FSDP "
-            "shards the parameters",
-            "Muon is checked against one process with each of them alone; use 'adamw'",
         )
 
 

@@ -16,7 +16,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from kempnerforge.optim.foreach_optimizer import ForeachOptimizer
 from kempnerforge.optim.multi_tensor import bucket, use_foreach, with_grad
-from kempnerforge.optim.muon_sharded import orthogonalize_sharded
+from kempnerforge.optim.muon_sharded import orthogonalize_sharded, prepare_exchanges
 
 # Quintic Newton-Schulz coefficients: they push every singular value into a band around 1
 # in few steps, trading exact orthogonality (singular values end in about [0.68, 1.13]) for
@@ -27,7 +27,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 def newton_schulz_orthogonalize(
     matrix: torch.Tensor, steps: int, eps: float = 1e-7
 ) -> torch.Tensor:
-    """An approximately orthogonal matrix with matrix's singular vectors (U V^T of its SVD).
+    """An approximately orthogonal matrix with matrix's singular vectors (U V^T of its SVD);
+    for a stack (..., rows, cols), each matrix of the stack on its own.
 
     Normalises by the Frobenius norm so every singular value starts in [0, 1], then runs
     ``steps`` quintic iterations X <- a X + (b A + c A^2) X with A = X X^T. A tall matrix is
@@ -36,24 +37,27 @@ def newton_schulz_orthogonalize(
     """
     a, b, c = NS_COEFFICIENTS
     x = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    x = x / (x.norm() + eps)
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     if tall:
-        x = x.T
+        x = x.mT
     return x.to(matrix.dtype)
 
 
 class Muon(ForeachOptimizer):
     """Muon over groups with ``use_muon=True``, AdamW over the groups with ``use_muon=False``.
 
-    Muon groups (2-D hidden matrices): buf = momentum * buf + g; the Nesterov update
-    u = g + momentum * buf is orthogonalised by Newton-Schulz and applied as
-    p = p * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * NS(u).
+    Muon groups (2-D hidden matrices, or 3-D stacks of them): buf = momentum * buf + g; the
+    Nesterov update u = g + momentum * buf is orthogonalised by Newton-Schulz (each matrix
+    of a stack on its own) and applied as
+    p = p * (1 - lr * weight_decay) - lr * sqrt(max(1, fan_out / fan_in)) * NS(u),
+    where the group's ``fan_out_dim`` says which of the last two dimensions holds the
+    outputs: -2 for nn.Linear's (out, in) weights, -1 for expert stacks (experts, in, out).
     AdamW groups (embeddings, output head, 1-D parameters): decoupled-decay AdamW with
     bias correction. Each group keeps its own lr, so a LambdaLR scales both sides from
     their own initial values. All state is per parameter, so state_dict round-trips.
@@ -89,11 +93,16 @@ class Muon(ForeachOptimizer):
             "eps": eps,
             "weight_decay": weight_decay,
             "use_muon": True,
+            "fan_out_dim": -2,
         }
         super().__init__(params, defaults, foreach)
         for group in self.param_groups:
-            if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
-                raise ValueError("Muon groups hold 2-D matrices only; put the rest in AdamW groups")
+            if group["use_muon"] and any(p.ndim not in (2, 3) for p in group["params"]):
+                raise ValueError(
+                    "Muon groups hold matrices (2-D) or stacks of them (3-D, one matrix per "
+                    "index of dim 0); put the rest in AdamW groups"
+                )
+        prepare_exchanges(p for g in self.param_groups if g["use_muon"] for p in g["params"])
 
     def _group_step(self, group: dict[str, Any]) -> None:
         if group["use_muon"]:
@@ -104,8 +113,14 @@ class Muon(ForeachOptimizer):
     def _muon_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
         bufs = [state["momentum_buffer"] for state in self._states(params, _fresh_muon_state)]
+        sharded = []
         for ps, gs, bs in bucket(params, grads, bufs):
-            _muon_update(ps, gs, bs, group)
+            if isinstance(ps[0], DTensor):
+                sharded.append((ps, gs, bs))
+            else:
+                _muon_update(ps, gs, bs, group)
+        if sharded:
+            _sharded_muon_update(sharded, group)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads = with_grad(group)
@@ -141,58 +156,83 @@ def _muon_update(
     bufs: list[torch.Tensor],
     group: dict[str, Any],
 ) -> None:
-    """One bucket's Muon step, per matrix or as foreach calls (see use_foreach): the same
-    operations in the same order either way; Newton-Schulz runs per matrix in both.
-
-    A bucket of DTensors takes the foreach calls whatever ``foreach`` says: its matrices
-    are orthogonalised together, in one exchange among the ranks that share them."""
+    """One bucket of plain tensors' Muon step, per matrix or as foreach calls (see
+    use_foreach): the same operations in the same order either way; Newton-Schulz runs per
+    matrix in both."""
     lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-    sharded = isinstance(params[0], DTensor)
-    if not use_foreach(group["foreach"], params) and not sharded:
+    if not use_foreach(group["foreach"], params):
         for p, g, buf in zip(params, grads, bufs, strict=True):
             buf.mul_(mu).add_(g)
             update = g.add(buf, alpha=mu)  # Nesterov: look ahead along the momentum
             ortho = newton_schulz_orthogonalize(update, group["ns_steps"])
             if wd != 0:
                 p.mul_(1 - lr * wd)
-            p.add_(ortho, alpha=-lr * _shape_scale(p))
+            p.add_(ortho, alpha=-lr * _shape_scale(p, group))
         return
-    torch._foreach_mul_(bufs, mu)
-    torch._foreach_add_(bufs, grads)
-    updates = torch._foreach_add(grads, bufs, alpha=mu)
-    orthos = _orthogonalize_all(updates, group["ns_steps"])
+    updates = _nesterov_updates(grads, bufs, mu)
+    orthos = [newton_schulz_orthogonalize(u, group["ns_steps"]) for u in updates]
     del updates
+    _apply_updates(params, orthos, group)
+
+
+def _sharded_muon_update(
+    buckets: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]],
+    group: dict[str, Any],
+) -> None:
+    """The DTensor buckets' Muon step, as foreach calls per bucket (one mesh object each)
+    around one Newton-Schulz exchange for all of them: the group's matrices are dealt to
+    owners together, so each rank orthogonalises its share of the whole group, not of each
+    bucket (FSDP gives every unit a mesh object of its own)."""
+    updates = [_nesterov_updates(gs, bs, group["momentum"]) for _, gs, bs in buckets]
+    steps = group["ns_steps"]
+
+    def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+        # Looked up at call time, as in the plain path.
+        return newton_schulz_orthogonalize(matrix, steps)
+
+    flat = [u for bucket_updates in updates for u in bucket_updates]
+    orthos = orthogonalize_sharded(flat, orthogonalize)  # type: ignore[arg-type]
+    del updates, flat
+    start = 0
+    for ps, _, _ in buckets:
+        _apply_updates(ps, orthos[start : start + len(ps)], group)
+        start += len(ps)
+
+
+def _nesterov_updates(
+    grads: list[torch.Tensor], bufs: list[torch.Tensor], momentum: float
+) -> list[torch.Tensor]:
+    """buf = momentum * buf + g, then the look-ahead update g + momentum * buf."""
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    return list(torch._foreach_add(grads, bufs, alpha=momentum))
+
+
+def _apply_updates(
+    params: list[torch.Tensor], orthos: Sequence[torch.Tensor], group: dict[str, Any]
+) -> None:
+    """p = p * (1 - lr * weight_decay) - lr * shape scale * ortho, as foreach calls."""
+    lr, wd = group["lr"], group["weight_decay"]
     if wd != 0:
         torch._foreach_mul_(params, 1 - lr * wd)
     # One call per distinct shape scale (a handful), so each parameter gets the same single
     # add-with-alpha as in the loop.
     by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for p, ortho in zip(params, orthos, strict=True):
-        ps, os_ = by_scale.setdefault(_shape_scale(p), ([], []))
+        ps, os_ = by_scale.setdefault(_shape_scale(p, group), ([], []))
         ps.append(p)
         os_.append(ortho)
     for scale, (ps, os_) in by_scale.items():
         torch._foreach_add_(ps, os_, alpha=-lr * scale)
 
 
-def _orthogonalize_all(updates: Sequence[torch.Tensor], steps: int) -> list[torch.Tensor]:
-    """Newton-Schulz of each update's whole matrix. Plain tensors are whole already; a
-    bucket of DTensors (sharded by FSDP or tensor parallelism) is orthogonalised once per
-    matrix across the ranks that share it (see muon_sharded), each rank getting its shard."""
-
-    def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
-        # Looked up at call time: both paths run whatever this module's name holds.
-        return newton_schulz_orthogonalize(matrix, steps)
-
-    dtensors = [u for u in updates if isinstance(u, DTensor)]
-    if dtensors:  # bucket() never mixes DTensors and plain tensors
-        return list(orthogonalize_sharded(dtensors, orthogonalize))
-    return [orthogonalize(u) for u in updates]
-
-
-def _shape_scale(p: torch.Tensor) -> float:
-    """sqrt(max(1, rows / cols)): a tall matrix's orthogonal update has a smaller RMS."""
-    return math.sqrt(max(1.0, p.size(0) / p.size(1)))
+def _shape_scale(p: torch.Tensor, group: dict[str, Any]) -> float:
+    """sqrt(max(1, fan_out / fan_in)): the orthogonal update of a matrix with more outputs
+    than inputs has a smaller RMS. Groups saved before fan_out_dim existed held (out, in)
+    matrices only."""
+    fan_out_dim = group.get("fan_out_dim", -2)
+    fan_in_dim = -1 if fan_out_dim == -2 else -2
+    return math.sqrt(max(1.0, p.size(fan_out_dim) / p.size(fan_in_dim)))
 
 
 def _adamw_update(

@@ -136,24 +136,41 @@ def build_lion(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimiz
     )
 
 
-# Matrices that Muon leaves to AdamW: lookups and the logit projection are not hidden layers.
-MUON_EXCLUDED_SUFFIXES = ("tok_embeddings.weight", "output.weight")
+# Matrices that Muon leaves to AdamW: lookups, the logit projection and the MoE routers'
+# gates (a few rows of logits, not a hidden layer).
+MUON_EXCLUDED_SUFFIXES = (
+    "tok_embeddings.weight",
+    "output.weight",
+    "position_embedding",
+    "router.gate.weight",
+)
 
 
 @OPTIMIZERS.register("muon")
 def build_muon(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """Muon over the decayed group's hidden 2-D matrices; AdamW (lr muon_adam_lr) for the rest."""
+    """Muon over the decayed group's hidden matrices; AdamW (lr muon_adam_lr) for the rest.
+
+    Hidden matrices are the 2-D weights (nn.Linear's (out, in)) and the 3-D expert stacks
+    (GroupedExperts' (experts, in, out): one matrix per expert, applied as rows @ w[e]),
+    which get a Muon group of their own whose fan_out_dim says where their outputs are."""
     adam_lr = cfg.muon_adam_lr or cfg.lr
     groups: ParamGroups = []
     for index, group in enumerate(params):
-        muon_side, adam_side = [], []
+        matrices, stacks, adam_side = [], [], []
         for name, p in zip(group["names"], group["params"], strict=True):
             # Group 0 is the decayed group: the non-decayed one never feeds Muon.
-            hidden = index == 0 and p.ndim == 2 and not name.endswith(MUON_EXCLUDED_SUFFIXES)
-            (muon_side if hidden else adam_side).append(p)
+            hidden = index == 0 and p.ndim in (2, 3) and not name.endswith(MUON_EXCLUDED_SUFFIXES)
+            if not hidden:
+                adam_side.append(p)
+            else:
+                (matrices if p.ndim == 2 else stacks).append(p)
         wd = group["weight_decay"]
-        if muon_side:
-            groups.append({"params": muon_side, "weight_decay": wd, "use_muon": True})
+        if matrices:
+            groups.append({"params": matrices, "weight_decay": wd, "use_muon": True})
+        if stacks:
+            groups.append(
+                {"params": stacks, "weight_decay": wd, "use_muon": True, "fan_out_dim": -1}
+            )
         if adam_side:
             groups.append(
                 {"params": adam_side, "weight_decay": wd, "use_muon": False, "lr": adam_lr}

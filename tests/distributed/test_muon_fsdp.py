@@ -1,12 +1,14 @@
 """Muon as the trainer builds it (build_optimizer over a model parallelized by
-parallelize_model) under FSDP, HSDP, tensor parallelism alone and context parallelism
-(FSDP over the cp ranks): given the same gradients, every weight and momentum buffer stays
-within the roundings of one process's Muon step on the whole model (muon_atol on the Muon
-side, adamw_atol on the AdamW side: the shards' elementwise kernels may round otherwise
-than the whole tensors', on another CPU if not on this one)."""
+parallelize_model) under FSDP, HSDP, tensor parallelism alone, context parallelism (FSDP
+over the cp ranks) and FSDP with tensor parallelism: given the same gradients, every
+weight and momentum buffer stays within the roundings of one process's Muon step on the
+whole model (muon_atol on the Muon side, adamw_atol on the AdamW side: the shards'
+elementwise kernels may round otherwise than the whole tensors', on another CPU if not on
+this one)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -48,6 +50,9 @@ LAYOUTS = {
     "tp": (["--distributed.tp=2", "--distributed.dp_shard=1"], 2, 2),
     # Context parallelism alone: FSDP shards over the cp ranks (the dp_shard_cp mesh).
     "cp": (["--distributed.cp=2", "--distributed.dp_shard=1"], 2, 2),
+    # FSDP over tensor parallelism: each matrix cut on both mesh dimensions (the column
+    # shards' rows as _StridedShard), exchanged over the four ranks of dp_shard x tp.
+    "fsdp_tp": (["--distributed.dp_shard=2", "--distributed.tp=2"], 4, 4),
 }
 MATRICES = 14
 """The Muon side of the tiny model: wq, wk, wv, wo, w1, w2, w3 of its two blocks."""
@@ -176,9 +181,11 @@ def test_muon_under_data_parallel_sharding_steps_like_one_process(ranks):
 
 
 def test_each_matrix_is_orthogonalised_once_per_shard_group(ranks):
-    """Each shard group's ranks split its matrices between them; replicas each do their
-    own, so a rank runs MATRICES / owners Newton-Schulz calls a step."""
+    """Each shard group's ranks split its matrices between them, at most ceil(MATRICES /
+    owners) each; replicas each do their own, so every group runs each matrix once."""
     layout, results = ranks
     owners = LAYOUTS[layout][2]
     assert [r["matrices"] for r in results] == [MATRICES] * len(results)
-    assert [r["calls"] for r in results] == [MATRICES // owners * STEPS] * len(results)
+    calls = [r["calls"] for r in results]
+    assert max(calls) <= math.ceil(MATRICES / owners) * STEPS
+    assert sum(calls) == MATRICES * STEPS * len(results) // owners

@@ -82,14 +82,6 @@ VLM = [
             "distributed.dp_shard = 2: expected dp_replicate * dp_shard * cp * tp * pp == "
             "world size 2",
         ),
-        (
-            # Muon runs under cp alone; beside tp, FSDP over dp_shard_cp and tensor
-            # parallelism would shard each matrix on two mesh dimensions.
-            ["--distributed.cp=2", "--distributed.tp=2", "--optimizer.name=muon"],
-            4,
-            "distributed.tp = 2: expected 1 with optimizer.name = 'muon' when "
-            "distributed.dp_shard * distributed.cp > 1",
-        ),
     ],
 )
 def test_a_context_parallel_degree_the_job_cannot_run_is_a_config_error(

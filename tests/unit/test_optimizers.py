@@ -157,6 +157,61 @@ def test_muon_puts_embedding_head_and_1d_params_on_the_adamw_side():
     assert {g["lr"] for g in opt.param_groups if not g["use_muon"]} == {3e-3}
 
 
+def test_muon_takes_expert_stacks_and_leaves_routers_to_adamw():
+    """On an MoE model: the experts' 3-D stacks are hidden matrices, in a Muon group of
+    their own whose outputs are on the last dimension; the routers' gates, a few rows of
+    logits, stay on AdamW with the embedding and the head."""
+    torch.manual_seed(0)
+    moe = ModelConfig(**{**TINY.__dict__, "num_experts": 4, "moe_top_k": 2})
+    model = build_model(moe)
+    opt = build_optimizer(model, _config("muon"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    side = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}
+    experts = [n for n in side if ".experts." in n]
+    routers = [n for n in side if n.endswith("router.gate.weight")]
+    assert experts and routers
+    assert all(side[n]["use_muon"] and side[n]["fan_out_dim"] == -1 for n in experts)
+    assert all(not side[n]["use_muon"] for n in routers)
+    dense = [n for n in side if side[n]["use_muon"] and n not in experts]
+    assert dense and all(side[n]["fan_out_dim"] == -2 for n in dense)
+    assert opt.param_groups[0]["use_muon"] and opt.param_groups[0]["fan_out_dim"] == -2
+
+
+def test_muon_steps_each_expert_like_the_linear_layer_it_transposes():
+    """A stack (experts, in, out) steps as its experts' nn.Linear weights (out, in) would,
+    one matrix at a time, transposed: the same Newton-Schulz per matrix and the same
+    sqrt(fan_out / fan_in) scale. In float64; the two differ only by the order of the
+    matmuls' sums (batched against one at a time, one operand transposed), each of
+    NS_STEPS iterations moving an element by at most reorder_atol of its 8 + 8 + 24 terms
+    (normalised, so each at most the coefficients' 4.8 + 2.1 + 3.5 < 11 in size), which the
+    rest of the map amplifies by at most newton_schulz_sensitivity."""
+    from tests.support.tolerance import newton_schulz_sensitivity, reorder_atol, unit_roundoff
+
+    experts, fan_in, fan_out, steps, lr, ns_steps = 3, 8, 24, 2, 0.02, 5
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(experts, fan_in, fan_out, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(stack.shape, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    stacked = torch.nn.Parameter(stack.clone())
+    linear = [torch.nn.Parameter(stack[e].T.clone()) for e in range(experts)]
+    opt_stack = Muon([{"params": [stacked], "fan_out_dim": -1}], lr=lr, weight_decay=0.1)
+    opt_linear = Muon(linear, lr=lr, weight_decay=0.1)
+    for g in grads:
+        stacked.grad = g.clone()
+        for e, p in enumerate(linear):
+            p.grad = g[e].T.clone()
+        opt_stack.step()
+        opt_linear.step()
+    scale = (fan_out / fan_in) ** 0.5
+    per_iteration = reorder_atol(torch.float64, 8 + 8 + 24, 11.0) * (fan_in * fan_out) ** 0.5
+    for e, p in enumerate(linear):
+        buf = opt_linear.state[p]["momentum_buffer"]
+        sensitivity = newton_schulz_sensitivity(grads[-1][e].T + 0.95 * buf, ns_steps)
+        ortho_bound = ns_steps * per_iteration * max(1.0, sensitivity)
+        bound = steps * (lr * scale * ortho_bound + 4 * unit_roundoff(torch.float64) * 10)
+        assert (stacked.detach()[e] - p.detach().T).abs().max().item() <= bound
+        assert torch.equal(opt_stack.state[stacked]["momentum_buffer"][e], buf.T)
+
+
 def test_scheduler_scales_each_muon_group_from_its_own_lr():
     model, opt = _make("muon")
     sched = build_scheduler(opt, SchedulerConfig(warmup_steps=4), max_steps=10)
