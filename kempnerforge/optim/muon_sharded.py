@@ -216,7 +216,7 @@ def _exchange(
     owned = []
     for i, u in enumerate(updates):
         owner = owners[i]
-        sends[owner].append(u.to_local().reshape(-1))
+        sends[owner].append(u.to_local())
         back_from[owner] += u.to_local().numel()
         if owner == me:
             owned.append(i)
@@ -250,7 +250,7 @@ def _exchange(
         results[i] = orthogonalize(full)
 
     # Results back: to rank r, r's shard of each matrix I own; from each owner, my shards.
-    backs = [[_cut(results[i], layouts[i][r]).reshape(-1) for i in owned] for r in range(n)]
+    backs = [[_cut(results[i], layouts[i][r]) for i in owned] for r in range(n)]
     returned = _all_to_all(backs, back_from, group, device, dtype)
     out: list[DTensor] = []
     offsets = [0] * n
@@ -299,7 +299,8 @@ def _place(full: torch.Tensor, piece: torch.Tensor, runs: list[Runs]) -> None:
 
 
 def _cut(full: torch.Tensor, runs: list[Runs]) -> torch.Tensor:
-    """The shard ``runs`` describe, cut from ``full``: a view when it is one block."""
+    """The shard ``runs`` describe, cut from ``full``: a view when it is one block (the
+    send buffer copies it once)."""
     if all(len(r) == 1 for r in runs):
         return full[next(iter(_blocks(runs)))[0]]
     piece = full.new_empty(_shape(runs))
@@ -323,14 +324,20 @@ def _all_to_all(
     device: torch.device,
     dtype: torch.dtype,
 ) -> list[torch.Tensor]:
-    """One all_to_all_single: sends[r] (flat tensors) to group rank r; the flat blocks
+    """One all_to_all_single: the tensors of sends[r] to group rank r, packed into one
+    send buffer with one copy each (a strided view copied as it is read); the flat blocks
     received from each rank, receive_counts[r] elements from rank r."""
-    flat = [torch.cat(s) if s else torch.empty(0, device=device, dtype=dtype) for s in sends]
-    send_counts = [t.numel() for t in flat]
+    send_counts = [sum(t.numel() for t in tensors) for tensors in sends]
+    packed = torch.empty(sum(send_counts), device=device, dtype=dtype)
+    offset = 0
+    for tensors in sends:
+        for t in tensors:
+            packed[offset : offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
     output = torch.empty(sum(receive_counts), device=device, dtype=dtype)
     dist.all_to_all_single(
         output,
-        torch.cat(flat),
+        packed,
         output_split_sizes=receive_counts,
         input_split_sizes=send_counts,
         group=group,

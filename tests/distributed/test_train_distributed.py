@@ -150,6 +150,38 @@ def test_a_checkpoint_resumes_on_another_layout(
     _assert_losses(resumed[0]["losses"], reference["losses"][2:], base, first=2)
 
 
+MUON = ["--optimizer.name=muon", "--optimizer.lr=0.02", "--optimizer.muon_adam_lr=2e-3"]
+
+
+@pytest.fixture(scope="module")
+def muon_reference(base, tmp_path_factory) -> dict:
+    return _one_process(base, tmp_path_factory.mktemp("muon-one"), *MUON, "--train.batch_size=4")
+
+
+@pytest.mark.parametrize(
+    "resumed_layout",
+    [
+        ["--distributed.dp_shard=1", "--distributed.dp_replicate=1", "--train.batch_size=4"],
+        ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4"],
+    ],
+    ids=["fsdp-to-one", "fsdp-to-tp"],
+)
+def test_a_muon_checkpoint_resumes_on_another_layout(
+    base, muon_reference, tmp_path, resumed_layout
+) -> None:
+    """Saved with FSDP over 2 ranks (each matrix's momentum in row shards), resumed on one
+    process and under tensor parallelism (the same momentum cut by columns for wo and w2):
+    the run goes on as the one-process run did."""
+    run = tmp_path / "run"
+    _two_ranks(
+        base, run, *MUON, "--distributed.dp_shard=2", "--train.batch_size=2", "--train.max_steps=2"
+    )
+    count = 1 if "--distributed.dp_replicate=1" in resumed_layout else 2
+    resumed = train_ranks(base, run, count, *MUON, *resumed_layout)
+    assert [r["start_step"] for r in resumed] == [2] * count
+    _assert_losses(resumed[0]["losses"], muon_reference["losses"][2:], base, first=2)
+
+
 def test_one_process_resumes_onto_two_ranks(base, reference, tmp_path) -> None:
     run = tmp_path / "run"
     _one_process(base, run, "--train.batch_size=4", "--train.max_steps=2")

@@ -115,6 +115,46 @@ def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
     assert_every_layout_passes(proc, worlds)
 
 
+MUON = str(REPO / "configs" / "train" / "muon.toml")
+
+
+def test_muon_matches_one_process_on_every_layout(tmp_path, builtin_cache):
+    """Muon's matrices exchanged over the ranks that share them: FSDP, tensor parallelism,
+    pipeline stages, FSDP over the context-parallel ranks, HSDP, and FSDP with tensor
+    parallelism (each matrix cut on two mesh dimensions)."""
+    worlds = {
+        "dp_shard=2": "2",
+        "tp=2": "2",
+        "pp=2": "2",
+        "cp=2": "2",
+        "dp_replicate=2,dp_shard=2": "4",
+        "dp_shard=2,tp=2": "4",
+    }
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache, config=MUON
+    )
+    assert_every_layout_passes(proc, worlds)
+
+
+def test_muon_on_split_experts_matches_one_process(tmp_path, builtin_cache):
+    """Each expert's matrices are whole on their expert-parallel rank, which orthogonalises
+    them there; the routers stay on AdamW."""
+    worlds = {"dp_shard=2,ep=2": "2"}
+    muon = ["--optimizer.name=muon", "--optimizer.lr=0.02", "--optimizer.muon_adam_lr=2e-3"]
+    proc = check_parallel(
+        "--layouts",
+        *worlds,
+        "--steps",
+        "3",
+        "--model.moe_expert_hidden_dim=32",
+        *muon,
+        cwd=tmp_path,
+        cache=builtin_cache,
+        config=DEBUG_MOE,
+    )
+    assert_every_layout_passes(proc, worlds)
+
+
 def test_a_refused_layout_is_reported_with_its_config_error_and_exit_1(tmp_path, builtin_cache):
     """Checked before anything runs, with the launch's own checks: no run, not even the
     reference, when every named layout is refused."""
