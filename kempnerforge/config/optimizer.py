@@ -53,8 +53,8 @@ class OptimizerConfig:
     muon_ns_steps: int = 5
     """Muon only: Newton-Schulz iterations that orthogonalise each matrix update; 1 to 100."""
     muon_adam_lr: float = 0.0
-    """Muon only: peak LR of the internal AdamW (embeddings, output head, 1-D parameters);
-    0 means optimizer.lr; at most 10."""
+    """Muon only: peak LR of the internal AdamW (embeddings, output head, MoE routers, 1-D
+    parameters); 0 means optimizer.lr; at most 10."""
     schedule_free_warmup_steps: int = 0
     """Schedule-free AdamW only: steps of linear LR warmup inside the optimizer; 0 = none;
     at most 2**62 - 1."""

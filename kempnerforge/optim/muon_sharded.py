@@ -162,7 +162,7 @@ def shard_runs(
             continue
         dim, parts, index = placement.dim, mesh_sizes[d], coordinate[d]  # type: ignore[union-attr]
         if isinstance(placement, _StridedShard):
-            splits = placement.split_factor
+            splits = int(placement.split_factor)
             runs[dim] = [
                 run
                 for k in range(splits)
