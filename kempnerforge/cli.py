@@ -47,7 +47,7 @@ COMMANDS: dict[str, Command] = {
         "kempnerforge.commands.eval",
         "add_eval_arguments",
         "run_eval",
-        "evaluate a checkpoint on the held-out sets",
+        "evaluate a checkpoint on the held-out sets or downstream tasks",
         preloads_allocator=True,
     ),
     "prepare-data": Command(

@@ -26,6 +26,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="batches per eval set (default: eval.steps)"
     )
+    parser.add_argument(
+        "--tasks",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="score the downstream tasks of [[eval.tasks]] instead of the held-out sets: the "
+        "named ones, or all of them when no name follows",
+    )
 
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -47,10 +55,33 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"--eval.steps={args.steps}"]
     configure_logging(0)
     job = open_for_inference("eval", args.checkpoint, config_path=args.config, overrides=overrides)
+    if args.tasks is not None:
+        return _run_tasks(job, args)
     data = build_eval_data(job.config, job.runtime)  # before the model: a data mistake is cheap
     report = evaluate_checkpoint(job, load_for_inference(job), data)
     named = bool(job.config.eval.sets)
     print(format_table(report["metrics"], list(data.eval_datasets), named=named))
+    output = args.output or os.path.join(job.checkpoint, EVAL_JSON)
+    write_report(report, output)
+    print(f"step {job.step}; wrote {output}")
+    return 0
+
+
+def _run_tasks(job, args: argparse.Namespace) -> int:
+    """`kempnerforge eval --tasks`: the tasks' table on stdout and the JSON report."""
+    from kempnerforge.training.families import family_of
+    from kempnerforge.training.inference.eval_checkpoint import (
+        evaluate_checkpoint_tasks,
+        format_task_table,
+        select_tasks,
+        write_report,
+    )
+    from kempnerforge.training.inference.loading import load_for_inference
+
+    select_tasks(job.config.eval.tasks, args.tasks)  # a wrong name stops before the model
+    data = family_of(job.config).build_data(job.config, job.runtime, False)
+    report = evaluate_checkpoint_tasks(job, load_for_inference(job), data, args.tasks)
+    print(format_task_table(report["metrics"], report["tasks"]))
     output = args.output or os.path.join(job.checkpoint, EVAL_JSON)
     write_report(report, output)
     print(f"step {job.step}; wrote {output}")

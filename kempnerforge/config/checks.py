@@ -29,11 +29,15 @@ MAX_LOSS_WEIGHT = 1e3
 1e-4 to 1e-1; the bound keeps weight * loss far below the fp32 range."""
 
 
-def check_named_paths(field: str, tables: Sequence[Any], kind: str) -> None:
-    """Arrays of ``{name, path}`` tables ([[data.datasets]], [[eval.sets]]): each name made of
-    [A-Za-z0-9_-] (it becomes part of metric keys) and unique, each path non-empty.
+def check_named_paths(
+    field: str, tables: Sequence[Any], kind: str, path_is: str = "a prepare-data directory"
+) -> None:
+    """Arrays of ``{name, path}`` tables ([[data.datasets]], [[eval.sets]], [[eval.tasks]]):
+    each name made of [A-Za-z0-9_-] (it becomes part of metric keys) and unique, each path
+    non-empty.
 
-    ``field`` is the array's dotted name, ``kind`` what one table is ("dataset").
+    ``field`` is the array's dotted name, ``kind`` what one table is ("dataset"),
+    ``path_is`` what its path names.
     """
     seen: set[str] = set()
     for i, table in enumerate(tables):
@@ -46,7 +50,7 @@ def check_named_paths(field: str, tables: Sequence[Any], kind: str) -> None:
             )
         seen.add(table.name)
         if not table.path:
-            raise ConfigError(f"{where}.path", table.path, "a prepare-data directory")
+            raise ConfigError(f"{where}.path", table.path, path_is)
 
 
 def _finite(value: float) -> bool:

@@ -1,4 +1,5 @@
-"""[eval]: periodic evaluation on held-out data, optionally on several named sets."""
+"""[eval]: periodic evaluation on held-out data, optionally on several named sets, and on
+downstream tasks (`[[eval.tasks]]`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kempnerforge.config.checks import (
     check_positive,
 )
 from kempnerforge.config.data import DataConfig
+from kempnerforge.core.errors import ConfigError
 
 DEFAULT_EVAL_SET = "heldout"
 """The name of the single eval set data.eval_path (or the built-in held-out split) gives."""
@@ -25,6 +27,38 @@ class EvalSetConfig:
     """Name of the set in metric keys (eval_loss/<name>); letters, digits, '_' and '-'."""
     path: str = ""
     """Directory written by `kempnerforge prepare-data` with the job's tokenizer."""
+
+
+TASK_KINDS = ("multiple_choice", "bits_per_byte")
+"""What a task measures: the choice the model finds likeliest, or the bits it needs per byte
+of text (docs/evaluation.md)."""
+
+MAX_FEWSHOT = 1000
+"""Most solved examples a multiple-choice task puts before each example."""
+
+
+@dataclass
+class EvalTaskConfig:
+    """One `[[eval.tasks]]` table: a downstream task read from a local file."""
+
+    name: str = ""
+    """Name of the task in metric keys (eval/<name>/acc); letters, digits, '_' and '-'."""
+    path: str = ""
+    """The task's file. multiple_choice: JSONL, one example a line, {"context", "choices",
+    "gold"} (`kempnerforge convert-task` writes it from HellaSwag, ARC, PIQA and MMLU);
+    bits_per_byte: JSONL of {"text"} documents, or a plain text file as one document."""
+    kind: str = "multiple_choice"
+    """'multiple_choice' (metrics acc and acc_norm) or 'bits_per_byte' (metric bpb)."""
+    limit: int = 0
+    """Score the file's first N examples (documents) only; 0 scores them all."""
+    interval: int = 0
+    """Every N optimizer steps during training, and after the last step; 0 means
+    eval.interval. The task runs in training only when the interval that applies is > 0."""
+    fewshot_path: str = ""
+    """multiple_choice only: a JSONL of solved examples in the task's format; the first
+    num_fewshot of them, each its context and its gold choice, precede every example."""
+    num_fewshot: int = 0
+    """How many of fewshot_path's examples precede every example; 0 to 1000."""
 
 
 @dataclass
@@ -46,15 +80,51 @@ class EvalConfig:
     set "heldout" from data.eval_path, or without it the built-in corpus's held-out split
     when data.path and data.datasets are empty (none otherwise)."""
 
+    tasks: list[EvalTaskConfig] = field(default_factory=list)
+    """Downstream tasks (`[[eval.tasks]]` tables): scored in training at their interval and
+    after the last step, and by `kempnerforge eval --tasks`; see docs/evaluation.md."""
+
     def __post_init__(self) -> None:
         check_at_least("eval.interval", self.interval, 0, MAX_STEPS)
         check_positive("eval.steps", self.steps, MAX_SIZE)
         check_at_least("eval.batch_size", self.batch_size, 0, MAX_SIZE)
         check_named_paths("eval.sets", self.sets, "eval set")
+        check_tasks(self.tasks)
+
+    def task_interval(self, task: EvalTaskConfig) -> int:
+        """The steps between a task's evaluations in training; 0 when it never runs there."""
+        return task.interval or self.interval
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+
+def check_tasks(tasks: list[EvalTaskConfig]) -> None:
+    """Each `[[eval.tasks]]` table on its own, and the names unique; the files are read
+    (and their contents checked) when the tasks are loaded, before training starts."""
+    check_named_paths("eval.tasks", tasks, "task", path_is="a task file")
+    for i, task in enumerate(tasks):
+        where = f"eval.tasks[{i}]"
+        if task.kind not in TASK_KINDS:
+            raise ConfigError(f"{where}.kind", task.kind, f"one of {', '.join(TASK_KINDS)}")
+        check_at_least(f"{where}.limit", task.limit, 0, MAX_SIZE)
+        check_at_least(f"{where}.interval", task.interval, 0, MAX_STEPS)
+        check_at_least(f"{where}.num_fewshot", task.num_fewshot, 0, MAX_FEWSHOT)
+        if task.kind != "multiple_choice" and (task.fewshot_path or task.num_fewshot):
+            raise ConfigError(
+                f"{where}.num_fewshot",
+                task.num_fewshot,
+                "0 and no fewshot_path for a bits_per_byte task",
+                "solved examples are for multiple-choice tasks",
+            )
+        if bool(task.fewshot_path) != bool(task.num_fewshot):
+            raise ConfigError(
+                f"{where}.num_fewshot",
+                task.num_fewshot,
+                "> 0 exactly when fewshot_path is set",
+                "name the file of solved examples and how many of them to show",
+            )
 
 
 def missing_eval_data(data: DataConfig, eval_cfg: EvalConfig) -> str:

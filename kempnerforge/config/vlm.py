@@ -349,6 +349,13 @@ def check_job(config: JobConfig) -> None:
     when eval is on without held-out pairs."""
     assert config.vlm is not None and config.adapter is not None
     _check_layout_and_precision(config)
+    if config.eval.tasks:
+        raise ConfigError(
+            "eval.tasks",
+            [task.name for task in config.eval.tasks],
+            "none for a vision-language job",
+            "downstream tasks score text with a text-only model",
+        )
     model, vlm = config.model, config.vlm
     spec = config.vision_spec()
     if config.adapter.type == "pool" and spec.grid % config.adapter.pool_window:

@@ -85,6 +85,9 @@ class DataPipeline:
     """This rank's part of each training and eval batch, set by the build under context
     parallelism (its slice of every sequence, after ``prefix_len``); None keeps batches
     whole."""
+    eval_tasks: list[Any] = field(default_factory=list)
+    """The job's downstream tasks (`[[eval.tasks]]`), loaded and packed into windows by the
+    build (kempnerforge.evaluation.tasks.LoadedTask); empty without any."""
 
     def add_bad_windows(self, windows: list[BadWindow]) -> list[BadWindow]:
         """Skip ``windows`` from the next batch drawn on; return the ones not known before.

@@ -29,6 +29,7 @@ from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
 from kempnerforge.resilience.shutdown import ShutdownHandler
 from kempnerforge.resilience.spikes import LossSpikeRule
+from kempnerforge.training.eval import load_job_tasks
 from kempnerforge.training.families import ModelSummary, family_of
 from kempnerforge.training.float8 import apply_float8
 from kempnerforge.training.freeze import FreezeSchedule, describe, freeze_for_step
@@ -137,6 +138,8 @@ def _warn_what_the_layout_skips(layout: ModelLayout, ec: EvalConfig, tc: TrainCo
     skipped = []
     if ec.enabled:
         skipped.append(f"in-loop eval (eval.interval = {ec.interval})")
+    if any(ec.task_interval(task) for task in ec.tasks):
+        skipped.append(f"the eval tasks ({', '.join(task.name for task in ec.tasks)})")
     if tc.sample_tokens:
         skipped.append(f"the end-of-run sample (train.sample_tokens = {tc.sample_tokens})")
     if reason is not None and skipped:
@@ -170,6 +173,7 @@ def build_session(
     check_model_fits(config.model, runtime.device, shards)  # before the slow data preparation
     seed_everything(tc.seed, tc.deterministic)
     data = family_of(config).build_data(config, runtime, True)
+    data.eval_tasks = load_job_tasks(config, data)
     loss_fn = build_loss_fn(tc)
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
     summary = family_of(config).summarize(config, model)

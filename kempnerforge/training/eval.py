@@ -14,6 +14,7 @@ from kempnerforge.config.train import TrainConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_tasks
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.families import family_of
 from kempnerforge.training.forward import training_autocast
@@ -131,4 +132,56 @@ def evaluate_model(
     metrics = {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": total_tokens}
     if config.eval.sets:
         metrics.update(per_set)
+    return metrics
+
+
+def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
+    """The job's `[[eval.tasks]]`, read and packed into windows of train.seq_len with the
+    data's tokenizer, documents starting as the training documents did."""
+    return load_tasks(
+        config.eval.tasks, data.tokenizer, data.bos_per_document, config.train.seq_len
+    )
+
+
+def tasks_due(config: JobConfig, tasks: list[LoadedTask], step: int) -> list[LoadedTask]:
+    """The tasks to score after optimizer step ``step``: at their interval, and after the
+    last step."""
+    due = []
+    for task in tasks:
+        interval = config.eval.task_interval(task.config)
+        if interval and (step % interval == 0 or step == config.train.max_steps):
+            due.append(task)
+    return due
+
+
+def evaluate_tasks(
+    model: torch.nn.Module,
+    data: DataPipeline,
+    config: JobConfig,
+    runtime: RuntimeContext,
+    tasks: list[LoadedTask],
+    global_batch: int = 0,
+) -> dict[str, float]:
+    """Every task's metrics (evaluation/tasks.py), the same on every rank: each window is
+    scored once, by one data-parallel rank, in batches of ``global_batch`` windows (by
+    default the global eval batch, eval_global_batch) split over the ranks, each forward
+    at most train.batch_size rows, under the training step's precision."""
+    global_batch = global_batch or eval_global_batch(config.eval, config.train, runtime.dp_size)
+    metrics: dict[str, float] = {}
+    for task in tasks:
+        metrics.update(
+            evaluate_task(
+                model,
+                task,
+                device=runtime.device,
+                dp_rank=runtime.dp_rank,
+                dp_size=runtime.dp_size,
+                global_batch=global_batch,
+                max_rows=config.train.batch_size,
+                loss_chunk_tokens=config.train.loss_chunk_tokens,
+                group=runtime.group("dp_cp"),
+                batch_slice=data.batch_slice,
+                autocast=lambda: training_autocast(config.train, runtime.device),
+            )
+        )
     return metrics

@@ -27,7 +27,7 @@ from kempnerforge.model.router_step import add_router_losses, finish_router_step
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
-from kempnerforge.training.eval import evaluate
+from kempnerforge.training.eval import evaluate, evaluate_tasks, tasks_due
 from kempnerforge.training.families import family_of
 from kempnerforge.training.faults.attribution import attempt_step
 from kempnerforge.training.faults.rollback import roll_back_or_stop
@@ -307,15 +307,19 @@ def _log_step(
 
 
 def _evaluate_if_due(session: TrainingSession, step: int) -> None:
-    """In-loop eval every eval.interval steps, at the optimizer's evaluation point; not in
-    a layout without a whole-model forward (the build warned)."""
+    """In-loop eval every eval.interval steps, and each downstream task at its interval and
+    after the last step, at the optimizer's evaluation point; not in a layout without a
+    whole-model forward (the build warned)."""
     config = session.config
-    if not config.eval.enabled or step % config.eval.interval:
-        return
     if layout_of(config).forward_refusal is not None:
         return
+    heldout = config.eval.enabled and step % config.eval.interval == 0
+    tasks = tasks_due(config, session.data.eval_tasks, step)
+    if not heldout and not tasks:
+        return
     with watch(EVAL, step), optimizer_eval_mode(session.optimizer):
-        metrics = evaluate(session.model, session.data, config, session.runtime)
+        metrics = evaluate(session.model, session.data, config, session.runtime) if heldout else {}
+        metrics.update(evaluate_tasks(session.model, session.data, config, session.runtime, tasks))
     if metrics:
         session.tracker.log_eval(step, metrics)
         session.hooks.on_eval_end(step, metrics)

@@ -11,14 +11,15 @@ from typing import Any
 import torch
 
 from kempnerforge.checkpoint.disk_format import read_marker
-from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalConfig
+from kempnerforge.config.eval import DEFAULT_EVAL_SET, EvalConfig, EvalTaskConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
-from kempnerforge.core.errors import DataError
+from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.training.eval import eval_global_batch, evaluate_model
+from kempnerforge.evaluation.tasks import load_tasks
+from kempnerforge.training.eval import eval_global_batch, evaluate_model, evaluate_tasks
 from kempnerforge.training.families import family_of
 from kempnerforge.training.inference.loading import InferenceJob
 from kempnerforge.training.resume_guard import global_batch
@@ -104,4 +105,56 @@ def format_table(metrics: dict[str, Any], names: list[str], *, named: bool) -> s
     lines = [f"{'set':<{width}}  {'tokens':>12}  {'loss':>10}  {'perplexity':>12}"]
     for name, tokens, loss, ppl in rows:
         lines.append(f"{name:<{width}}  {int(tokens):>12,}  {loss:>10.6f}  {ppl:>12.4f}")
+    return "\n".join(lines)
+
+
+def select_tasks(configured: list[EvalTaskConfig], names: list[str]) -> list[EvalTaskConfig]:
+    """The tasks `--tasks` names, in the order named; every configured task when it names
+    none."""
+    if not configured:
+        raise ConfigError(
+            "eval.tasks", [], "at least one [[eval.tasks]] table for --tasks", "docs/evaluation.md"
+        )
+    by_name = {task.name: task for task in configured}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ConfigError("--tasks", unknown, f"names of eval.tasks: {', '.join(by_name)}")
+    return [by_name[name] for name in names] if names else list(configured)
+
+
+def evaluate_checkpoint_tasks(
+    job: InferenceJob, model: torch.nn.Module, data: DataPipeline, names: list[str]
+) -> dict[str, Any]:
+    """Score ``model`` (the weights of ``job``'s checkpoint) on the named tasks (all when
+    none are named), in batches of the eval batch the run used; the report it writes."""
+    config = job.config
+    tasks = select_tasks(config.eval.tasks, names)
+    loaded = load_tasks(tasks, data.tokenizer, data.bos_per_document, config.train.seq_len)
+    batch = eval_batch_of_checkpoint(config.eval, config.train, job.checkpoint, job.recorded_config)
+    metrics = evaluate_tasks(model, data, config, job.runtime, loaded, global_batch=batch)
+    return {
+        "checkpoint": str(job.checkpoint),
+        "step": job.step,
+        "tasks": [task.name for task in tasks],
+        "eval_batch_size": batch,
+        "metrics": metrics,
+    }
+
+
+def format_task_table(metrics: dict[str, Any], tasks: list[str]) -> str:
+    """One row per task: examples, its metrics (acc and acc_norm, or bpb) and seconds."""
+    lines = [f"{'task':<20}  {'examples':>9}  {'acc':>8}  {'acc_norm':>8}  {'bpb':>8}  {'s':>8}"]
+    for name in tasks:
+        key = f"eval/{name}"
+
+        def cell(metric: str, key: str = key) -> str:
+            value = metrics.get(f"{key}/{metric}")
+            return "-" if value is None else f"{value:.4f}"
+
+        examples = int(metrics[f"{key}/examples"])
+        seconds = metrics[f"{key}/seconds"]
+        lines.append(
+            f"{name:<20}  {examples:>9,}  {cell('acc'):>8}  {cell('acc_norm'):>8}  "
+            f"{cell('bpb'):>8}  {seconds:>8.2f}"
+        )
     return "\n".join(lines)
