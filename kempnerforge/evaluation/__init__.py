@@ -1,0 +1,1 @@
+"""Downstream evaluation tasks: their file format, converters from public sets, scoring."""
