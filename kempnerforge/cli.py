@@ -57,6 +57,13 @@ COMMANDS: dict[str, Command] = {
         "tokenize text into a memory-mapped token file",
         takes_overrides=False,
     ),
+    "convert-task": Command(
+        "kempnerforge.commands.convert_task",
+        "add_convert_task_arguments",
+        "run_convert_task",
+        "convert a public multiple-choice set's released files into an evaluation task file",
+        takes_overrides=False,
+    ),
     "generate": Command(
         "kempnerforge.commands.generate",
         "add_generate_arguments",
