@@ -68,7 +68,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _run_tasks(job, args: argparse.Namespace) -> int:
-    """`kempnerforge eval --tasks`: the tasks' table on stdout and the JSON report."""
+    """the `eval` command's `--tasks`: the tasks' table on stdout and the JSON report."""
     from kempnerforge.training.families import family_of
     from kempnerforge.training.inference.eval_checkpoint import (
         evaluate_checkpoint_tasks,

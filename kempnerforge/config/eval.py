@@ -82,7 +82,7 @@ class EvalConfig:
 
     tasks: list[EvalTaskConfig] = field(default_factory=list)
     """Downstream tasks (`[[eval.tasks]]` tables): scored in training at their interval and
-    after the last step, and by `kempnerforge eval --tasks`; see docs/evaluation.md."""
+    after the last step, and by the `eval` command's `--tasks`; see docs/evaluation.md."""
 
     def __post_init__(self) -> None:
         check_at_least("eval.interval", self.interval, 0, MAX_STEPS)

@@ -1,5 +1,5 @@
 """Downstream tasks: loaded once from `[[eval.tasks]]`, scored in the loop and by
-`kempnerforge eval --tasks`, the same on every layout.
+the `eval` command's `--tasks`, the same on every layout.
 
 Loading reads a task's file, renders its examples (few-shot prefix included), tokenizes
 them and packs the scoring requests into windows of the model's sequence: done once per

@@ -28,7 +28,6 @@ LAYERS = {
     "launch": 4,
     "training": 5,
     "interop": 5,
-    "evaluation": 5,
     "commands": 6,
     "cli": 7,
     "__main__": 8,
