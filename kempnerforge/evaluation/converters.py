@@ -4,7 +4,7 @@ optional ``id``, each choice appended to the context exactly as written.
 
 Nothing is downloaded: a converter reads the files the user has and returns the examples;
 ``write_examples`` writes them. The templates are those of the common evaluation harnesses,
-so that scores compare with theirs (docs/eval-converters.md lists them).
+so that scores compare with theirs (docs/evaluation.md, "Converting public sets", lists them).
 """
 
 from __future__ import annotations
