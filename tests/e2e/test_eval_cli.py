@@ -88,3 +88,64 @@ def test_a_bad_checkpoint_exits_1_and_a_bad_config_exits_2(trained, tmp_path):
     )
     assert result.returncode == 2
     assert "eval.stepz" in result.stderr and "Traceback" not in result.stderr
+
+
+def _task_files(directory: pathlib.Path) -> str:
+    """An --eval.tasks override: a 3-question multiple-choice file and a bits-per-byte
+    text file."""
+    questions = [
+        {"context": "def f(x):\n    return", "choices": [" x", " ]]]"], "gold": 0},
+        {"context": "import", "choices": [" os", " )))"], "gold": 0},
+        {"context": "for i in", "choices": [" range(3):", " ;;;"], "gold": 0},
+    ]
+    mc = directory / "mc.jsonl"
+    mc.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    text = directory / "code.txt"
+    text.write_text("def add(a, b):\n    return a + b\n")
+    return (
+        f'--eval.tasks=[{{name = "mc", path = "{mc}", interval = 2}}, '
+        f'{{name = "code", path = "{text}", kind = "bits_per_byte"}}]'
+    )
+
+
+def test_tasks_are_scored_in_training_and_from_the_command_line(tmp_path, token_dirs):
+    """The multiple-choice task at its own interval (2) and at the end, the bits-per-byte
+    task at eval.interval (4); `eval --tasks` of the step-4 checkpoint scores them again
+    in one process, and an unknown name is a one-line config error."""
+    run_dir = tmp_path / "run"
+    tasks = _task_files(tmp_path)
+    result = kempnerforge(
+        "train",
+        DEBUG,
+        *tiny_run(
+            run_dir,
+            token_dirs,
+            "--model.n_kv_heads=2",
+            "--train.max_steps=4",
+            "--checkpoint.interval=4",
+            "--eval.interval=4",
+            "--eval.steps=1",
+            tasks,
+        ),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [r for r in read_rows(run_dir) if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in rows] == [2, 4]
+    assert "eval/code/bpb" not in rows[0] and "eval_loss" not in rows[0]
+    last = rows[1]
+    assert last["eval/mc/examples"] == 3 and 0 <= last["eval/mc/acc"] <= 1
+    assert last["eval/code/bytes"] == last["eval/code/tokens"] == 32  # the byte tokenizer
+    checkpoint = run_dir / "checkpoints" / "step_4"
+    config = str(run_dir / "config.toml")
+    scored = kempnerforge("eval", config, f"--checkpoint={checkpoint}", "--tasks")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert [line.split()[0] for line in scored.stdout.splitlines()[:3]] == ["task", "mc", "code"]
+    report = json.loads((checkpoint / "eval.json").read_text())
+    assert report["tasks"] == ["mc", "code"]
+    # The same weights, windows and batches in one process: the same numbers.
+    for key in ("eval/mc/acc", "eval/mc/acc_norm", "eval/code/bpb"):
+        assert report["metrics"][key] == last[key]
+    wrong = kempnerforge("eval", config, f"--checkpoint={checkpoint}", "--tasks", "nope")
+    assert wrong.returncode == 2
+    assert "--tasks = ['nope']: expected names of eval.tasks: mc, code" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
