@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict, TypeVar
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.evaluation.task_files import json_kind as _json_kind
+from kempnerforge.evaluation.task_files import json_lines, read_text
 
 StrPath = str | os.PathLike[str]
 T = TypeVar("T")
@@ -42,38 +44,14 @@ class ConvertError(DataError, ValueError):
 # Reading the released files.
 
 
-def _read_text(path: Path) -> str:
-    """The whole of ``path`` as UTF-8 text; a missing, unreadable or non-UTF-8 file is a
-    ConvertError naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConvertError(f"{path}: no such file; give the path of the set's file") from None
-    except IsADirectoryError:
-        raise ConvertError(f"{path}: a folder, not a file; name the set's file in it") from None
-    except UnicodeDecodeError as error:
-        raise ConvertError(
-            f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); give the file "
-            "as the set releases it"
-        ) from None
-
-
 def _read_jsonl(path: Path, release: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, object) for each non-blank line of a JSON-lines file; ``where`` names the file
-    and line for messages, ``release`` the file expected (said when a line does not parse)."""
-    for number, line in enumerate(_read_text(path).split("\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ConvertError(
-                f"{where}: not JSON ({error.msg} at column {error.colno}); give {release}"
-            ) from None
-        if not isinstance(record, dict):
-            raise ConvertError(f"{where}: {_json_kind(record)}, not an object; give {release}")
-        yield where, record
+    """(where, object) for each non-blank line of a released JSON-lines file; ``release``
+    names the file expected, for messages."""
+    return json_lines(path, f"give {release}", ConvertError, "the set's file")
+
+
+def _read_text(path: Path) -> str:
+    return read_text(path, "the set's file", ConvertError)
 
 
 def _field(record: dict[str, Any], key: str, kind: type[T], where: str, name: str = "") -> T:
@@ -89,13 +67,6 @@ def _field(record: dict[str, Any], key: str, kind: type[T], where: str, name: st
             "the set's file as released?"
         )
     return value
-
-
-def _json_kind(value: Any) -> str:
-    """What a value (or a type) is called in JSON, for messages."""
-    kind = value if isinstance(value, type) else type(value)
-    names = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
-    return "null" if value is None else names.get(kind, f"a {kind.__name__}")
 
 
 def _strings(record: dict[str, Any], key: str, where: str, name: str = "") -> list[str]:

@@ -10,11 +10,15 @@ Task files are small (thousands of examples): every rank reads the whole file.
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kempnerforge.core.errors import DataError
+
+TASK_FIX = 'write one object a line: {"context": ..., "choices": [...], "gold": ...}'
+DOCUMENTS_FIX = 'write one object a line: {"text": ...}'
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,8 @@ class ChoiceExample:
 def read_choice_examples(path: str, limit: int = 0) -> list[ChoiceExample]:
     """The file's examples in order, its first ``limit`` only when limit > 0."""
     examples = []
-    for line_number, record in _json_lines(path):
-        examples.append(_choice_example(record, path, line_number))
+    for where, record in json_lines(path, TASK_FIX):
+        examples.append(_choice_example(record, where))
         if limit and len(examples) == limit:
             break
     if not examples:
@@ -42,13 +46,12 @@ def read_documents(path: str, limit: int = 0) -> list[str]:
     """The documents of a bits-per-byte task: the "text" of each JSONL line, or the whole
     file as one document when it is not a .jsonl file."""
     if not path.endswith(".jsonl"):
-        with open(_existing(path), encoding="utf-8") as f:
-            return [f.read()]
+        return [read_text(path, "the task's text")]
     documents = []
-    for line_number, record in _json_lines(path):
+    for where, record in json_lines(path, DOCUMENTS_FIX):
         text = record.get("text")
         if not isinstance(text, str):
-            raise DataError(f'{path}:{line_number}: expected a string "text"; got {text!r:.80}')
+            raise DataError(f'{where}: "text" is {json_kind(text)}, expected a string')
         documents.append(text)
         if limit and len(documents) == limit:
             break
@@ -64,29 +67,52 @@ def with_shots(examples: list[ChoiceExample], shots: list[ChoiceExample]) -> lis
     return [ChoiceExample(prefix + e.context, e.choices, e.gold) for e in examples]
 
 
-def _existing(path: str) -> str:
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such task file (eval.tasks path, fewshot_path)")
-    return path
+def read_text(path: str | Path, what: str, error: type[DataError] = DataError) -> str:
+    """The whole of ``path`` as UTF-8 text; a missing, unreadable or non-UTF-8 file raises
+    ``error`` naming it (``what`` says which file was expected)."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such file; give the path of {what}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: a folder, not a file; name {what} in it") from None
+    except UnicodeDecodeError as problem:
+        raise error(
+            f"{path}: not UTF-8 text ({problem.reason} at byte {problem.start}); give {what} "
+            "as UTF-8"
+        ) from None
 
 
-def _json_lines(path: str):
-    """(line number, object) for each non-blank line of a JSONL file."""
-    with open(_existing(path), encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{line_number}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_number}: expected a JSON object a line")
-            yield line_number, record
+def json_lines(
+    path: str | Path, fix: str, error: type[DataError] = DataError, what: str = "the task file"
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, object) for each non-blank line of a JSON-lines file: ``where`` names the
+    file and line for messages, ``fix`` says what to do when a line is not an object,
+    ``what`` which file was expected."""
+    for number, line in enumerate(read_text(path, what, error).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as problem:
+            raise error(
+                f"{where}: not JSON ({problem.msg} at column {problem.colno}); {fix}"
+            ) from None
+        if not isinstance(record, dict):
+            raise error(f"{where}: {json_kind(record)}, not an object; {fix}")
+        yield where, record
 
 
-def _choice_example(record: dict[str, Any], path: str, line_number: int) -> ChoiceExample:
-    where = f"{path}:{line_number}"
+def json_kind(value: Any) -> str:
+    """What a value (or a type) is called in JSON, for messages."""
+    kind = value if isinstance(value, type) else type(value)
+    names = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(kind, f"a {kind.__name__}")
+
+
+def _choice_example(record: dict[str, Any], where: str) -> ChoiceExample:
     context, choices, gold = record.get("context"), record.get("choices"), record.get("gold")
     if not isinstance(context, str):
         raise DataError(f'{where}: expected a string "context"; got {context!r:.80}')

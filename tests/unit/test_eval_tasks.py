@@ -62,7 +62,7 @@ def _score(model, task: EvalTaskConfig, seq_len: int, rows: int = 4) -> dict[str
 def test_a_malformed_example_names_its_file_and_line(tmp_path, line, problem):
     path = tmp_path / "task.jsonl"
     path.write_text('{"context": "c", "choices": [" a", " b"], "gold": 1}\n\n' + line + "\n")
-    with pytest.raises(DataError, match=rf"task.jsonl:3: .*{problem}"):
+    with pytest.raises(DataError, match=rf"task.jsonl, line 3: .*{problem}"):
         read_choice_examples(str(path))
 
 
@@ -75,7 +75,7 @@ def test_limit_reads_the_first_examples_and_a_text_file_is_one_document(tmp_path
     assert read_documents(str(text)) == ["one\ntwo\n"]
     docs = _write_jsonl(tmp_path / "docs.jsonl", [{"text": "x"}, {"text": "yz"}])
     assert read_documents(docs, limit=1) == ["x"]
-    with pytest.raises(DataError, match="no such task file"):
+    with pytest.raises(DataError, match="missing.txt: no such file"):
         read_documents(str(tmp_path / "missing.txt"))
 
 
