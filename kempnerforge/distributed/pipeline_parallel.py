@@ -8,7 +8,10 @@ schedule, and ``PipelineBundle.run`` drives one optimizer step's micro-batches t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +278,57 @@ class PipelineBundle:
         self.token_losses = self.loss.token_losses[-last:] if self.is_last else []
         self.loss.values, self.loss.token_losses = [], []
         return values
+
+    @torch.no_grad()
+    def score(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only: each micro-batch's per-token negative log-likelihoods (batch, seq),
+        without the z-loss, on the rank holding the last stage; [] on the others.
+
+        ``inputs`` and ``labels`` are num_microbatches micro-batches concatenated along
+        dim 0, as for ``run``; no gradient is computed or kept. Collective over the
+        pipeline group."""
+        assert self.loss is not None, "PipelineBundle.score needs build_pipeline's loss"
+        self.loss.scale = None
+        self.loss.values.clear()
+        self.loss.token_losses.clear()
+        extra = {"labels": labels} if self.head_loss and self.is_last else {}
+        with _without_z_loss(self):
+            if self.is_first and self.is_last:
+                self.schedule.eval(inputs, target=labels, return_outputs=False, **extra)
+            elif self.is_first:
+                self.schedule.eval(inputs, return_outputs=False)
+            elif self.is_last:
+                self.schedule.eval(target=labels, return_outputs=False, **extra)
+            else:
+                self.schedule.eval(return_outputs=False)
+        last = self.num_microbatches
+        token_losses = self.loss.token_losses[-last:] if self.is_last else []
+        self.loss.values, self.loss.token_losses = [], []
+        return token_losses
+
+
+@contextlib.contextmanager
+def _without_z_loss(bundle: PipelineBundle) -> Iterator[None]:
+    """The bundle's loss, in its stages and in its loss function, with the z-loss weight at
+    0 for the duration: scoring wants the cross-entropy alone."""
+    assert bundle.loss is not None
+    modules = [stage.submod for stage in bundle.stages]
+    specs = [getattr(m, "loss_spec", None) for m in modules]
+    loss_fn = bundle.loss.loss_fn
+    try:
+        for module, spec in zip(modules, specs, strict=True):
+            if spec is not None:
+                module.loss_spec = dataclasses.replace(spec, z_loss_weight=0.0)
+        if isinstance(loss_fn, functools.partial) and "z_loss_weight" in loss_fn.keywords:
+            bundle.loss.loss_fn = functools.partial(
+                loss_fn.func, *loss_fn.args, **{**loss_fn.keywords, "z_loss_weight": 0.0}
+            )
+        yield
+    finally:
+        for module, spec in zip(modules, specs, strict=True):
+            if spec is not None:
+                module.loss_spec = spec
+        bundle.loss.loss_fn = loss_fn
 
 
 class _Stage(PipelineStage):

@@ -21,13 +21,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from kempnerforge.config.eval import EvalTaskConfig
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.evaluation.scoring import slot_sums
+from kempnerforge.evaluation.scoring import TokenLosses, slot_sums
 from kempnerforge.evaluation.task_files import read_choice_examples, read_documents, with_shots
 from kempnerforge.evaluation.windows import Request, Windows, pack_requests, rolling_requests
 
@@ -44,9 +46,9 @@ class LoadedTask:
     bits_per_byte: slot d is document d; ``document_bytes`` (documents,)."""
 
     config: EvalTaskConfig
-    windows: Windows
     slots: int
     examples: int
+    windows: Windows = field(default_factory=Windows.empty)
     choices: int = 0
     gold: torch.Tensor | None = None
     choice_bytes: torch.Tensor | None = None
@@ -58,13 +60,20 @@ class LoadedTask:
 
 
 def load_task(
-    task: EvalTaskConfig, tokenizer: Tokenizer, bos_per_document: bool, seq_len: int
+    task: EvalTaskConfig,
+    tokenizer: Tokenizer,
+    bos_per_document: bool,
+    seq_len: int,
+    packed: bool = True,
 ) -> LoadedTask:
-    """Read, render, tokenize and pack one task; logs how many requests lost context."""
-    if task.kind == "bits_per_byte":
-        loaded = _load_documents(task, tokenizer, bos_per_document, seq_len)
-    else:
-        loaded = _load_choices(task, tokenizer, bos_per_document, seq_len)
+    """Read, render, tokenize and pack one task; logs how many requests lost context.
+    ``packed`` False puts one request a row (for a model that takes no document ids)."""
+    requests, loaded = (
+        _load_documents(task, tokenizer, bos_per_document, seq_len)
+        if task.kind == "bits_per_byte"
+        else _load_choices(task, tokenizer, bos_per_document)
+    )
+    loaded.windows = pack_requests(requests, seq_len, tokenizer.eos_id, packed=packed)
     if loaded.windows.truncated:
         logger.warning(
             f"eval task {task.name}: {loaded.windows.truncated} of its requests were longer "
@@ -74,9 +83,13 @@ def load_task(
 
 
 def load_tasks(
-    tasks: list[EvalTaskConfig], tokenizer: Tokenizer, bos_per_document: bool, seq_len: int
+    tasks: list[EvalTaskConfig],
+    tokenizer: Tokenizer,
+    bos_per_document: bool,
+    seq_len: int,
+    packed: bool = True,
 ) -> list[LoadedTask]:
-    return [load_task(t, tokenizer, bos_per_document, seq_len) for t in tasks]
+    return [load_task(t, tokenizer, bos_per_document, seq_len, packed) for t in tasks]
 
 
 def _start_id(tokenizer: Tokenizer, bos_per_document: bool) -> int:
@@ -86,8 +99,8 @@ def _start_id(tokenizer: Tokenizer, bos_per_document: bool) -> int:
 
 
 def _load_choices(
-    task: EvalTaskConfig, tokenizer: Tokenizer, bos_per_document: bool, seq_len: int
-) -> LoadedTask:
+    task: EvalTaskConfig, tokenizer: Tokenizer, bos_per_document: bool
+) -> tuple[list[Request], LoadedTask]:
     examples = read_choice_examples(task.path, task.limit)
     if task.num_fewshot:
         shots = read_choice_examples(task.fewshot_path, task.num_fewshot)
@@ -102,9 +115,8 @@ def _load_choices(
             ids = tokenizer.encode(choice)
             requests.append(Request(context + ids, len(context), e * choices + c))
             choice_bytes[e, c] = len(choice.encode("utf-8"))
-    return LoadedTask(
+    return requests, LoadedTask(
         config=task,
-        windows=pack_requests(requests, seq_len, tokenizer.eos_id),
         slots=len(examples) * choices,
         examples=len(examples),
         choices=choices,
@@ -115,7 +127,7 @@ def _load_choices(
 
 def _load_documents(
     task: EvalTaskConfig, tokenizer: Tokenizer, bos_per_document: bool, seq_len: int
-) -> LoadedTask:
+) -> tuple[list[Request], LoadedTask]:
     documents = read_documents(task.path, task.limit)
     start = _start_id(tokenizer, bos_per_document)
     requests: list[Request] = []
@@ -123,9 +135,8 @@ def _load_documents(
         tokens = [start, *tokenizer.encode(text)]
         if len(tokens) > 1:
             requests.extend(rolling_requests(tokens, seq_len, d))
-    return LoadedTask(
+    return requests, LoadedTask(
         config=task,
-        windows=pack_requests(requests, seq_len, tokenizer.eos_id),
         slots=len(documents),
         examples=len(documents),
         document_bytes=sum(len(text.encode("utf-8")) for text in documents),
@@ -155,33 +166,32 @@ def task_metrics(task: LoadedTask, sums: torch.Tensor) -> dict[str, float]:
 def evaluate_task(
     model: torch.nn.Module,
     task: LoadedTask,
+    token_losses: TokenLosses,
     *,
     device: torch.device,
-    dp_rank: int,
-    dp_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
     global_batch: int,
-    max_rows: int,
-    loss_chunk_tokens: int,
-    group=None,
-    batch_slice=None,
-    autocast=None,
+    rows_per_forward: int,
+    whole_forwards: bool = False,
+    groups: Sequence[dist.ProcessGroup | None] = (),
 ) -> dict[str, float]:
-    """Score one task on this rank's share and return its metrics (every rank the same):
-    the task's own, the examples counted, the requests cut, and the seconds it took."""
+    """Score one task on this rank's share (see slot_sums) and return its metrics, the same
+    on every rank: the task's own, the examples counted, the requests cut, and the seconds
+    it took."""
     began = time.perf_counter()
     sums = slot_sums(
         model,
         task.windows,
         task.slots,
+        token_losses,
         device=device,
         dp_rank=dp_rank,
         dp_size=dp_size,
         global_batch=global_batch,
-        max_rows=max_rows,
-        loss_chunk_tokens=loss_chunk_tokens,
-        group=group,
-        batch_slice=batch_slice,
-        **({} if autocast is None else {"autocast": autocast}),
+        rows_per_forward=rows_per_forward,
+        whole_forwards=whole_forwards,
+        groups=groups,
     )
     metrics = task_metrics(task, sums)
     key = f"eval/{task.name}"

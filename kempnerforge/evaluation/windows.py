@@ -43,6 +43,12 @@ class Windows:
     def rows(self) -> int:
         return self.input_ids.size(0)
 
+    @classmethod
+    def empty(cls) -> Windows:
+        """No rows: a task's windows before its requests are packed."""
+        none = torch.empty(0, 0, dtype=torch.long)
+        return cls(none, none, none, none, truncated=0)
+
 
 def fit_to_window(request: Request, seq_len: int) -> tuple[Request, bool]:
     """The request cut from the left to seq_len + 1 tokens (seq_len positions), and whether
@@ -54,9 +60,13 @@ def fit_to_window(request: Request, seq_len: int) -> tuple[Request, bool]:
     return Request(request.tokens[extra:], first, request.slot), True
 
 
-def pack_requests(requests: list[Request], seq_len: int, pad_id: int) -> Windows:
+def pack_requests(
+    requests: list[Request], seq_len: int, pad_id: int, packed: bool = True
+) -> Windows:
     """Requests in order into rows of seq_len positions: a request goes into the current row
-    when it fits there, else it starts a new one."""
+    when it fits there, else it starts a new one. ``packed`` False gives each request a row
+    of its own (for a model that takes no document ids: a request at the start of its row
+    sees only itself, the padding after it being later positions)."""
     rows: list[list[tuple[Request, int]]] = []  # (request, its start position)
     used = seq_len  # forces a first row
     truncated = 0
@@ -64,7 +74,7 @@ def pack_requests(requests: list[Request], seq_len: int, pad_id: int) -> Windows
         request, cut = fit_to_window(request, seq_len)
         truncated += cut
         positions = len(request.tokens) - 1
-        if used + positions > seq_len:
+        if used + positions > seq_len or (not packed and used):
             rows.append([])
             used = 0
         rows[-1].append((request, used))

@@ -138,8 +138,6 @@ def _warn_what_the_layout_skips(layout: ModelLayout, ec: EvalConfig, tc: TrainCo
     skipped = []
     if ec.enabled:
         skipped.append(f"in-loop eval (eval.interval = {ec.interval})")
-    if any(ec.task_interval(task) for task in ec.tasks):
-        skipped.append(f"the eval tasks ({', '.join(task.name for task in ec.tasks)})")
     if tc.sample_tokens:
         skipped.append(f"the end-of-run sample (train.sample_tokens = {tc.sample_tokens})")
     if reason is not None and skipped:

@@ -13,7 +13,9 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.evaluation.scoring import pipeline_losses, whole_model_losses
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_tasks
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.families import family_of
@@ -137,9 +139,14 @@ def evaluate_model(
 
 def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
     """The job's `[[eval.tasks]]`, read and packed into windows of train.seq_len with the
-    data's tokenizer, documents starting as the training documents did."""
+    data's tokenizer, documents starting as the training documents did; one request a row
+    under pipeline parallelism, whose stages take no document ids."""
     return load_tasks(
-        config.eval.tasks, data.tokenizer, data.bos_per_document, config.train.seq_len
+        config.eval.tasks,
+        data.tokenizer,
+        data.bos_per_document,
+        config.train.seq_len,
+        packed=config.distributed.pp == 1,
     )
 
 
@@ -161,27 +168,40 @@ def evaluate_tasks(
     runtime: RuntimeContext,
     tasks: list[LoadedTask],
     global_batch: int = 0,
+    pipeline: PipelineBundle | None = None,
 ) -> dict[str, float]:
     """Every task's metrics (evaluation/tasks.py), the same on every rank: each window is
     scored once, by one data-parallel rank, in batches of ``global_batch`` windows (by
-    default the global eval batch, eval_global_batch) split over the ranks, each forward
-    at most train.batch_size rows, under the training step's precision."""
-    global_batch = global_batch or eval_global_batch(config.eval, config.train, runtime.dp_size)
+    default the global eval batch, eval_global_batch) split over the ranks, under the
+    training step's precision: forwards of at most train.batch_size rows of the whole
+    model, or through ``pipeline``'s stages in its train.grad_accum_steps micro-batches of
+    train.batch_size rows."""
+    tc = config.train
+    global_batch = global_batch or eval_global_batch(config.eval, tc, runtime.dp_size)
     metrics: dict[str, float] = {}
-    for task in tasks:
-        metrics.update(
-            evaluate_task(
-                model,
-                task,
-                device=runtime.device,
-                dp_rank=runtime.dp_rank,
-                dp_size=runtime.dp_size,
-                global_batch=global_batch,
-                max_rows=config.train.batch_size,
-                loss_chunk_tokens=config.train.loss_chunk_tokens,
-                group=runtime.group("dp_cp"),
-                batch_slice=data.batch_slice,
-                autocast=lambda: training_autocast(config.train, runtime.device),
+    with training_autocast(tc, runtime.device):
+        if pipeline is None:
+            token_losses = whole_model_losses(
+                model, runtime.device, tc.loss_chunk_tokens, data.batch_slice
             )
-        )
+            rows, groups = tc.batch_size, (runtime.group("dp_cp"),)
+        else:
+            token_losses = pipeline_losses(pipeline, runtime.device)
+            rows = pipeline.num_microbatches * tc.batch_size
+            groups = (runtime.group("pp"), runtime.group("dp_cp"))
+        for task in tasks:
+            metrics.update(
+                evaluate_task(
+                    model,
+                    task,
+                    token_losses,
+                    device=runtime.device,
+                    dp_rank=runtime.dp_rank,
+                    dp_size=runtime.dp_size,
+                    global_batch=global_batch,
+                    rows_per_forward=rows,
+                    whole_forwards=pipeline is not None,
+                    groups=groups,
+                )
+            )
     return metrics

@@ -308,18 +308,27 @@ def _log_step(
 
 def _evaluate_if_due(session: TrainingSession, step: int) -> None:
     """In-loop eval every eval.interval steps, and each downstream task at its interval and
-    after the last step, at the optimizer's evaluation point; not in a layout without a
-    whole-model forward (the build warned)."""
+    after the last step, at the optimizer's evaluation point. Pipeline stages have no
+    whole-model forward for the held-out sets (the build warned); the tasks go through the
+    stages' schedule."""
     config = session.config
-    if layout_of(config).forward_refusal is not None:
-        return
     heldout = config.eval.enabled and step % config.eval.interval == 0
+    heldout = heldout and layout_of(config).forward_refusal is None
     tasks = tasks_due(config, session.data.eval_tasks, step)
     if not heldout and not tasks:
         return
     with watch(EVAL, step), optimizer_eval_mode(session.optimizer):
         metrics = evaluate(session.model, session.data, config, session.runtime) if heldout else {}
-        metrics.update(evaluate_tasks(session.model, session.data, config, session.runtime, tasks))
+        metrics.update(
+            evaluate_tasks(
+                session.model,
+                session.data,
+                config,
+                session.runtime,
+                tasks,
+                pipeline=session.pipeline,
+            )
+        )
     if metrics:
         session.tracker.log_eval(step, metrics)
         session.hooks.on_eval_end(step, metrics)

@@ -18,6 +18,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.evaluation.scoring import whole_model_losses
 from kempnerforge.evaluation.task_files import read_choice_examples, read_documents
 from kempnerforge.evaluation.tasks import evaluate_task, load_task
 from kempnerforge.evaluation.windows import Request, pack_requests, rolling_requests
@@ -34,15 +35,10 @@ def _write_jsonl(path, records) -> str:
 
 def _score(model, task: EvalTaskConfig, seq_len: int, rows: int = 4) -> dict[str, float]:
     loaded = load_task(task, BYTES, bos_per_document=True, seq_len=seq_len)
+    cpu = torch.device("cpu")
+    losses = whole_model_losses(model, cpu, loss_chunk_tokens=0)
     return evaluate_task(
-        model,
-        loaded,
-        device=torch.device("cpu"),
-        dp_rank=0,
-        dp_size=1,
-        global_batch=rows,
-        max_rows=rows,
-        loss_chunk_tokens=0,
+        model, loaded, losses, device=cpu, global_batch=rows, rows_per_forward=rows
     )
 
 
@@ -119,6 +115,13 @@ def test_requests_pack_in_order_each_its_own_document_with_its_tail_scored():
     ]
     assert windows.slots.tolist() == [[-1, 0, 0, 1, 1, -1], [-1, -1, -1, -1, 2, -1]]
     assert windows.doc_ids.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 1]]
+
+
+def test_unpacked_requests_take_a_row_each():
+    requests = [Request([1, 2, 3], 1, slot=0), Request([4, 5], 1, slot=1)]
+    windows = pack_requests(requests, seq_len=6, pad_id=0, packed=False)
+    assert windows.input_ids.tolist() == [[1, 2, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]]
+    assert windows.slots.tolist() == [[0, 0, -1, -1, -1, -1], [1, -1, -1, -1, -1, -1]]
 
 
 def test_a_request_longer_than_the_window_loses_its_left():

@@ -21,7 +21,7 @@ LAYERS = {
     "data": 2,
     "optim": 2,
     "distributed": 3,
-    "evaluation": 3,
+    "evaluation": 4,
     "checkpoint": 4,
     "metrics": 4,
     "resilience": 4,
