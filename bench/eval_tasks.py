@@ -56,7 +56,7 @@ from kempnerforge.config.eval import EvalTaskConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.data.tokenizer import ByteTokenizer
-from kempnerforge.evaluation.scoring import slot_sums
+from kempnerforge.evaluation.scoring import slot_sums, whole_model_losses
 from kempnerforge.evaluation.task_files import ChoiceExample, read_choice_examples
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_task
 from kempnerforge.model.head_loss import HeadLossSpec
@@ -175,26 +175,20 @@ def packed_logliks(model: Transformer, task: LoadedTask, batch: int) -> torch.Te
         model,
         task.windows,
         task.slots,
+        whole_model_losses(model, CPU, loss_chunk_tokens=0),
         device=CPU,
         dp_rank=0,
         dp_size=1,
         global_batch=batch,
-        max_rows=batch,
-        loss_chunk_tokens=0,
+        rows_per_forward=batch,
     )
     return -sums[:, 0].view(task.examples, task.choices)
 
 
 def score_task(model: Transformer, task: LoadedTask, batch: int) -> dict[str, float]:
+    losses = whole_model_losses(model, CPU, loss_chunk_tokens=0)
     return evaluate_task(
-        model,
-        task,
-        device=CPU,
-        dp_rank=0,
-        dp_size=1,
-        global_batch=batch,
-        max_rows=batch,
-        loss_chunk_tokens=0,
+        model, task, losses, device=CPU, global_batch=batch, rows_per_forward=batch
     )
 
 
