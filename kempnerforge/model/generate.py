@@ -67,14 +67,17 @@ def generate(
     stop_id: int | None = None,
     seed: int | None = None,
     use_cache: bool = True,
+    stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Continue ``prompt_ids`` by up to max_new_tokens sampled tokens; return the new ones.
 
     Each token is drawn by sample_token (temperature, top_k, top_p; temperature 0 is
     greedy) from a CPU torch.Generator seeded with ``seed``, so a seed repeats its tokens
     whatever the device (None draws a fresh seed). Decoding stops early after producing
-    stop_id, which is not included. The prompt and the new tokens must fit in
-    model.cfg.max_seq_len together (a ValueError says how many new tokens fit).
+    stop_id, which is not included, or once ``stop_when(new tokens so far)`` is true (the
+    token that made it true is kept: a stop string may end inside it). The prompt and the
+    new tokens must fit in model.cfg.max_seq_len together (a ValueError says how many new
+    tokens fit).
 
     With ``use_cache`` the prompt runs through the model once and every new token once
     more, attending to the cached keys and values (forward_cached); the model must be
@@ -130,6 +133,8 @@ def generate(
             tokens.append(next_id)
             new_tokens.append(next_id)
             pending = [next_id]
+            if stop_when is not None and stop_when(new_tokens):
+                break
     return new_tokens
 
 

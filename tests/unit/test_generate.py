@@ -200,6 +200,23 @@ def test_decoding_stops_before_the_stop_id(use_cache):
     assert stop_id not in stopped
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_decoding_stops_after_the_token_stop_when_accepts(use_cache):
+    model = tiny_model()
+    tokens = generate(model, [5, 6, 7], 20, temperature=0, use_cache=use_cache)
+    seen: list[list[int]] = []
+
+    def stop_when(new: list[int]) -> bool:
+        seen.append(list(new))
+        return len(new) == 4
+
+    stopped = generate(
+        model, [5, 6, 7], 20, temperature=0, use_cache=use_cache, stop_when=stop_when
+    )
+    assert stopped == tokens[:4]  # the accepted token is kept
+    assert seen == [tokens[:n] for n in range(1, 5)]  # asked after every new token
+
+
 def test_the_prompt_and_new_tokens_must_fit_max_seq_len():
     model = tiny_model()  # max_seq_len 40
     prompt = list(range(30))

@@ -27,10 +27,10 @@ LAYERS = {
     "resilience": 4,
     "launch": 4,
     "training": 5,
-    "interop": 5,
-    "commands": 6,
-    "cli": 7,
-    "__main__": 8,
+    "interop": 6,
+    "commands": 7,
+    "cli": 8,
+    "__main__": 9,
 }
 
 
