@@ -13,7 +13,7 @@ pytest.importorskip("lm_eval")  # a guard: CI installs lm-eval through the dev e
 
 from kempnerforge.config.eval import EvalTaskConfig  # noqa: E402
 from kempnerforge.config.loader import load_config, save_config  # noqa: E402
-from kempnerforge.evaluation.scoring import slot_sums  # noqa: E402
+from kempnerforge.evaluation.scoring import slot_sums, whole_model_losses  # noqa: E402
 from kempnerforge.evaluation.tasks import load_task, task_metrics  # noqa: E402
 from kempnerforge.interop.lm_eval import KempnerForgeLM  # noqa: E402
 from tests.support.cli import run_python  # noqa: E402
@@ -69,12 +69,10 @@ def test_the_harness_command_line_scores_a_checkpoint_as_the_native_scorer(
         lm.model,
         loaded.windows,
         loaded.slots,
+        whole_model_losses(lm.model, lm.device, config.train.loss_chunk_tokens),
         device=lm.device,
-        dp_rank=0,
-        dp_size=1,
         global_batch=4,
-        max_rows=4,
-        loss_chunk_tokens=config.train.loss_chunk_tokens,
+        rows_per_forward=4,
     )
     native = task_metrics(loaded, sums)
     assert harness["acc,none"] == native["eval/facts/acc"]

@@ -32,7 +32,7 @@ from kempnerforge.config.job import JobConfig  # noqa: E402
 from kempnerforge.config.loader import config_to_dict, load_config, save_config  # noqa: E402
 from kempnerforge.data.dataset import IGNORE_INDEX  # noqa: E402
 from kempnerforge.data.tokenizer import ByteTokenizer  # noqa: E402
-from kempnerforge.evaluation.scoring import slot_sums  # noqa: E402
+from kempnerforge.evaluation.scoring import slot_sums, whole_model_losses  # noqa: E402
 from kempnerforge.evaluation.tasks import (  # noqa: E402
     LoadedTask,
     load_task,
@@ -124,12 +124,10 @@ def _native(adapter: KempnerForgeLM, task: EvalTaskConfig) -> tuple[LoadedTask, 
         lm.model,
         loaded.windows,
         loaded.slots,
+        whole_model_losses(lm.model, lm.device, 2048),
         device=lm.device,
-        dp_rank=0,
-        dp_size=1,
         global_batch=4,
-        max_rows=4,
-        loss_chunk_tokens=2048,
+        rows_per_forward=4,
     )
     return loaded, sums
 
