@@ -103,17 +103,30 @@ def chunked_head_loss(
     """The loss of ``hidden @ weight.T`` against ``labels``, chunk by chunk, with
     ``chunk_loss`` computing each chunk's losses and logit gradients (this module's on the
     whole vocabulary; model/vocab_parallel_loss.py's on a vocabulary shard). Without
-    autograd needs, no graph and no gradients."""
+    autograd needs, no graph and no gradients, and the head runs on the positions whose
+    label is not IGNORE_INDEX only (the same on every tensor-parallel rank, whose labels
+    are the same)."""
     dtype = compute_dtype(hidden, weight)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss_sum, per_token = _ChunkedHeadLoss.apply(
             hidden, weight, labels, chunk_tokens, chunk_loss, dtype
         )
         return HeadLoss(loss_sum, per_token)
+    scored = labels != IGNORE_INDEX
     with no_autocast(hidden.device.type):
-        loss_sum, per_token, _, _ = _chunked(
-            hidden, weight, labels, chunk_tokens, chunk_loss, dtype, (False, False)
+        if bool(scored.all()):
+            loss_sum, per_token, _, _ = _chunked(
+                hidden, weight, labels, chunk_tokens, chunk_loss, dtype, (False, False)
+            )
+            return HeadLoss(loss_sum, per_token)
+        # Without gradients an ignored position's loss is 0 and nothing else needs its
+        # logits: the head runs on the scored positions only (an eval task scores a few
+        # tokens of each window).
+        loss_sum, kept, _, _ = _chunked(
+            hidden[scored], weight, labels[scored], chunk_tokens, chunk_loss, dtype, (False, False)
         )
+    per_token = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+    per_token[scored] = kept
     return HeadLoss(loss_sum, per_token)
 
 
