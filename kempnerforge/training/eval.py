@@ -15,11 +15,11 @@ from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.evaluation.scoring import pipeline_losses, whole_model_losses
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_tasks
 from kempnerforge.model.head_loss import HeadLossSpec
 from kempnerforge.training.families import family_of
 from kempnerforge.training.forward import training_autocast
+from kempnerforge.training.layout import layout_of
 
 # exp() of a diverged loss overflows a float; report perplexity as inf past this.
 _MAX_LOG_PPL = 700.0
@@ -140,13 +140,13 @@ def evaluate_model(
 def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
     """The job's `[[eval.tasks]]`, read and packed into windows of train.seq_len with the
     data's tokenizer, documents starting as the training documents did; one request a row
-    under pipeline parallelism, whose stages take no document ids."""
+    in a layout whose model takes no document ids (pipeline stages)."""
     return load_tasks(
         config.eval.tasks,
         data.tokenizer,
         data.bos_per_document,
         config.train.seq_len,
-        packed=config.distributed.pp == 1,
+        packed=layout_of(config).packs_documents,
     )
 
 
@@ -178,30 +178,22 @@ def evaluate_tasks(
     train.batch_size rows."""
     tc = config.train
     global_batch = global_batch or eval_global_batch(config.eval, tc, runtime.dp_size)
+    scoring = layout_of(config).task_scoring(model, pipeline, data, tc, runtime)
     metrics: dict[str, float] = {}
     with training_autocast(tc, runtime.device):
-        if pipeline is None:
-            token_losses = whole_model_losses(
-                model, runtime.device, tc.loss_chunk_tokens, data.batch_slice
-            )
-            rows, groups = tc.batch_size, (runtime.group("dp_cp"),)
-        else:
-            token_losses = pipeline_losses(pipeline, runtime.device)
-            rows = pipeline.num_microbatches * tc.batch_size
-            groups = (runtime.group("pp"), runtime.group("dp_cp"))
         for task in tasks:
             metrics.update(
                 evaluate_task(
                     model,
                     task,
-                    token_losses,
+                    scoring.token_losses,
                     device=runtime.device,
                     dp_rank=runtime.dp_rank,
                     dp_size=runtime.dp_size,
                     global_batch=global_batch,
-                    rows_per_forward=rows,
-                    whole_forwards=pipeline is not None,
-                    groups=groups,
+                    rows_per_forward=scoring.rows_per_forward,
+                    whole_forwards=scoring.whole_forwards,
+                    groups=scoring.groups,
                 )
             )
     return metrics

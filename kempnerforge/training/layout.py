@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
+from torch import nn
 
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.train import TrainConfig
+from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline_parallel import (
     PipelineBundle,
     StageModule,
@@ -27,6 +30,7 @@ from kempnerforge.distributed.pipeline_parallel import (
     stages_of_rank,
 )
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.evaluation.scoring import TokenLosses, pipeline_losses, whole_model_losses
 from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, logits_head_loss
 from kempnerforge.model.router_stage import attach_stage_router_hooks
 from kempnerforge.training.families import FamilyModel, StepFn, family_of
@@ -44,6 +48,53 @@ class RankModel:
 
 
 @dataclass(frozen=True)
+class TaskScoring:
+    """How this layout scores eval-task windows (evaluation/scoring.py's slot_sums)."""
+
+    token_losses: TokenLosses
+    rows_per_forward: int
+    whole_forwards: bool
+    """Every forward takes exactly rows_per_forward rows (a pipeline's micro-batches)."""
+    groups: tuple[Any, ...]
+    """The process groups the slot sums are reduced over, in order."""
+
+
+TaskScorer = Callable[
+    [nn.Module, PipelineBundle | None, DataPipeline, TrainConfig, RuntimeContext], TaskScoring
+]
+
+
+def whole_model_scoring(
+    model: nn.Module,
+    pipeline: PipelineBundle | None,
+    data: DataPipeline,
+    tc: TrainConfig,
+    runtime: RuntimeContext,
+) -> TaskScoring:
+    """The whole model's forward, train.batch_size rows at a time, with the rows' document
+    ids; each rank's slice of a row under context parallelism; sums over dp_cp."""
+    del pipeline
+    losses = whole_model_losses(model, runtime.device, tc.loss_chunk_tokens, data.batch_slice)
+    return TaskScoring(losses, tc.batch_size, False, (runtime.group("dp_cp"),))
+
+
+def pipeline_scoring(
+    model: nn.Module,
+    pipeline: PipelineBundle | None,
+    data: DataPipeline,
+    tc: TrainConfig,
+    runtime: RuntimeContext,
+) -> TaskScoring:
+    """The stages' schedule, forward only, in its micro-batches of train.batch_size rows;
+    the last stage's sums go to every stage over pp, then over dp_cp."""
+    del model, data
+    assert pipeline is not None, "a pipelined job has its schedule"
+    rows = pipeline.num_microbatches * tc.batch_size
+    groups = (runtime.group("pp"), runtime.group("dp_cp"))
+    return TaskScoring(pipeline_losses(pipeline, runtime.device), rows, True, groups)
+
+
+@dataclass(frozen=True)
 class ModelLayout:
     """One way of holding the model along the pipeline axis; two instances."""
 
@@ -57,6 +108,11 @@ class ModelLayout:
     forward_refusal: str | None = None
     """Why no rank can run the whole model's forward (in-loop eval, the end-of-run
     sample); None when every rank can."""
+    task_scoring: TaskScorer = whole_model_scoring
+    """How eval tasks are scored (evaluation/scoring.py)."""
+    packs_documents: bool = True
+    """Whether the model takes document ids, so eval-task requests pack several to a row;
+    pipeline stages take none, and each request gets a row of its own."""
 
 
 def build_whole_model(config: JobConfig, runtime: RuntimeContext) -> RankModel:
@@ -127,6 +183,8 @@ PIPELINE_STAGES = ModelLayout(
     ),
     step=pipeline_step,
     forward_refusal="pipeline stages (distributed.pp > 1) have no whole-model forward",
+    task_scoring=pipeline_scoring,
+    packs_documents=False,
 )
 
 
