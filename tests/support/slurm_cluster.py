@@ -1,0 +1,192 @@
+"""A one-node SLURM cluster for the test run: munged, slurmctld and slurmd as root, with
+their key, sockets, state, spool and logs in one directory and their ports chosen free;
+stopped by their process ids. Jobs run on this machine as they would on a cluster node.
+
+Needs Debian's slurm-wlm and munge (as root: apt-get install slurm-wlm munge);
+``missing()`` says what is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "scontrol", "scancel", "squeue")
+PACKAGES = "slurm-wlm and munge (as root: apt-get install slurm-wlm munge)"
+
+
+def missing() -> str | None:
+    """Why no cluster can start here, or None when it can."""
+    absent = [name for name in (*DAEMONS, *CLIENTS) if shutil.which(name) is None]
+    if absent:
+        return f"no {', '.join(absent)} on PATH: install {PACKAGES}"
+    if os.geteuid() != 0:
+        return "the test cluster's daemons run as root"
+    return None
+
+
+@dataclass
+class SlurmCluster:
+    """The running cluster: ``env`` is what a client command needs (SLURM_CONF)."""
+
+    root: Path
+    node: str
+    env: dict[str, str]
+    pids: list[int] = field(default_factory=list)
+
+    def run(self, *argv: str, cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            list(argv), env=self.env, cwd=cwd, capture_output=True, text=True, timeout=60
+        )
+
+    def sbatch(self, *argv: str, cwd: str | Path) -> int:
+        """Submit; the job id."""
+        done = self.run("sbatch", "--parsable", *argv, cwd=cwd)
+        if done.returncode:
+            raise RuntimeError(f"sbatch failed: {done.stderr.strip()}")
+        return int(done.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """The job as `scontrol show job` reports it (JobState, ExitCode, Restarts, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout
+        fields = {}
+        for token in out.split():
+            key, _, value = token.partition("=")
+            fields[key] = value
+        return fields
+
+    def wait_for(self, job_id: int, states: set[str], timeout_s: float) -> dict[str, str]:
+        """Poll until the job's state is one of ``states``; its record."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            record = self.job(job_id)
+            if record.get("JobState") in states:
+                return record
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {job_id} still {record.get('JobState')} after {timeout_s} s"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """End the daemons by their process ids, slurmd first."""
+        for pid in reversed(self.pids):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for pid in self.pids:
+            for _ in range(100):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _memory_mb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024 - 512
+    return 1024
+
+
+def slurm_conf(root: Path, node: str, ports: list[int]) -> str:
+    return "\n".join(
+        [
+            "ClusterName=kftest",
+            f"SlurmctldHost={node}",
+            f"SlurmctldPort={ports[0]}",
+            f"SlurmdPort={ports[1]}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={os.path.realpath(root / 'munge')}/socket",
+            f"StateSaveLocation={root}/state",
+            f"SlurmdSpoolDir={root}/spool",
+            f"SlurmctldPidFile={root}/slurmctld.pid",
+            f"SlurmdPidFile={root}/slurmd.pid",
+            f"SlurmctldLogFile={root}/log/slurmctld.log",
+            f"SlurmdLogFile={root}/log/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SchedulerType=sched/backfill",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            f"NodeName={node} CPUs={os.cpu_count()} RealMemory={_memory_mb()} State=UNKNOWN",
+            f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
+
+
+def start_cluster(root: Path, timeout_s: float = 30.0) -> SlurmCluster:
+    """Start munged, slurmctld and slurmd under ``root``; returns once the node is idle."""
+    for sub in ("state", "spool", "log"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    # munged wants every directory above its socket open to all: a directory of its own
+    # under /tmp, not under the test's private temporary directory.
+    munge = Path(tempfile.mkdtemp(prefix="kf-munge-"))
+    munge.chmod(0o755)
+    (root / "munge").symlink_to(munge)
+    key = munge / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    node = socket.gethostname().split(".")[0]
+    conf = root / "slurm.conf"
+    conf.write_text(slurm_conf(root, node, _free_ports(2)))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    cluster = SlurmCluster(root, node, env)
+    subprocess.run(
+        [
+            "munged",
+            f"--key-file={key}",
+            f"--socket={munge}/socket",
+            f"--pid-file={munge}/pid",
+            f"--log-file={munge}/log",
+            f"--seed-file={munge}/seed",
+        ],
+        check=True,
+        timeout=30,
+    )
+    cluster.pids.append(int((munge / "pid").read_text()))
+    for daemon in ("slurmctld", "slurmd"):
+        subprocess.run([daemon, "-f", str(conf)], check=True, env=env, timeout=30)
+        pid_file = root / f"{daemon}.pid"
+        for _ in range(100):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        cluster.pids.append(int(pid_file.read_text()))
+    deadline = time.monotonic() + timeout_s
+    while cluster.run("sinfo", "-h", "-o", "%t").stdout.strip() != "idle":
+        if time.monotonic() > deadline:
+            cluster.stop()
+            raise RuntimeError(f"the test cluster's node is not idle after {timeout_s} s")
+        time.sleep(0.3)
+    return cluster
