@@ -5,9 +5,10 @@ torchrun turns a stop signal (SIGTERM, SIGUSR1, ...) into an exception once it h
 the signal on to its ranks and waited for them: the ranks save and exit on their own, so
 the exception is the expected end of a preempted run, not a crash. Printed as torch prints
 it, a traceback of thirty lines, it reads as one to anyone scanning a job log. This entry
-point runs the same launcher and, for that one exception, prints what happened and exits
-with 128 + the signal, as a shell reports a process a signal ended; torch's two warnings
-about the same event are left out.
+point runs the same launcher and, for that exception, prints what happened and exits with
+128 + the signal, as a shell reports a process a signal ended (torch's two warnings about
+the same event are left out); for a rank that failed, whose own output says why, one line
+and exit code 1, torchrun's code for it.
 
     python -m kempnerforge.launch.node_torchrun [torchrun's arguments]
 """
@@ -29,6 +30,7 @@ class _StopSignalWarnings(logging.Filter):
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     stop_warnings = _StopSignalWarnings()
@@ -47,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        # Each rank said why in its own output above; one line for the node.
+        codes = sorted({f.exitcode for f in failed.failures.values()})
+        print(
+            f"torchrun: {len(failed.failures)} of its ranks failed (exit codes "
+            f"{', '.join(map(str, codes))}); their output above says why",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

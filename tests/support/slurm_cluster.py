@@ -42,14 +42,17 @@ class SlurmCluster:
     env: dict[str, str]
     pids: list[int] = field(default_factory=list)
 
-    def run(self, *argv: str, cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *argv: str, cwd: str | Path | None = None, env_extra: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        env = {**self.env, **(env_extra or {})}
         return subprocess.run(
-            list(argv), env=self.env, cwd=cwd, capture_output=True, text=True, timeout=60
+            list(argv), env=env, cwd=cwd, capture_output=True, text=True, timeout=60
         )
 
-    def sbatch(self, *argv: str, cwd: str | Path) -> int:
-        """Submit; the job id."""
-        done = self.run("sbatch", "--parsable", *argv, cwd=cwd)
+    def sbatch(self, *argv: str, cwd: str | Path, env_extra: dict[str, str] | None = None) -> int:
+        """Submit from ``cwd`` (the job starts there, with this environment); the job id."""
+        done = self.run("sbatch", "--parsable", *argv, cwd=cwd, env_extra=env_extra)
         if done.returncode:
             raise RuntimeError(f"sbatch failed: {done.stderr.strip()}")
         return int(done.stdout.strip().split(";")[0])
