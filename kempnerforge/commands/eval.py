@@ -73,14 +73,14 @@ def _run_tasks(job, args: argparse.Namespace) -> int:
     from kempnerforge.training.inference.eval_checkpoint import (
         evaluate_checkpoint_tasks,
         format_task_table,
-        select_tasks,
+        load_checkpoint_tasks,
         write_report,
     )
     from kempnerforge.training.inference.loading import load_for_inference
 
-    select_tasks(job.config.eval.tasks, args.tasks)  # a wrong name stops before the model
     data = family_of(job.config).build_data(job.config, job.runtime, False)
-    report = evaluate_checkpoint_tasks(job, load_for_inference(job), data, args.tasks)
+    tasks = load_checkpoint_tasks(job, data, args.tasks)  # before the model: mistakes are cheap
+    report = evaluate_checkpoint_tasks(job, load_for_inference(job), data, tasks)
     print(format_task_table(report["metrics"], report["tasks"]))
     output = args.output or os.path.join(job.checkpoint, EVAL_JSON)
     write_report(report, output)

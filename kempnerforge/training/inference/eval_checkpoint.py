@@ -18,7 +18,7 @@ from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.evaluation.tasks import load_tasks
+from kempnerforge.evaluation.tasks import LoadedTask, load_tasks
 from kempnerforge.training.eval import eval_global_batch, evaluate_model, evaluate_tasks
 from kempnerforge.training.families import family_of
 from kempnerforge.training.inference.loading import InferenceJob
@@ -122,16 +122,24 @@ def select_tasks(configured: list[EvalTaskConfig], names: list[str]) -> list[Eva
     return [by_name[name] for name in names] if names else list(configured)
 
 
-def evaluate_checkpoint_tasks(
-    job: InferenceJob, model: torch.nn.Module, data: DataPipeline, names: list[str]
-) -> dict[str, Any]:
-    """Score ``model`` (the weights of ``job``'s checkpoint) on the named tasks (all when
-    none are named), in batches of the eval batch the run used; the report it writes."""
+def load_checkpoint_tasks(
+    job: InferenceJob, data: DataPipeline, names: list[str]
+) -> list[LoadedTask]:
+    """The tasks `--tasks` names (all when none), read and packed with ``data``'s tokenizer:
+    before the model is loaded, so a wrong name or a bad task file costs no load."""
     config = job.config
     tasks = select_tasks(config.eval.tasks, names)
-    loaded = load_tasks(tasks, data.tokenizer, data.bos_per_document, config.train.seq_len)
+    return load_tasks(tasks, data.tokenizer, data.bos_per_document, config.train.seq_len)
+
+
+def evaluate_checkpoint_tasks(
+    job: InferenceJob, model: torch.nn.Module, data: DataPipeline, tasks: list[LoadedTask]
+) -> dict[str, Any]:
+    """Score ``model`` (the weights of ``job``'s checkpoint) on ``tasks``, in batches of
+    the eval batch the run used; the report it writes."""
+    config = job.config
     batch = eval_batch_of_checkpoint(config.eval, config.train, job.checkpoint, job.recorded_config)
-    metrics = evaluate_tasks(model, data, config, job.runtime, loaded, global_batch=batch)
+    metrics = evaluate_tasks(model, data, config, job.runtime, tasks, global_batch=batch)
     return {
         "checkpoint": str(job.checkpoint),
         "step": job.step,
