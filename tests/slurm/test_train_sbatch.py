@@ -1,5 +1,10 @@
 """scripts/slurm/train.sbatch through a real SLURM (a one-node cluster of this machine):
-submitted as it is to a partition without GPUs, and preempted by SLURM's own signal."""
+submitted as it is to a partition without GPUs, preempted by SLURM's own signal, stopped by
+its time limit, and ended by each fault whose exit code the script acts on.
+
+The fault jobs are submitted together at the module's first use (fault_jobs) and run side
+by side on the node's cores while the tests read them one by one: the module costs about
+its longest job, not the sum."""
 
 from __future__ import annotations
 
@@ -10,8 +15,10 @@ import time
 
 import pytest
 
-from tests.support.metrics_rows import read_rows
-from tests.support.slurm_cluster import SlurmCluster
+from kempnerforge.resilience import exit_codes
+from tests.support.faults import NAN_AT_ENV, SLEEP_AT_ENV, SLEEP_RANK_ENV
+from tests.support.metrics_rows import events, read_rows
+from tests.support.slurm_cluster import DRAINED_NODE, SlurmCluster
 from tests.support.tiny import tiny_run
 
 pytestmark = pytest.mark.slow
@@ -31,14 +38,23 @@ def _job_env() -> dict[str, str]:
     return env
 
 
-def _submit(slurm: SlurmCluster, log_dir: pathlib.Path, *overrides: str) -> int:
+def _submit(
+    slurm: SlurmCluster,
+    log_dir: pathlib.Path,
+    *overrides: str,
+    options: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> int:
+    """sbatch train.sbatch DEBUG OVERRIDES, with sbatch ``options`` before the script (they
+    override its #SBATCH lines) and ``env`` added to the job's environment."""
     return slurm.sbatch(
         f"--output={log_dir}/job-%j.out",
+        *options,
         SCRIPT,
         DEBUG,
         *overrides,
         cwd=REPO,
-        env_extra=_job_env(),
+        env_extra={**_job_env(), **(env or {})},
     )
 
 
@@ -52,6 +68,154 @@ def _tiny(run_dir: pathlib.Path, token_dirs: tuple[str, str], *extra: str) -> li
 
 def _losses(run_dir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r and "event" not in r}
+
+
+def _release(slurm: SlurmCluster, job: int) -> None:
+    """End the hold SLURM puts on a requeued job (about two minutes here) now."""
+    assert slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+TIME_LIMIT = ("--time=1", "--signal=B:USR1@30")
+"""SLURM's shortest limit, a minute (it counts in minutes), and its warning 30 s before it;
+SLURM checks limits every 30 s or so, and sent it 27 s into the job when observed here."""
+
+
+@pytest.fixture(scope="module")
+def fault_jobs(slurm, token_dirs, tmp_path_factory) -> dict[str, tuple[int, pathlib.Path]]:
+    """Each fault the script acts on, as a job of its own: (job id, its directory), the run
+    in <directory>/run and the log in <directory>/job-<id>.out. Submitted at once."""
+    jobs = {}
+    limit = tmp_path_factory.mktemp("limit")
+    # Runs until stopped: the time limit's warning stops it, twice, and MAX_RESTARTS=1 lets
+    # the script requeue the first stop only.
+    jobs["limit"] = _submit(
+        slurm,
+        limit,
+        *_tiny(limit / "run", token_dirs, "--train.max_steps=1000000"),
+        options=TIME_LIMIT,
+        env={"MAX_RESTARTS": "1"},
+    )
+    nan = tmp_path_factory.mktemp("nan")
+    jobs["nan"] = _submit(
+        slurm,
+        nan,
+        *_tiny(
+            nan / "run",
+            token_dirs,
+            "--train.max_steps=50",
+            "--train.hooks=['tests.support.faults:NaNWeightsAt']",
+            "--train.attribute_faults=false",
+            "--train.nan_consecutive_max=2",
+            "--train.nan_max_rollbacks=0",
+        ),
+        env={NAN_AT_ENV: "3"},
+    )
+    fault = tmp_path_factory.mktemp("fault")
+    jobs["fault"] = _submit(
+        slurm,
+        fault,
+        *_tiny(
+            fault / "run",
+            token_dirs,
+            "--train.max_steps=50",
+            "--train.hooks=['tests.support.faults:NaNOutputOnce']",
+            "--train.max_hardware_faults=1",
+        ),
+        env={
+            NAN_AT_ENV: "3",
+            "KEMPNERFORGE_FAULT_HOSTS_FILE": str(fault / "fault-hosts"),
+            "MAX_RESTARTS": "1",
+        },
+    )
+    hang = tmp_path_factory.mktemp("hang")
+    jobs["hang"] = _submit(
+        slurm,
+        hang,
+        *_tiny(
+            hang / "run",
+            token_dirs,
+            "--train.max_steps=50",
+            "--train.hooks=['tests.support.faults:SleepOnOneRank']",
+            "--train.hang_timeout_s=3",
+        ),
+        env={SLEEP_RANK_ENV: "0", SLEEP_AT_ENV: "3"},
+    )
+    dirs = {"limit": limit, "nan": nan, "fault": fault, "hang": hang}
+    submitted = {name: (job, dirs[name]) for name, job in jobs.items()}
+    yield submitted  # the tests add the jobs the script submitted itself
+    for job, _ in submitted.values():
+        slurm.run("scancel", str(job))
+
+
+def _requeued(slurm: SlurmCluster, job: int, log_dir: pathlib.Path) -> dict[str, str]:
+    """Wait for the script's requeue: the job back to PENDING, restarted once; its record."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        record = slurm.job(job)
+        if record.get("Restarts") == "1" and record.get("JobState") == "PENDING":
+            return record
+        assert record.get("JobState") not in ENDED, _log(log_dir, job)
+        assert time.monotonic() < deadline, (record, _log(log_dir, job))
+        time.sleep(0.5)
+
+
+def test_a_nan_abort_is_not_requeued_and_the_job_fails_with_its_code(slurm, fault_jobs):
+    """Exit 3 (a diverged loss): resubmitting unchanged diverges again, so the script
+    stops, and SLURM shows the job FAILED with exit code 3."""
+    job, where = fault_jobs["nan"]
+    record = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(where, job)
+    assert record["JobState"] == "FAILED", log
+    assert record["ExitCode"] == f"{exit_codes.NAN_ABORT}:0" and record["Restarts"] == "0"
+    assert "stopped on non-finite losses: change the run before resuming (no requeue)" in log
+    assert "Traceback" not in log
+
+
+def test_a_hardware_fault_moves_the_run_to_a_job_without_the_host_named(slurm, fault_jobs):
+    """Exit 76: the run names its host in the fault-hosts file. SLURM refuses to change the
+    excluded nodes of a running job ("Job is no longer pending execution"), so the script
+    submits the run's next job, which excludes the host, waits for this one to end and
+    appends to the same log; this job completes. The test cluster's other node is drained,
+    so the new job waits, with SLURM's record showing what was asked. Let onto this node
+    after all, it runs the same run as restart 1, meets the same (injected) fault, and
+    MAX_RESTARTS=1, counted across the jobs, stops it: FAILED with exit code 76."""
+    job, where = fault_jobs["fault"]
+    record = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(where, job)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "0", log
+    assert (where / "fault-hosts").read_text().split() == [slurm.node]
+    [fault] = events(where / "run", "suspected_hardware_fault")
+    assert fault["step"] == 4 and fault["host"].split(".")[0] == slurm.node
+    line = f"suspected hardware faults on {slurm.node}: the run goes on in job "
+    assert line in log, log
+    new_job = int(log.split(line)[1].split(",")[0])
+    fault_jobs["resubmitted"] = (new_job, where)
+    pending = slurm.job(new_job)
+    assert pending["JobState"] == "PENDING" and pending["ExcNodeList"] == slurm.node, pending
+    assert pending["Reason"].startswith("ReqNodeNotAvail"), pending
+    assert pending["StdOut"] == record["StdOut"] and pending["Command"] == SCRIPT
+    assert pending["Partition"] == record["Partition"]
+    assert pending["TimeLimit"] == record["TimeLimit"]
+    let_in = slurm.run("scontrol", "update", f"JobId={new_job}", f"ExcNodeList={DRAINED_NODE}")
+    assert let_in.returncode == 0, let_in.stderr
+    again = slurm.wait_for(new_job, ENDED, JOB_TIMEOUT_S)
+    log = _log(where, job)
+    assert again["JobState"] == "FAILED" and again["ExitCode"] == "76:0", log
+    assert f"job {new_job} restart 1 on {slurm.node}" in log
+    assert log.rstrip().endswith("hardware faults, but already restarted 1 times: not requeueing")
+
+
+def test_a_hang_requeues_the_job_with_every_stack_written(slurm, fault_jobs):
+    """Exit 77: a step outlived train.hang_timeout_s; the stacks are in the run's hangs/
+    folder and the job is requeued (a lost node is the usual cause)."""
+    job, where = fault_jobs["hang"]
+    _requeued(slurm, job, where)
+    log = _log(where, job)
+    assert "a step hung: every rank's stacks are in the run directory's hangs/ folder" in log
+    assert f"hung: requeueing job {job}" in log
+    [stacks] = (where / "run" / "hangs").iterdir()
+    assert "sleep_through_the_collective" in stacks.read_text()
 
 
 def test_the_script_runs_on_a_partition_without_gpus_as_it_is(slurm, token_dirs, tmp_path):
@@ -95,3 +259,26 @@ def test_a_preempted_job_saves_is_requeued_and_resumes_exactly(slurm, token_dirs
     assert "Traceback" not in log and "death signal" not in log
     assert f"job {job} restart 1 on" in log
     assert _losses(preempted_dir) == _losses(whole_dir)
+
+
+def test_the_time_limit_warning_saves_and_requeues_until_max_restarts(slurm, fault_jobs):
+    """--time=1 with --signal=B:USR1@30: SLURM warns the batch shell before its limit, the
+    run saves and exits 75, and the script requeues; the restart resumes from that save.
+    At the second warning MAX_RESTARTS=1 is reached: the job ends FAILED with exit code 75
+    instead of being requeued again, and SLURM's own kill never came."""
+    job, where = fault_jobs["limit"]
+    _requeued(slurm, job, where)
+    first = _log(where, job)
+    assert "received SIGUSR1: asking the training step to save and stop" in first
+    [saved] = [e["step"] for e in events(where / "run", "checkpoint")]
+    _release(slurm, job)
+    record = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(where, job)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "75:0", log
+    assert "saved, but already restarted 1 times: not requeueing" in log
+    assert log.count("received SIGUSR1") == 2 and "DUE TO TIME LIMIT" not in log
+    assert "Traceback" not in log
+    [resumed] = events(where / "run", "resume")
+    [first_save, second_save] = [e["step"] for e in events(where / "run", "checkpoint")]
+    assert first_save == saved and resumed["step"] == saved and second_save > saved
+    assert sorted(_losses(where / "run")) == list(range(1, second_save + 1))

@@ -104,3 +104,43 @@ class PoisonedSamples:
         self.rows += rows
         loss = self.real(logits, labels)
         return loss * float("nan") if self.poison & set(rows) else loss
+
+
+NAN_AT_ENV = "KF_TEST_NAN_AT"
+"""Steps after which NaNWeightsAt or NaNOutputOnce strikes (comma-separated)."""
+
+
+class NaNWeightsAt(TrainingHook):
+    """After the steps in $KF_TEST_NAN_AT, fill the model's first parameter with NaN: every
+    later step's loss is NaN however often it is re-run, a divergence no retry can mend."""
+
+    def __init__(self) -> None:
+        self.at = _steps(NAN_AT_ENV)
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        if ctx.step in self.at:
+            with torch.no_grad():
+                next(ctx.model.parameters()).fill_(float("nan"))
+
+
+class NaNOutputOnce(TrainingHook):
+    """After the steps in $KF_TEST_NAN_AT, make the model's next forward output NaN, once:
+    a fault of the machine (a bad kernel launch, a flipped bit) that the step's re-run on
+    the same weights and batches does not repeat."""
+
+    def __init__(self) -> None:
+        self.at = _steps(NAN_AT_ENV)
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        if ctx.step not in self.at:
+            return
+
+        def poison(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            handle.remove()
+            if isinstance(output, torch.Tensor):
+                return output * float("nan")
+            # A tuple whose first item is the logits or the head's loss (HeadLoss).
+            poisoned = [output[0] * float("nan"), *output[1:]]
+            return output._make(poisoned) if hasattr(output, "_make") else type(output)(poisoned)
+
+        handle = ctx.model.register_forward_hook(poison)

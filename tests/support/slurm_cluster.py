@@ -1,6 +1,7 @@
 """A one-node SLURM cluster for the test run: munged, slurmctld and slurmd as root, with
 their key, sockets, state, spool and logs in one directory and their ports chosen free;
-stopped by their process ids. Jobs run on this machine as they would on a cluster node.
+stopped by their process ids. Jobs run on this machine as they would on a cluster node
+(and a drained second node, DRAINED_NODE, takes the jobs that exclude it, to wait).
 
 Needs Debian's slurm-wlm and munge (as root: apt-get install slurm-wlm munge);
 ``missing()`` says what is absent.
@@ -21,6 +22,10 @@ from pathlib import Path
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue")
 PACKAGES = "slurm-wlm and munge (as root: apt-get install slurm-wlm munge)"
+DRAINED_NODE = "ghost"
+"""A second node of the partition, drained and at an address nobody answers (TEST-NET-1):
+a job that excludes this machine's node is accepted and waits, as it would for the other
+nodes of a real cluster, instead of being refused."""
 
 
 def missing() -> str | None:
@@ -142,7 +147,9 @@ def slurm_conf(root: Path, node: str, ports: list[int]) -> str:
             "JobCompType=jobcomp/none",
             "AccountingStorageType=accounting_storage/none",
             f"NodeName={node} CPUs={os.cpu_count()} RealMemory={_memory_mb()} State=UNKNOWN",
-            f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+            f"NodeName={DRAINED_NODE} NodeAddr=192.0.2.1 CPUs=1 RealMemory=100 State=DRAIN",
+            f"PartitionName=debug Nodes={node},{DRAINED_NODE} Default=YES MaxTime=INFINITE "
+            "State=UP",
             "",
         ]
     )
@@ -187,7 +194,7 @@ def start_cluster(root: Path, timeout_s: float = 30.0) -> SlurmCluster:
             time.sleep(0.1)
         cluster.pids.append(int(pid_file.read_text()))
     deadline = time.monotonic() + timeout_s
-    while cluster.run("sinfo", "-h", "-o", "%t").stdout.strip() != "idle":
+    while cluster.run("sinfo", "-h", "-n", node, "-o", "%t").stdout.strip() != "idle":
         if time.monotonic() > deadline:
             cluster.stop()
             raise RuntimeError(f"the test cluster's node is not idle after {timeout_s} s")
