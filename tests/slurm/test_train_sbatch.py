@@ -71,14 +71,23 @@ def _losses(run_dir: pathlib.Path) -> dict[int, float]:
 
 
 def _release(slurm: SlurmCluster, job: int) -> None:
-    """End the hold SLURM puts on a requeued job (about two minutes here) now."""
+    """End the hold SLURM puts on a requeued job (about two minutes here) now.
+
+    Not in the second its last run was killed: slurmd refuses a launch whose credential is
+    not newer, in whole seconds, than that kill ("Job N already killed, do not launch batch
+    job"), and the job then FAILS. SLURM's own hold never meets this; a release at once did.
+    """
+    time.sleep(2.0)
     assert slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
 
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
-TIME_LIMIT = ("--time=1", "--signal=B:USR1@30")
-"""SLURM's shortest limit, a minute (it counts in minutes), and its warning 30 s before it;
-SLURM checks limits every 30 s or so, and sent it 27 s into the job when observed here."""
+TIME_LIMIT = ("--time=1", "--signal=B:USR1@5")
+"""SLURM's shortest limit, a minute (it counts in minutes), and its warning 5 s before it.
+SLURM checks limits every 30 s and sends the warning at the first check that finds less
+than the warning's time plus 30 s left: here 25 to 55 s into the job, after the run has
+started, and at least 30 s before SLURM's kill. (With @30 it came at the job's first check,
+at any time from 0 s, before the run had started at all.)"""
 
 
 @pytest.fixture(scope="module")
@@ -233,36 +242,38 @@ def test_the_script_runs_on_a_partition_without_gpus_as_it_is(slurm, token_dirs,
 def test_a_preempted_job_saves_is_requeued_and_resumes_exactly(slurm, token_dirs, tmp_path):
     """SLURM's USR1 to the batch shell: the run saves and exits 75, the script requeues the
     job, SLURM holds it (BeginTime; released here instead of waited for), and the restart
-    resumes to the end with every step's loss equal to an uninterrupted run's. The log
-    says so in one line each, with no traceback."""
-    steps = ["--train.max_steps=300"]
+    resumes to the end with every step's loss equal to an uninterrupted run's. Two ranks
+    (FSDP) on the node, as GPUS_PER_NODE=2 asks: SLURM's signal reaches both through srun
+    and torchrun. The log says so in one line each, with no traceback."""
+    steps = ["--train.max_steps=150"]
+    two_ranks = {"GPUS_PER_NODE": "2"}
     whole_dir, preempted_dir = tmp_path / "whole", tmp_path / "preempted"
-    whole = _submit(slurm, tmp_path, *_tiny(whole_dir, token_dirs, *steps))
+    whole = _submit(slurm, tmp_path, *_tiny(whole_dir, token_dirs, *steps), env=two_ranks)
     slurm.wait_for(whole, {"COMPLETED", "FAILED", "CANCELLED"}, JOB_TIMEOUT_S)
-    job = _submit(slurm, tmp_path, *_tiny(preempted_dir, token_dirs, *steps))
+    job = _submit(slurm, tmp_path, *_tiny(preempted_dir, token_dirs, *steps), env=two_ranks)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not (preempted_dir / "metrics.jsonl").exists() or len(_losses(preempted_dir)) < 3:
         running = slurm.job(job).get("JobState") in ("PENDING", "RUNNING")
         assert running and time.monotonic() < deadline, _log(tmp_path, job)
         time.sleep(0.2)
     assert slurm.run("scancel", "--batch", "--signal=USR1", str(job)).returncode == 0
-    held = slurm.wait_for(job, {"PENDING", "COMPLETED", "FAILED"}, JOB_TIMEOUT_S)
-    log = _log(tmp_path, job)
-    assert held["JobState"] == "PENDING", log
-    assert held["Reason"] == "BeginTime" and held["Restarts"] == "1", held
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    _requeued(slurm, job, tmp_path)
+    # Pending with Reason=None for a moment, then held until its begin time.
+    held = slurm.wait_until(job, lambda record: record["Reason"] != "None", 30.0)
+    assert held["Reason"] == "BeginTime" and held["JobState"] == "PENDING", held
+    _release(slurm, job)
     done = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, JOB_TIMEOUT_S)
     log = _log(tmp_path, job)
     assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", log
     assert "saved after a stop signal: requeueing job" in log
     assert log.count("torchrun: stopped by SIGUSR1") == 1
     assert "Traceback" not in log and "death signal" not in log
-    assert f"job {job} restart 1 on" in log
+    assert f"job {job} restart 1 on" in log and "(1 nodes x 2 ranks)" in log
     assert _losses(preempted_dir) == _losses(whole_dir)
 
 
 def test_the_time_limit_warning_saves_and_requeues_until_max_restarts(slurm, fault_jobs):
-    """--time=1 with --signal=B:USR1@30: SLURM warns the batch shell before its limit, the
+    """--time=1 with --signal=B:USR1@5: SLURM warns the batch shell before its limit, the
     run saves and exits 75, and the script requeues; the restart resumes from that save.
     At the second warning MAX_RESTARTS=1 is reached: the job ends FAILED with exit code 75
     instead of being requeued again, and SLURM's own kill never came."""

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,15 +74,19 @@ class SlurmCluster:
 
     def wait_for(self, job_id: int, states: set[str], timeout_s: float) -> dict[str, str]:
         """Poll until the job's state is one of ``states``; its record."""
+        return self.wait_until(job_id, lambda record: record.get("JobState") in states, timeout_s)
+
+    def wait_until(
+        self, job_id: int, done: Callable[[dict[str, str]], bool], timeout_s: float
+    ) -> dict[str, str]:
+        """Poll the job's record until ``done(record)``; that record."""
         deadline = time.monotonic() + timeout_s
         while True:
             record = self.job(job_id)
-            if record.get("JobState") in states:
+            if done(record):
                 return record
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job {job_id} still {record.get('JobState')} after {timeout_s} s"
-                )
+                raise TimeoutError(f"job {job_id} not there after {timeout_s} s: {record}")
             time.sleep(0.5)
 
     def stop(self) -> None:
