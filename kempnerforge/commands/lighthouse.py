@@ -7,13 +7,28 @@ Building the parser imports no torch; the run imports torchft.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
+import math
+import os
 import signal
 import socket
+import statistics
 import threading
 from typing import Any
 
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.core.metrics_file import read_rows
+
+JOIN_TIMEOUT_STEPS = 3.0
+"""--join-timeout-from sets the join timeout to this many median step times (at least
+--join-timeout-ms). The groups leave a step's commit together; what parts them before the
+next quorum is their own work in between (optimizer step, logging, hooks) and the
+machine's noise, each under a step's time: three step times wait out a group that is alive
+with room to spare, and only a group that heartbeats but never joins costs that wait
+(docs/fault-tolerance.md, Replica groups)."""
+RECENT_ROWS = 100
+"""Training rows per group that --join-timeout-from reads, the newest."""
 
 
 def add_lighthouse_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +47,14 @@ def add_lighthouse_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1000,
         help="how long a quorum waits for groups still joining before it forms without them",
+    )
+    parser.add_argument(
+        "--join-timeout-from",
+        metavar="RUN_DIR",
+        default="",
+        help=f"a replica groups' run directory: raise the join timeout to "
+        f"{JOIN_TIMEOUT_STEPS:g} x the median step time its groups logged (their newest "
+        f"{RECENT_ROWS} rows each); --join-timeout-ms stays the least",
     )
     parser.add_argument(
         "--heartbeat-timeout-ms",
@@ -60,6 +83,11 @@ def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
             "the installed package (the lighthouse is torchft's)",
             "install the ft extra: pip install 'kempnerforge[ft]'",
         )
+    if args.join_timeout_from:
+        args.join_timeout_ms, why = join_timeout_from_run(
+            args.join_timeout_from, args.join_timeout_ms
+        )
+        print(f"lighthouse: join timeout {args.join_timeout_ms} ms ({why})", flush=True)
     server = _start_server(args)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -70,6 +98,25 @@ def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
     stop.wait()
     server.shutdown()
     return 0
+
+
+def join_timeout_from_run(run_dir: str, least_ms: int) -> tuple[int, str]:
+    """The join timeout for a job of replica groups whose run directory is ``run_dir``:
+    JOIN_TIMEOUT_STEPS x the median ``step_time_s`` of its groups' newest training rows
+    (``<run_dir>/replica_*/metrics.jsonl``), at least ``least_ms``; and why, in words.
+    A run with no rows yet (its first start) gets ``least_ms``."""
+    times: list[float] = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "replica_*", "metrics.jsonl"))):
+        rows = [r for r in read_rows(path) if "event" not in r and "step_time_s" in r]
+        times += [float(r["step_time_s"]) for r in rows[-RECENT_ROWS:] if r["step_time_s"]]
+    if not times:
+        return least_ms, f"no step times in {run_dir} yet: --join-timeout-ms"
+    median_s = statistics.median(times)
+    chosen = max(least_ms, math.ceil(JOIN_TIMEOUT_STEPS * median_s * 1000))
+    return chosen, (
+        f"{JOIN_TIMEOUT_STEPS:g} x the median step time {median_s:.3f} s of {len(times)} "
+        f"rows in {run_dir}, at least --join-timeout-ms = {least_ms}"
+    )
 
 
 def _start_server(args: argparse.Namespace) -> Any:

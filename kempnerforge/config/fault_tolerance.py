@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kempnerforge.config.checks import MAX_SIZE, check_at_least, check_positive
+from kempnerforge.config.checks import (
+    MAX_SIZE,
+    check_at_least,
+    check_in_range,
+    check_positive,
+)
 from kempnerforge.core.errors import ConfigError
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -47,6 +52,16 @@ class FaultToleranceConfig:
     timeout_s: float = 60.0
     """Seconds a cross-group collective, commit vote or live-state transfer may take before
     the step is discarded and redone with the groups still alive; at most a week."""
+    participation_window: int = 100
+    """Committed steps the replica/participation metric looks back over: the share of
+    them whose quorum held all num_replica_groups groups (steps a group missed and healed
+    past count as without it). Also the fewest steps between two participation warnings."""
+    participation_warn_below: float = 0.9
+    """Warn, in one log line, when replica/participation over a full window falls below
+    this share (and once more when it is back); 0 never warns. Groups that are all alive
+    step together; a lower share means a live group keeps missing quorums (the
+    lighthouse's --join-timeout-ms shorter than the groups' spread at the quorum) and
+    heals from a peer each time. 0 to 1."""
 
     def __post_init__(self) -> None:
         check_at_least("fault_tolerance.replica_group", self.replica_group, -1, MAX_SIZE)
@@ -64,6 +79,12 @@ class FaultToleranceConfig:
                 self.replica_group,
                 f"-1, or 0 to {self.num_replica_groups - 1} (num_replica_groups - 1)",
             )
+        check_at_least(
+            "fault_tolerance.participation_window", self.participation_window, 1, MAX_SIZE
+        )
+        check_in_range(
+            "fault_tolerance.participation_warn_below", self.participation_warn_below, 0.0, 1.0
+        )
         for name in ("quorum_timeout_s", "timeout_s"):
             check_positive(f"fault_tolerance.{name}", getattr(self, name), MAX_TIMEOUT_S)
 

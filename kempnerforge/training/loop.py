@@ -286,11 +286,15 @@ def _log_step(
     mixture_row = dataset_metrics_row(
         result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts
     )
-    health_row = {"skipped_steps": session.nan_detector.total_skipped}
+    health_row = {
+        "skipped_steps": session.nan_detector.total_skipped,
+        **session.replicas.metrics_row(),
+    }
     extra = {
         **(mixture_row or {}),
         **(router_row or {}),
-        # On log steps: the NaN-skipped steps so far (the same number on every rank).
+        # On log steps: the NaN-skipped steps so far (the same number on every rank) and
+        # the replica groups' participation (each group's own, no collective).
         **(health_row if session.tracker.logs_step(step) else {}),
     }
     session.tracker.end_step(

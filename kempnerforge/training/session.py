@@ -186,6 +186,11 @@ class Replicas:
         """Sum the step totals of ``model``'s MoE routers (their expert loads) in place over
         the replica groups (nothing with one)."""
 
+    def metrics_row(self) -> dict[str, float]:
+        """Columns the groups add to a logged training row (how often they step together);
+        none for one launch."""
+        return {}
+
 
 _ONE_LAUNCH = Replicas()
 

@@ -15,6 +15,7 @@ import torch
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.resilience.exit_codes import PREEMPTED
+from kempnerforge.training.replicas.participation import HEALS_KEY, PARTICIPATION_KEY
 from tests.support.data_files import write_token_dir
 from tests.support.metrics_rows import read_rows, train_rows
 from tests.support.replica_groups import (
@@ -301,3 +302,27 @@ def test_the_sigmoid_routers_biases_move_alike_in_every_group(tmp_path, data, mo
     for step in rows[0].keys() & rows[1].keys():
         assert rows[0][step]["moe/load"] == rows[1][step]["moe/load"]
         assert sum(map(sum, rows[0][step]["moe/load"])) == 2 * tokens_per_step  # 2 layers
+
+
+def test_groups_that_miss_quorums_show_in_participation_and_one_warning(tmp_path, data):
+    """Three groups and a lighthouse that forms each quorum as soon as two groups asked
+    (join timeout 0): the third, alive, keeps missing quorums and healing from a peer.
+    Participation falls, heals per hour rise, and each group that sees it warns in one
+    line, not once a step (a window of 6 steps: at most one line per 6 steps)."""
+    steps, window = 24, 6
+    extra = (
+        f"--train.max_steps={steps}",
+        f"--fault_tolerance.participation_window={window}",
+        "--fault_tolerance.participation_warn_below=0.9",
+    )
+    with ReplicaJob(tmp_path, data, *extra, num_groups=3, join_timeout_ms=0, pause_s=0.1) as run:
+        run.start(0, 1, 2)
+        run.finish()
+    rows = [train_rows(run.run_dir(g)) for g in (0, 1, 2)]
+    shares = [r[PARTICIPATION_KEY] for group in rows for r in group if PARTICIPATION_KEY in r]
+    assert shares and min(shares) < 0.9, shares
+    assert max(r.get(HEALS_KEY, 0.0) for group in rows for r in group) > 0
+    warning = "replica groups in their quorum (fault_tolerance.participation_warn_below"
+    said = [run.log(g).count(warning) for g in (0, 1, 2)]
+    assert sum(said) >= 1, [run.log(g)[-2000:] for g in (0, 1, 2)]
+    assert all(n <= steps // window for n in said), said

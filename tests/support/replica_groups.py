@@ -59,13 +59,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(port: int) -> subprocess.Popen:
-    """`kempnerforge lighthouse` on ``port``: quorums form 0.2 s after the first group asks,
-    and a group silent for 1 s is left out."""
+def start_lighthouse(port: int, join_timeout_ms: int = 200) -> subprocess.Popen:
+    """`kempnerforge lighthouse` on ``port``: quorums form ``join_timeout_ms`` after the
+    first group asks (0.2 s by default), and a group silent for 1 s is left out."""
     process = subprocess.Popen(
         [
             sys.executable, "-m", "kempnerforge", "lighthouse", f"--port={port}",
-            "--min-replicas=1", "--join-timeout-ms=200", "--heartbeat-timeout-ms=1000",
+            "--min-replicas=1", f"--join-timeout-ms={join_timeout_ms}",
+            "--heartbeat-timeout-ms=1000",
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -77,8 +78,11 @@ def start_lighthouse(port: int) -> subprocess.Popen:
     return process
 
 
-def group_args(job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: str) -> list[str]:
-    """The tiny model's run as one of two replica groups (4 steps of 4 x 32 tokens each way)."""
+def group_args(
+    job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: str, num_groups: int = 2
+) -> list[str]:
+    """The tiny model's run as one of ``num_groups`` replica groups (a slot of 4 x 32 tokens
+    each)."""
     return [
         DEBUG,
         *tiny_run(
@@ -89,7 +93,7 @@ def group_args(job_dir: pathlib.Path, data: tuple[str, str], port: int, *extra: 
             "--train.sample_tokens=0",
             "--eval.interval=0",
             "--fault_tolerance.enabled=true",
-            "--fault_tolerance.num_replica_groups=2",
+            f"--fault_tolerance.num_replica_groups={num_groups}",
             f"--fault_tolerance.lighthouse=http://localhost:{port}",
             "--fault_tolerance.timeout_s=20",
             "--train.hooks=['tests.support.replica_groups:SlowSteps']",
@@ -166,8 +170,9 @@ def kill(process: subprocess.Popen) -> None:
 
 
 class ReplicaJob:
-    """A test's lighthouse and its two replica groups of ``processes`` each, every one of
-    them killed when the ``with`` block ends, whatever the test asserted.
+    """A test's lighthouse and its replica groups (two unless ``num_groups``) of
+    ``processes`` each, every one of them killed when the ``with`` block ends, whatever the
+    test asserted; ``join_timeout_ms`` is the lighthouse's.
 
     Group g runs in ``job_dir / f"replica_{g}"`` and logs to ``job_dir / f"g{g}.log"``
     (appended to across relaunches).
@@ -180,18 +185,21 @@ class ReplicaJob:
         *extra: str,
         processes: int = 1,
         pause_s: float = 0.5,
+        num_groups: int = 2,
+        join_timeout_ms: int = 200,
     ) -> None:
         self.dir = job_dir
         self.port = free_port()
-        self.args = group_args(job_dir, data, self.port, *extra)
-        self.logs = [job_dir / f"g{g}.log" for g in (0, 1)]
+        self.args = group_args(job_dir, data, self.port, *extra, num_groups=num_groups)
+        self.logs = [job_dir / f"g{g}.log" for g in range(num_groups)]
+        self.join_timeout_ms = join_timeout_ms
         self.groups: dict[int, subprocess.Popen] = {}
         self.processes = processes
         self.pause_s = pause_s
         self.slow_while = job_dir / "slow_steps"
         """The groups pause after each step while this file exists: until finish()."""
         self.slow_while.touch()
-        self.lighthouse = start_lighthouse(self.port)
+        self.lighthouse = start_lighthouse(self.port, join_timeout_ms)
 
     def __enter__(self) -> ReplicaJob:
         return self
@@ -217,7 +225,7 @@ class ReplicaJob:
     def restart_lighthouse(self) -> None:
         """Kill the lighthouse and start a new one on the same port."""
         kill(self.lighthouse)
-        self.lighthouse = start_lighthouse(self.port)
+        self.lighthouse = start_lighthouse(self.port, self.join_timeout_ms)
 
     def finish(self) -> None:
         """Wait for every running group to exit 0 (fail with its log's tail otherwise).

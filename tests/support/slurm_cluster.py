@@ -89,6 +89,20 @@ class SlurmCluster:
                 raise TimeoutError(f"job {job_id} not there after {timeout_s} s: {record}")
             time.sleep(0.5)
 
+    def steps(self, job_id: int) -> dict[str, str]:
+        """The job's running steps by name (``srun --job-name``), as `squeue -s` lists
+        them: {"group1": "12.3", ...}; of two steps with one name, the newer."""
+        out = self.run("squeue", "-s", "-h", "-j", str(job_id), "-o", "%i %j").stdout
+        steps: dict[str, str] = {}
+        for line in out.splitlines():
+            step_id, _, name = line.strip().partition(" ")
+            number = step_id.partition(".")[2]
+            if not number.isdigit():
+                continue  # the batch step (JOBID.batch)
+            if name not in steps or int(number) > int(steps[name].partition(".")[2]):
+                steps[name] = step_id
+        return steps
+
     def stop(self) -> None:
         """End the daemons by their process ids, slurmd first."""
         for pid in reversed(self.pids):

@@ -71,3 +71,21 @@ def test_a_port_in_use_exits_2_with_one_line_naming_it():
         "(it is in use, perhaps by another lighthouse: pick another --port, or --port=0 for "
         "any free one)"
     ]
+
+
+def test_the_join_timeout_follows_the_groups_median_step_time(tmp_path):
+    from kempnerforge.commands.lighthouse import JOIN_TIMEOUT_STEPS, join_timeout_from_run
+
+    assert join_timeout_from_run(str(tmp_path), 1000)[0] == 1000  # no rows yet: the floor
+    for group, times in ((0, [0.5, 0.6, 0.7]), (1, [0.4, 2.0])):
+        run = tmp_path / f"replica_{group}"
+        run.mkdir()
+        lines = [
+            f'{{"step": {i + 1}, "loss": 1.0, "step_time_s": {t}}}' for i, t in enumerate(times)
+        ]
+        lines.append('{"step": 3, "event": "replica_rejoined", "group": 1}')
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    chosen, why = join_timeout_from_run(str(tmp_path), 1000)
+    assert chosen == round(JOIN_TIMEOUT_STEPS * 0.6 * 1000)  # the median of the five rows
+    assert "median step time 0.600 s of 5 rows" in why
+    assert join_timeout_from_run(str(tmp_path), 5000)[0] == 5000  # never below the floor

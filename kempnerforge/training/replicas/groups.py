@@ -29,6 +29,7 @@ from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.replicas.batches import ReplicaBatches, SamplerPosition
 from kempnerforge.training.replicas.manager import TorchftReplicas, make_manager
+from kempnerforge.training.replicas.participation import Participation
 from kempnerforge.training.replicas.quorum_loss import (
     LastCommit,
     QuorumLost,
@@ -109,7 +110,11 @@ class ReplicaGroup(TrainingHook):
         self.manager = make_manager(
             ft, session.runtime, self.group_id, self._load_live, self._live_state
         )
-        self.replicas = TorchftReplicas(self.manager, ft.num_replica_groups)
+        self.participation = Participation(
+            ft.num_replica_groups, ft.participation_window, ft.participation_warn_below
+        )
+        self._missed = 0  # steps a heal mid-run skipped: committed without this group
+        self.replicas = TorchftReplicas(self.manager, ft.num_replica_groups, self.participation)
 
     def install(self) -> None:
         """Make the built session this group's, before the resume: the one change a session
@@ -154,6 +159,7 @@ class ReplicaGroup(TrainingHook):
                     step,
                 )
                 self.session.tracker.log_event(step, "replica_rejoined", group=self.group_id)
+                self.participation.healed(self._missed)
                 raise ReplicaRejoined(self._loop_position)
         self._quorum_open = False
         rank = self.manager.participating_rank()
@@ -176,6 +182,9 @@ class ReplicaGroup(TrainingHook):
         if manager.should_commit():
             self._last_rank = rank
             data_step = self.batches.commit()
+            change = self.participation.record(participants)
+            if change is not None:
+                logger.warning("step %d: %s", step, change)
             tracker.log_event(
                 step,
                 "replica_step",
@@ -300,7 +309,9 @@ class ReplicaGroup(TrainingHook):
         load_model_state(session.model, state["model"])
         load_optimizer_state(session.optimizer, state["optimizer"])
         session.scheduler.load_state_dict(state["scheduler"])
+        behind_at = self._loop_position[0]
         self._loop_position = restore_train_state(session, state["train_state"])
+        self._missed = self._loop_position[0] - behind_at
         self._moved = self._running
         self._healed = True
 

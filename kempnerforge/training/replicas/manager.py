@@ -12,6 +12,7 @@ import torch
 
 from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.training.replicas.participation import Participation
 from kempnerforge.training.session import Replicas
 
 if TYPE_CHECKING:
@@ -27,9 +28,14 @@ class TorchftReplicas(Replicas):
 
     replays_attempts = False
 
-    def __init__(self, manager: Manager, num_groups: int) -> None:
+    def __init__(self, manager: Manager, num_groups: int, participation: Participation) -> None:
         self._manager = manager
         self.num_groups = num_groups
+        self.participation = participation
+
+    def metrics_row(self) -> dict[str, float]:
+        """replica/participation and replica/heals_per_hour (participation.py)."""
+        return self.participation.row()
 
     def sum_(self, tensor: torch.Tensor) -> None:
         from torch.distributed import ReduceOp
