@@ -94,64 +94,46 @@ at any time from 0 s, before the run had started at all.)"""
 def fault_jobs(slurm, token_dirs, tmp_path_factory) -> dict[str, tuple[int, pathlib.Path]]:
     """Each fault the script acts on, as a job of its own: (job id, its directory), the run
     in <directory>/run and the log in <directory>/job-<id>.out. Submitted at once."""
-    jobs = {}
-    limit = tmp_path_factory.mktemp("limit")
-    # Runs until stopped: the time limit's warning stops it, twice, and MAX_RESTARTS=1 lets
-    # the script requeue the first stop only.
-    jobs["limit"] = _submit(
-        slurm,
-        limit,
-        *_tiny(limit / "run", token_dirs, "--train.max_steps=1000000"),
-        options=TIME_LIMIT,
-        env={"MAX_RESTARTS": "1"},
-    )
-    nan = tmp_path_factory.mktemp("nan")
-    jobs["nan"] = _submit(
-        slurm,
-        nan,
-        *_tiny(
-            nan / "run",
-            token_dirs,
+    where = {name: tmp_path_factory.mktemp(name) for name in ("limit", "nan", "fault", "hang")}
+
+    def submit(name: str, hook: str, env: dict[str, str], *extra: str) -> tuple[int, pathlib.Path]:
+        hooks = [f"--train.hooks=['tests.support.faults:{hook}']"] if hook else []
+        overrides = _tiny(where[name] / "run", token_dirs, *hooks, *extra)
+        options = TIME_LIMIT if name == "limit" else ()
+        return _submit(slurm, where[name], *overrides, options=options, env=env), where[name]
+
+    submitted = {
+        # Runs until stopped: the time limit's warning stops it, twice, and MAX_RESTARTS=1
+        # lets the script requeue the first stop only.
+        "limit": submit("limit", "", {"MAX_RESTARTS": "1"}, "--train.max_steps=1000000"),
+        "nan": submit(
+            "nan",
+            "NaNWeightsAt",
+            {NAN_AT_ENV: "3"},
             "--train.max_steps=50",
-            "--train.hooks=['tests.support.faults:NaNWeightsAt']",
             "--train.attribute_faults=false",
             "--train.nan_consecutive_max=2",
             "--train.nan_max_rollbacks=0",
         ),
-        env={NAN_AT_ENV: "3"},
-    )
-    fault = tmp_path_factory.mktemp("fault")
-    jobs["fault"] = _submit(
-        slurm,
-        fault,
-        *_tiny(
-            fault / "run",
-            token_dirs,
+        "fault": submit(
+            "fault",
+            "NaNOutputOnce",
+            {
+                NAN_AT_ENV: "3",
+                "KEMPNERFORGE_FAULT_HOSTS_FILE": str(where["fault"] / "fault-hosts"),
+                "MAX_RESTARTS": "1",
+            },
             "--train.max_steps=50",
-            "--train.hooks=['tests.support.faults:NaNOutputOnce']",
             "--train.max_hardware_faults=1",
         ),
-        env={
-            NAN_AT_ENV: "3",
-            "KEMPNERFORGE_FAULT_HOSTS_FILE": str(fault / "fault-hosts"),
-            "MAX_RESTARTS": "1",
-        },
-    )
-    hang = tmp_path_factory.mktemp("hang")
-    jobs["hang"] = _submit(
-        slurm,
-        hang,
-        *_tiny(
-            hang / "run",
-            token_dirs,
+        "hang": submit(
+            "hang",
+            "SleepOnOneRank",
+            {SLEEP_RANK_ENV: "0", SLEEP_AT_ENV: "3"},
             "--train.max_steps=50",
-            "--train.hooks=['tests.support.faults:SleepOnOneRank']",
             "--train.hang_timeout_s=3",
         ),
-        env={SLEEP_RANK_ENV: "0", SLEEP_AT_ENV: "3"},
-    )
-    dirs = {"limit": limit, "nan": nan, "fault": fault, "hang": hang}
-    submitted = {name: (job, dirs[name]) for name, job in jobs.items()}
+    }
     yield submitted  # the tests add the jobs the script submitted itself
     for job, _ in submitted.values():
         slurm.run("scancel", str(job))
