@@ -22,6 +22,8 @@ MAX_STORE_READ_AHEAD_MB = 1024
 open file (up to 8), so more would cost gigabytes of memory per worker."""
 MIN_STORE_CACHE_GB = 0.01
 """Smallest store cache: a few of its 4 MiB blocks."""
+MAX_STORE_CACHE_GB = float(2**20)
+"""Largest store cache, a PiB: far beyond any local disk, a bound only against typos."""
 
 
 @dataclass
@@ -81,7 +83,7 @@ class DataConfig:
     store_cache_gb: float = 0.0
     """GiB of local disk caching blocks of token files read from an object store, under
     data.cache_dir (or its default) in store/, shared by the host's ranks and workers; later
-    epochs then read from disk. 0 caches nothing; otherwise at least 0.01. The least
+    epochs then read from disk. 0 caches nothing; otherwise 0.01 to 2**20. The least
     recently used blocks are deleted past the limit."""
 
     def __post_init__(self) -> None:
@@ -89,7 +91,7 @@ class DataConfig:
         check_at_least(
             "data.store_read_ahead_mb", self.store_read_ahead_mb, 0, MAX_STORE_READ_AHEAD_MB
         )
-        check_at_least("data.store_cache_gb", self.store_cache_gb, 0.0)
+        check_at_least("data.store_cache_gb", self.store_cache_gb, 0.0, MAX_STORE_CACHE_GB)
         if 0 < self.store_cache_gb < MIN_STORE_CACHE_GB:
             raise ConfigError(
                 "data.store_cache_gb",

@@ -73,7 +73,11 @@ def probe(url: str) -> None:
     credentials or an unreachable endpoint raise StoreError with the store's own error."""
 
     def listing(fs: Any, key: str) -> None:
-        if not fs.ls(key, detail=False):
+        try:
+            found = fs.ls(key, detail=False)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"nothing is stored under {url}: {exc}") from None
+        if not found:
             raise FileNotFoundError(f"nothing is stored under {url}")
 
     store_call(url, listing)
