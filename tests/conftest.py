@@ -84,3 +84,31 @@ def package_logging():
         logger.addHandler(handler)
     logger.setLevel(saved[1])
     logger.propagate = saved[2]
+
+
+@pytest.fixture(scope="session")
+def _s3_server():
+    pytest.importorskip("s3fs", reason="the s3 extra (pip install 'kempnerforge[s3]')")
+    pytest.importorskip("moto", reason="moto[server], in the dev extra")
+    from tests.support.s3_server import s3_server
+
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(_s3_server, monkeypatch, tmp_path):
+    """The test S3 server with this process's environment pointing at it and a new empty
+    bucket; yields (server, 's3://bucket'). Filesystems opened before are dropped, so the
+    store's environment is read afresh."""
+    from kempnerforge.storage.stores import filesystem, forget_filesystems
+    from tests.support.s3_server import new_bucket_name
+
+    for name, value in _s3_server.environment(str(tmp_path)).items():
+        monkeypatch.setenv(name, value)
+    forget_filesystems()
+    bucket = f"s3://{new_bucket_name()}"
+    filesystem(bucket).mkdir(bucket.removeprefix("s3://"))
+    _s3_server.clear()
+    yield _s3_server, bucket
+    forget_filesystems()

@@ -149,13 +149,13 @@ def _add_record_and_progress_arguments(parser: argparse.ArgumentParser) -> None:
 def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     """Run `kempnerforge prepare-data`; DataError and ConfigError propagate to the CLI."""
     import sys
-    from pathlib import Path
 
     from kempnerforge.core.errors import DataError
     from kempnerforge.data.prepare import prepare_data
     from kempnerforge.data.shards import Shard
     from kempnerforge.data.token_file import read_meta
     from kempnerforge.data.tokenizer import load_tokenizer
+    from kempnerforge.storage.location import join
 
     if overrides:
         raise DataError(f"unrecognized arguments: {' '.join(overrides)}")
@@ -181,7 +181,7 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
                 "of N (0 <= I < N)"
             )
         shard = Shard(args.shard_index, args.num_shards)
-    output = str(Path(args.output) / shard.name) if shard else args.output
+    output = join(args.output, shard.name) if shard else args.output
     meta = prepare_data(
         args.input,
         args.output,
@@ -202,7 +202,7 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
     )
     if args.eval_fraction > 0.0:
-        eval_output = str(Path(args.eval_output) / shard.name) if shard else args.eval_output
+        eval_output = join(args.eval_output, shard.name) if shard else args.eval_output
         held_out = read_meta(eval_output)
         summary += (
             f"; held out {held_out['num_tokens']:,} tokens in "

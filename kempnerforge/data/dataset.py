@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -13,9 +12,11 @@ from torch.utils.data import Dataset
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.bad_windows import BadWindowSkipping
 from kempnerforge.data.shards import read_parts
+from kempnerforge.data.store_tokens import StoreReads
 from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
 from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
 from kempnerforge.data.token_stream import TokenStream
+from kempnerforge.storage.location import join
 
 IGNORE_INDEX = -100
 
@@ -66,7 +67,13 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
     A window listed in ``skip_windows`` (recorded as bad data, see bad_windows.py) is never
     read: its sample is the next window in file order that is not listed.
 
-    Memory maps are opened lazily and never pickled, so worker processes reopen them.
+    ``path`` may be a store URL (s3://, gs://, ...): opening then reads the meta.json
+    objects and asks each tokens.bin's size, and windows are read with ranged requests as
+    ``store`` says (read-ahead, local cache); the samples are byte-identical to those of
+    the same corpus on disk.
+
+    Memory maps (and store readers) are opened lazily and never pickled, so worker
+    processes reopen them.
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
         document_masking: bool = True,
         expected_tokenizer: str | None = None,
         model_vocab_size: int | None = None,
+        store: StoreReads | None = None,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -98,9 +106,11 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
                 f"{seq_len + 1}; prepare more text or lower train.seq_len"
             )
         self._stream = TokenStream(
-            [str(Path(part_dir) / TOKENS_FILE) for part_dir, _ in parts],
+            [join(part_dir, TOKENS_FILE) for part_dir, _ in parts],
             [int(part_meta["num_tokens"]) for _, part_meta in parts],
             DTYPES[self.meta["dtype"]],
+            store,
+            [str(part_meta["content_sha256"]) for _, part_meta in parts],
         )
 
     def _check_fits(self, expected_tokenizer: str | None, model_vocab_size: int | None) -> None:

@@ -20,6 +20,7 @@ from kempnerforge.data.image_text import build_image_text_datasets
 from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.data.store_tokens import StoreReads
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 
 logger = get_logger(__name__)
@@ -124,7 +125,13 @@ def _dataset_opener(
     cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, model_vocab_size: int | None
 ) -> DatasetOpener:
     """Opens prepared directories checked against this job's tokenizer and model, so every
-    training and eval set is read with the same windows and the same checks."""
+    training and eval set is read with the same windows and the same checks (and those in
+    an object store with data.store_read_ahead_mb and data.store_cache_gb)."""
+    store = StoreReads(
+        read_ahead_bytes=cfg.store_read_ahead_mb << 20,
+        cache_dir=cfg.cache_dir or default_cache_dir(),
+        cache_bytes=int(cfg.store_cache_gb * 2**30),
+    )
 
     def open_dataset(path: str, field: str | None) -> MemoryMappedDataset:
         """The dataset at ``path``; a problem names ``field``, the config field giving it
@@ -136,6 +143,7 @@ def _dataset_opener(
                 document_masking=cfg.document_masking,
                 expected_tokenizer=tokenizer.identity,
                 model_vocab_size=model_vocab_size,
+                store=store,
             )
         except DataError as e:
             if field is None:

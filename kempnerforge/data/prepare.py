@@ -32,6 +32,7 @@ from kempnerforge.data.sources import (
 from kempnerforge.data.token_file import TokenFileWriter, check_output_dir
 from kempnerforge.data.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.storage.location import is_url
 
 logger = get_logger(__name__)
 
@@ -206,9 +207,16 @@ def check_outputs(
             f"eval fraction {eval_fraction} for {output_dir} needs an eval output directory "
             "(--eval-output DIR)"
         )
-    if Path(eval_output_dir).resolve() == Path(output_dir).resolve():
+    if _same_place(eval_output_dir, output_dir):
         raise DataError(f"{output_dir}: the eval output must be a different directory")
     return train_dir, _check_output(eval_output_dir, "--eval-output", shard)
+
+
+def _same_place(first: str, second: str) -> bool:
+    """Whether two output paths (or store URLs) name the same directory."""
+    if is_url(first) or is_url(second):
+        return first.rstrip("/") == second.rstrip("/")
+    return Path(first).resolve() == Path(second).resolve()
 
 
 def _check_output(output_dir: str, option: str, shard: Shard | None) -> str:

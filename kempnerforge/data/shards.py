@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from kempnerforge.core.errors import DataError
@@ -23,6 +22,8 @@ from kempnerforge.data.token_file import (
     check_tokens_file,
     read_meta,
 )
+from kempnerforge.storage.files import is_dir, names_in, size_of
+from kempnerforge.storage.location import join
 
 T = TypeVar("T")
 _SHARD_NAME = re.compile(r"shard-(\d{5,})-of-(\d{5,})")
@@ -83,11 +84,12 @@ def _parse(name: str) -> tuple[int, int] | None:
     return index, count
 
 
-def _shards_present(data_dir: Path) -> dict[int, set[int]]:
-    """Shard count -> indices of the entries of ``data_dir`` named like shards of it."""
+def _shards_present(data_dir: str) -> dict[int, set[int]]:
+    """Shard count -> indices of the entries of ``data_dir`` named like shards of it (one
+    listing in a store)."""
     present: dict[int, set[int]] = {}
-    for entry in data_dir.iterdir():
-        parsed = _parse(entry.name)
+    for name in names_in(data_dir):
+        parsed = _parse(name)
         if parsed is not None:
             present.setdefault(parsed[1], set()).add(parsed[0])
     return present
@@ -95,8 +97,11 @@ def _shards_present(data_dir: Path) -> dict[int, set[int]]:
 
 def is_sharded(data_dir: str) -> bool:
     """Whether ``data_dir`` is a sharded directory: no meta.json of its own, shards inside."""
-    path = Path(data_dir)
-    return path.is_dir() and not (path / META_FILE).exists() and bool(_shards_present(path))
+    return (
+        size_of(join(data_dir, META_FILE)) is None
+        and is_dir(data_dir)
+        and bool(_shards_present(data_dir))
+    )
 
 
 def _shown(names: Sequence[str]) -> str:
@@ -111,7 +116,7 @@ def read_shards(data_dir: str) -> list[tuple[str, dict[str, Any]]]:
     no tokens read. Refused, naming the shards: two shard counts in one directory, a shard
     missing or without meta.json, or shards that disagree on an AGREED_KEYS field.
     """
-    present = _shards_present(Path(data_dir))
+    present = _shards_present(data_dir)
     if not present:
         raise DataError(f"{data_dir} holds no shard-I-of-N directories: it is not sharded")
     if len(present) > 1:
@@ -125,7 +130,7 @@ def read_shards(data_dir: str) -> list[tuple[str, dict[str, Any]]]:
     for index in range(count):
         if index not in indices:
             missing.append(shard_name(index, count))
-        elif not (Path(data_dir) / shard_name(index, count) / META_FILE).is_file():
+        elif size_of(join(join(data_dir, shard_name(index, count)), META_FILE)) is None:
             incomplete.append(shard_name(index, count))
     if missing or incomplete:
         problems = []
@@ -140,7 +145,7 @@ def read_shards(data_dir: str) -> list[tuple[str, dict[str, Any]]]:
         )
     shards = []
     for index in range(count):
-        shard_dir = str(Path(data_dir) / shard_name(index, count))
+        shard_dir = join(data_dir, shard_name(index, count))
         meta = read_meta(shard_dir)
         check_tokens_file(shard_dir, meta)
         shards.append((shard_dir, meta))
@@ -201,11 +206,10 @@ def check_shard_output(output_dir: str, shard: Shard, option: str) -> str:
     A plain corpus there, shards of another count, or other files are refused, naming
     ``option``; so is a shard directory that is not one prepare-data wrote.
     """
-    path = Path(output_dir)
-    if not path.is_dir():
+    if not is_dir(output_dir):
         check_output_dir(output_dir, option)  # a file, or a path below one
     else:
-        names = sorted(entry.name for entry in path.iterdir())
+        names = sorted(names_in(output_dir))
         if TOKENS_FILE in names or META_FILE in names:
             raise DataError(
                 f"{option} {output_dir} holds an unsharded corpus ({META_FILE}, {TOKENS_FILE}); "
@@ -225,7 +229,7 @@ def check_shard_output(output_dir: str, shard: Shard, option: str) -> str:
                 "not a sharded prepared directory; name a new or empty directory, or the one "
                 "these shards were written into before"
             )
-    shard_dir = str(path / shard.name)
+    shard_dir = join(output_dir, shard.name)
     check_output_dir(shard_dir, option)
     return shard_dir
 
@@ -233,10 +237,9 @@ def check_shard_output(output_dir: str, shard: Shard, option: str) -> str:
 def check_unsharded_output(output_dir: str, option: str) -> None:
     """An unsharded corpus is not written over shards: the reader would take the corpus and
     silently ignore them, and the shards' writers would find a corpus in their way."""
-    path = Path(output_dir)
-    if not path.is_dir():
+    if not is_dir(output_dir):
         return
-    names = sorted(entry.name for entry in path.iterdir() if _parse(entry.name) is not None)
+    names = sorted(name for name in names_in(output_dir) if _parse(name) is not None)
     if names:
         raise DataError(
             f"{option} {output_dir} holds the shards of a sharded corpus ({_shown(names)}); "

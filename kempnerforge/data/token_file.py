@@ -18,6 +18,17 @@ import numpy as np
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.storage.files import (
+    is_dir,
+    names_in,
+    open_for_writing,
+    read_text,
+    remove,
+    size_of,
+    write_bytes,
+)
+from kempnerforge.storage.location import is_store_url, join
+from kempnerforge.storage.stores import StoreError
 
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
@@ -70,6 +81,10 @@ class TokenFileWriter:
 
     Use as a context manager: leaving it by an exception removes the temporary file and leaves
     whatever was under the final names before untouched; ``finish`` publishes the result.
+
+    ``output_dir`` may be a store URL: tokens.bin is then uploaded as it is written (the
+    store shows the object only once its upload is complete) and meta.json is written after
+    it, so there too the corpus is complete exactly when meta.json exists.
     """
 
     def __init__(
@@ -84,9 +99,14 @@ class TokenFileWriter:
         self._dtype = DTYPES[self.dtype_name]
         self._eos = np.array([tokenizer.eos_id], dtype=self._dtype)
         self._bos = np.array([tokenizer.bos_id], dtype=self._dtype)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._url = output_dir if is_store_url(output_dir) else None
         self._tmp_tokens = self.output_dir / f".{TOKENS_FILE}.tmp-{os.getpid()}"
-        self._file = open(self._tmp_tokens, "wb")  # noqa: SIM115 (closed by finish or abort)
+        self._file: Any
+        if self._url is not None:
+            self._file = open_for_writing(join(self._url, TOKENS_FILE))
+        else:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._tmp_tokens, "wb")  # noqa: SIM115 (closed by finish or abort)
         self._sha = hashlib.sha256()
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
@@ -128,9 +148,10 @@ class TokenFileWriter:
     def finish(self, num_sources: int) -> dict[str, Any]:
         """Publish tokens.bin and meta.json; returns the metadata written."""
         self._flush()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        if self._url is None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
         meta = {
             "format_version": FORMAT_VERSION,
             "dtype": self.dtype_name,
@@ -145,6 +166,9 @@ class TokenFileWriter:
             "content_sha256": self._sha.hexdigest(),
             "sources": num_sources,
         }
+        if self._url is not None:
+            self._publish_to_store(meta, self._url)
+            return meta
         meta_path = self.output_dir / META_FILE
         # Drop the old meta.json first: new tokens beside old metadata must never look complete.
         meta_path.unlink(missing_ok=True)
@@ -154,8 +178,19 @@ class TokenFileWriter:
         os.replace(tmp_meta, meta_path)
         return meta
 
+    def _publish_to_store(self, meta: dict[str, Any], url: str) -> None:
+        """meta.json removed, tokens.bin's upload completed, then meta.json written: a reader
+        never finds new tokens beside old metadata, nor meta.json before its tokens."""
+        remove(join(url, META_FILE))
+        self._file.close()
+        write_bytes(join(url, META_FILE), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+
     def abort(self) -> None:
-        """Close and delete the temporary file (safe to call more than once)."""
+        """Close and delete the temporary file, or abandon the upload (safe to call more
+        than once)."""
+        if self._url is not None:
+            self._file.discard()
+            return
         if not self._file.closed:
             self._file.close()
         self._tmp_tokens.unlink(missing_ok=True)
@@ -174,8 +209,11 @@ def check_output_dir(output_dir: str, option: str) -> None:
     Anything else there (a file, or a directory of other files) is refused, naming
     ``option``, the command-line option that gave the path, rather than mixed with a corpus.
     """
-    path = Path(output_dir)
     what_to_do = "name a new or empty directory, or one prepare-data wrote before to rewrite it"
+    if is_store_url(output_dir):
+        _check_foreign(output_dir, names_in(output_dir), option, what_to_do)
+        return
+    path = Path(output_dir)
     if path.exists() and not path.is_dir():
         raise DataError(f"{option} {output_dir} is a file, not a directory; {what_to_do}")
     if not path.exists():
@@ -186,7 +224,12 @@ def check_output_dir(output_dir: str, option: str) -> None:
                 f"{option} {output_dir}: {blocking} is a file, not a directory; {what_to_do}"
             )
         return
-    foreign = sorted(entry.name for entry in path.iterdir() if not _is_prepared_entry(entry.name))
+    _check_foreign(output_dir, [entry.name for entry in path.iterdir()], option, what_to_do)
+
+
+def _check_foreign(output_dir: str, names: list[str], option: str, what_to_do: str) -> None:
+    """Refuse an output directory holding entries (``names``) prepare-data did not write."""
+    foreign = sorted(name for name in names if not _is_prepared_entry(name))
     if foreign:
         shown = ", ".join(foreign[:3]) + (
             f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
@@ -206,14 +249,17 @@ def _is_prepared_entry(name: str) -> bool:
 
 
 def read_meta(data_dir: str) -> dict[str, Any]:
-    """meta.json of a prepared directory, checked for the keys and values this format needs."""
-    path = Path(data_dir) / META_FILE
+    """meta.json of a prepared directory (a local path or a store URL), checked for the keys
+    and values this format needs."""
+    path = join(data_dir, META_FILE)
     hint = "run `kempnerforge prepare-data --input ... --output DIR` and point at DIR"
-    if not path.is_file():
-        what = "is not a directory" if not Path(data_dir).is_dir() else f"has no {META_FILE}"
+    if size_of(path) is None:
+        what = "is not a directory" if not is_dir(data_dir) else f"has no {META_FILE}"
         raise DataError(f"{data_dir} {what}: it is not a prepared data directory; {hint}")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(read_text(path))
+    except StoreError:
+        raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{path}: cannot be read as JSON ({exc}); {hint} again") from None
     if not isinstance(meta, dict):
@@ -289,14 +335,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> Path:
-    """Path of tokens.bin after checking its size matches meta.json's count and dtype."""
-    path = Path(data_dir) / TOKENS_FILE
-    if not path.is_file():
+def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> str:
+    """Path (or URL) of tokens.bin after checking its size matches meta.json's count and
+    dtype; no content is read (a stat, or one metadata request to a store)."""
+    path = join(data_dir, TOKENS_FILE)
+    actual = size_of(path)
+    if actual is None:
         raise DataError(f"{path} is missing although meta.json exists; run prepare-data again")
     itemsize = DTYPES[meta["dtype"]].itemsize
     expected = int(meta["num_tokens"]) * itemsize
-    actual = path.stat().st_size
     if actual != expected:
         raise DataError(
             f"{path} is {actual} bytes but meta.json says {meta['num_tokens']} tokens of "

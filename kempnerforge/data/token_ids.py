@@ -27,6 +27,7 @@ from kempnerforge.data.token_file import (
     check_tokens_file,
     read_meta,
 )
+from kempnerforge.storage.location import is_store_url, join
 
 logger = get_logger(__name__)
 
@@ -119,9 +120,9 @@ def check_token_ids(data_dir: str, meta: dict[str, Any], model_vocab_size: int |
     limit = id_limit(meta, model_vocab_size)
     if top < limit:
         return
-    tokens = Path(data_dir) / TOKENS_FILE
-    if tokens.stat().st_size <= SCAN_ON_OPEN_MAX_BYTES:
-        found = first_id_at_least(tokens, meta, limit)
+    tokens = join(data_dir, TOKENS_FILE)
+    if not is_store_url(data_dir) and Path(tokens).stat().st_size <= SCAN_ON_OPEN_MAX_BYTES:
+        found = first_id_at_least(Path(tokens), meta, limit)
         if found is not None:
             raise token_at_error(tokens, *found, meta, model_vocab_size)
     where = f"{tokens}: its largest id, meta.json's {MAX_ID_KEY}, is {top}"
@@ -138,6 +139,13 @@ def known_max_id(data_dir: str, meta: dict[str, Any]) -> int:
     recorded = meta.get(MAX_ID_KEY)
     if recorded is not None:
         return int(recorded)
+    if is_store_url(data_dir):
+        # Every rank would download tokens.bin to scan it, and could not record the result.
+        raise DataError(
+            f"{data_dir}: meta.json records no {MAX_ID_KEY} (prepared by an older version); "
+            f"record it with `{RECORD_COMMAND} DIR` on a local copy and upload its meta.json, "
+            "or prepare the corpus again"
+        )
     tokens = Path(data_dir) / TOKENS_FILE
     size = tokens.stat().st_size
     if size > SCAN_ON_OPEN_MAX_BYTES:
@@ -193,7 +201,7 @@ def scan_and_record(data_dir: str) -> tuple[dict[str, Any], int]:
     so every later opening refuses it without a scan.
     """
     meta = read_meta(data_dir)
-    top = scan_max_id(check_tokens_file(data_dir, meta), meta)
+    top = scan_max_id(Path(check_tokens_file(data_dir, meta)), meta)
     record_max_id(data_dir, top)
     meta[MAX_ID_KEY] = top
     return meta, top

@@ -1,5 +1,6 @@
 """TokenStream: the tokens.bin files of a prepared directory (one, or one per shard) read as
-one stream of ids, through a small cache of memory maps."""
+one stream of ids, through a small cache of memory maps (or, for files in an object store,
+of StoreTokens readers)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from kempnerforge.data.store_tokens import StoreReads, StoreTokens
+from kempnerforge.storage.location import is_store_url, local_path
 
 # Memory maps kept open per process: a window spans few files, and a corpus of thousands of
 # shards must not hold thousands of maps (each a kernel mapping) in every loader worker.
@@ -19,17 +23,29 @@ class TokenStream:
 
     Holds a path and an offset per file, O(files) memory. Maps are opened on first read and
     the least recently used is closed beyond MAX_OPEN_MAPS; none survive pickling, so a
-    loader worker opens its own.
+    loader worker opens its own. A path that is a store URL is read through StoreTokens as
+    ``store`` says (read-ahead, cache); ``content_ids`` (each file's content_sha256) name
+    its content in the cache.
     """
 
-    def __init__(self, paths: Sequence[str], sizes: Sequence[int], dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        sizes: Sequence[int],
+        dtype: np.dtype,
+        store: StoreReads | None = None,
+        content_ids: Sequence[str] | None = None,
+    ) -> None:
         if len(paths) != len(sizes) or not paths:
             raise ValueError(f"need one size per file, got {len(paths)} paths, {len(sizes)} sizes")
         self.paths = list(paths)
         self.dtype = dtype
+        self.store = store or StoreReads()
+        self.content_ids = list(content_ids) if content_ids is not None else [""] * len(paths)
+        self._cache = self.store.cache()
         # starts[i] is the stream offset of file i's first id; starts[-1] is the total.
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
-        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+        self._maps: OrderedDict[int, np.ndarray | StoreTokens] = OrderedDict()
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +78,7 @@ class TokenStream:
             index, local = index + 1, 0
         return np.concatenate(pieces)
 
-    def _map(self, index: int) -> np.ndarray:
+    def _map(self, index: int) -> np.ndarray | StoreTokens:
         ids = self._maps.get(index)
         if ids is not None:
             self._maps.move_to_end(index)
@@ -70,14 +86,21 @@ class TokenStream:
         size = int(self.starts[index + 1] - self.starts[index])
         if size == 0:  # numpy cannot map an empty file; a read only passes over it
             return np.zeros(0, dtype=self.dtype)
-        ids = np.memmap(self.paths[index], dtype=self.dtype, mode="r", shape=(size,))
+        path = self.paths[index]
+        if is_store_url(path):
+            ids = StoreTokens(
+                path, size, self.dtype, self.store, self._cache, self.content_ids[index]
+            )
+        else:
+            ids = np.memmap(local_path(path), dtype=self.dtype, mode="r", shape=(size,))
         self._maps[index] = ids
         if len(self._maps) > MAX_OPEN_MAPS:
             self._maps.popitem(last=False)
         return ids
 
     def __getstate__(self) -> dict[str, Any]:
-        # A memory map does not survive pickling to a worker; the worker reopens the files.
+        # A memory map does not survive pickling to a worker; the worker reopens the files
+        # (and a store reader its connection, in its own process).
         state = self.__dict__.copy()
         state["_maps"] = OrderedDict()
         return state

@@ -21,12 +21,15 @@ from kempnerforge.optim.scheduler import SCHEDULES
 from kempnerforge.training.float8 import check_float8
 from kempnerforge.training.hooks import hook_class
 from kempnerforge.training.layout import PIPELINE_STAGES, layout_of
+from kempnerforge.training.store_checks import check_stores
 
 
 def preflight(config: JobConfig) -> None:
     """Raise the ConfigError the build would raise later for a bad name or hook, for
     train.float8 where FP8 cannot run (the device, torchao, the dims), or for what this
-    torch cannot run."""
+    torch cannot run; and for a path in an object store that cannot be read or cannot be
+    used there yet (store_checks)."""
+    check_stores(config)
     OPTIMIZERS.get(config.optimizer.name)
     SCHEDULES.get(config.scheduler.name)
     for path in config.train.hooks:

@@ -19,6 +19,7 @@ LAYERS = {
     "config": 1,
     "model": 2,
     "data": 2,
+    "storage": 1,
     "optim": 2,
     "distributed": 3,
     "evaluation": 4,

@@ -1,0 +1,147 @@
+"""The few file operations a prepared corpus needs, for a local path and a store URL alike,
+so the readers and writers of data/ have one code path for both."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from kempnerforge.storage.location import base_name, is_store_url, local_path
+from kempnerforge.storage.stores import StoreError, store_call, store_error
+
+
+def size_of(path: str) -> int | None:
+    """Size in bytes of the file or object at ``path``; None when there is none (or it is a
+    directory). Reads no content: a stat, or one metadata request to the store."""
+    if not is_store_url(path):
+        local = Path(local_path(path))
+        return local.stat().st_size if local.is_file() else None
+
+    def size(fs: Any, key: str) -> int | None:
+        try:
+            info = fs.info(key)
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    return store_call(path, size)
+
+
+def read_text(path: str) -> str:
+    """The whole content of the UTF-8 file or object at ``path`` (a small one, such as
+    meta.json); a UnicodeDecodeError when it is not UTF-8."""
+    if not is_store_url(path):
+        return Path(local_path(path)).read_text(encoding="utf-8")
+    return store_call(path, lambda fs, key: fs.cat_file(key)).decode("utf-8")
+
+
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the object at ``url``: one ranged request."""
+    data = store_call(url, lambda fs, key: fs.cat_file(key, start=start, end=end))
+    if len(data) != end - start:
+        raise StoreError(
+            f"{url}: asked for bytes [{start}, {end}), the store returned {len(data)}: the "
+            "object is shorter than its meta.json says; prepare the corpus again"
+        )
+    return data
+
+
+def is_dir(path: str) -> bool:
+    """Whether ``path`` is a directory (in a store: a prefix holding objects, or a bucket)."""
+    if not is_store_url(path):
+        return Path(local_path(path)).is_dir()
+    return store_call(path, lambda fs, key: bool(fs.isdir(key)))
+
+
+def names_in(path: str) -> list[str]:
+    """Names of the entries directly inside directory ``path`` (one listing in a store)."""
+    if not is_store_url(path):
+        return [entry.name for entry in Path(local_path(path)).iterdir()]
+
+    def names(fs: Any, key: str) -> list[str]:
+        try:
+            return [base_name(str(p)) for p in fs.ls(key, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    return store_call(path, names)
+
+
+def probe(url: str) -> None:
+    """Ask the store for the listing of ``url`` once: a missing bucket or directory, refused
+    credentials or an unreachable endpoint raise StoreError with the store's own error."""
+
+    def listing(fs: Any, key: str) -> None:
+        try:
+            found = fs.ls(key, detail=False)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"nothing is stored under {url}: {exc}") from None
+        if not found:
+            raise FileNotFoundError(f"nothing is stored under {url}")
+
+    store_call(url, listing)
+
+
+def remove(path: str) -> None:
+    """Delete the file or object at ``path`` if it exists."""
+    if not is_store_url(path):
+        Path(local_path(path)).unlink(missing_ok=True)
+        return
+
+    def delete(fs: Any, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(key)
+
+    store_call(path, delete)
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Store ``data`` as the object ``url``; it appears whole or not at all."""
+    store_call(url, lambda fs, key: fs.pipe_file(key, data))
+
+
+def open_for_writing(url: str) -> Any:
+    """A binary file writing the object ``url``: uploaded in parts, the object exists only
+    once ``close`` has finished, and ``discard`` drops it (see ObjectWriter)."""
+    return ObjectWriter(url)
+
+
+class ObjectWriter:
+    """A file-like writer of one store object: ``write``, ``close`` (publish) or ``discard``.
+
+    The store makes an object visible only when its upload completes, so a writer that is
+    discarded, or a process killed mid-upload, leaves nothing under the object's name.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._file = store_call(url, lambda fs, key: fs.open(key, "wb"))
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._file.write(data)
+        except Exception as exc:
+            raise store_error(self.url, exc) from None
+
+    def close(self) -> None:
+        """Finish the upload: the object appears now."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._file.close()
+        except Exception as exc:
+            raise store_error(self.url, exc) from None
+
+    def discard(self) -> None:
+        """Abandon the upload; nothing is published (safe to call more than once)."""
+        if self.closed:
+            return
+        self.closed = True
+        drop = getattr(self._file, "discard", None)
+        with contextlib.suppress(Exception):  # the upload is being abandoned either way
+            if drop is not None:
+                drop()
+        self._file.closed = True  # never let a later close() publish the partial object

@@ -1,0 +1,153 @@
+"""The storage foundation over fsspec's memory:// store: URLs told from paths, byte ranges
+with and without read-ahead and cache, a prepared corpus read from a store byte for byte as
+from disk, and the start-up refusal of store URLs where only local directories work."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+from kempnerforge.config.data import DataConfig
+from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError, DataError
+from kempnerforge.data.dataset import MemoryMappedDataset
+from kempnerforge.data.store_tokens import StoreReads
+from kempnerforge.storage.cache import CACHE_BLOCK_BYTES, BlockCache
+from kempnerforge.storage.location import is_store_url, is_url, join, local_path
+from kempnerforge.storage.ranges import RangeReader
+from kempnerforge.storage.stores import StoreError, filesystem
+from kempnerforge.training.store_checks import check_stores
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh memory:// directory, removed afterwards (the memory store is per process)."""
+    root = f"memory://kf-{uuid.uuid4().hex[:8]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_urls_are_told_from_local_paths():
+    for url in ("s3://b/k", "gs://b", "S3://B/x", "memory://x", "file:///tmp/x", "r2://b"):
+        assert is_url(url), url
+    for path in ("s3:", "s3:/b", "runs/x", "/abs/x", "./s3/x", "C:\\x"):
+        assert not is_url(path), path
+    assert not is_store_url("file:///tmp/x") and is_store_url("s3://b")
+    assert local_path("file:///tmp/x") == "/tmp/x" and local_path("/tmp/x") == "/tmp/x"
+    assert join("s3://b/dir/", "meta.json") == "s3://b/dir/meta.json"
+    assert join("dir", "meta.json") == "dir/meta.json"
+
+
+def _object(root: str, size: int) -> tuple[str, bytes]:
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    url = f"{root}/blob.bin"
+    filesystem(url).pipe_file(url.removeprefix("memory://"), data)
+    return url, data
+
+
+def test_shuffled_reads_fetch_exactly_their_bytes(memory_root):
+    url, data = _object(memory_root, 10_000)
+    reader = RangeReader(url, len(data), read_ahead=4096)
+    for start in (5000, 100, 9000, 2000):  # no read moves forward from the one before
+        assert reader.read(start, start + 65) == data[start : start + 65]
+    assert reader.requests == 4
+
+
+def test_forward_reads_are_served_from_one_read_ahead(memory_root):
+    url, data = _object(memory_root, 10_000)
+    reader = RangeReader(url, len(data), read_ahead=4096)
+    # Windows of 65 bytes at stride 64, as training windows overlap by one token.
+    got = [reader.read(s, s + 65) for s in range(0, 64 * 100, 64)]
+    assert got == [data[s : s + 65] for s in range(0, 64 * 100, 64)]
+    # The first read is exact; then one 4096-byte block per 4096 bytes read forward.
+    assert reader.requests == 1 + -(-(64 * 99 + 65 - 64) // (4096 - 65))
+    assert reader.requests < 5
+
+
+def test_no_read_ahead_fetches_every_window(memory_root):
+    url, data = _object(memory_root, 2_000)
+    reader = RangeReader(url, len(data), read_ahead=0)
+    assert [reader.read(s, s + 65) for s in range(0, 640, 64)] == [
+        data[s : s + 65] for s in range(0, 640, 64)
+    ]
+    assert reader.requests == 10
+
+
+def test_the_block_cache_serves_later_reads_and_stays_within_its_limit(memory_root, tmp_path):
+    size = 3 * CACHE_BLOCK_BYTES + 123
+    url, data = _object(memory_root, size)
+    cache = BlockCache(str(tmp_path / "cache"), 2 * CACHE_BLOCK_BYTES)
+    first = RangeReader(url, size, 0, cache, "k")
+    assert first.read(10, 20) == data[10:20]
+    span = (CACHE_BLOCK_BYTES - 5, CACHE_BLOCK_BYTES + 5)  # across blocks 0 and 1
+    assert first.read(*span) == data[span[0] : span[1]]
+    assert first.requests == 2  # blocks 0 and 1, each once
+    again = RangeReader(url, size, 0, cache, "k")  # another process, the same cache
+    assert again.read(*span) == data[span[0] : span[1]] and again.requests == 0
+    assert again.read(size - 50, size) == data[-50:] and again.requests == 1  # last block
+    assert (
+        again.read(2 * CACHE_BLOCK_BYTES + 1, 2 * CACHE_BLOCK_BYTES + 9)
+        == data[2 * CACHE_BLOCK_BYTES + 1 : 2 * CACHE_BLOCK_BYTES + 9]
+    )
+    stored = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in stored) <= 2 * CACHE_BLOCK_BYTES
+
+
+def _upload(local_dir: str, url: str) -> None:
+    filesystem(url).put(local_dir, url.removeprefix("memory://"), recursive=True)
+
+
+def test_a_corpus_in_a_store_gives_the_windows_it_gives_on_disk(memory_root, token_dirs):
+    train, _ = token_dirs
+    url = f"{memory_root}/train"
+    _upload(train, url)
+    on_disk = MemoryMappedDataset(train, 32)
+    for reads in (StoreReads(), StoreReads(read_ahead_bytes=0)):
+        stored = MemoryMappedDataset(url, 32, store=reads)
+        assert len(stored) == len(on_disk)
+        for i in [*range(0, 40), len(on_disk) - 1, 7, 3]:
+            a, b = on_disk[i], stored[i]
+            assert all(np.array_equal(a[k], b[k]) for k in a), i
+
+
+def test_a_store_directory_without_a_corpus_is_refused_like_one_on_disk(memory_root):
+    with pytest.raises(DataError, match="is not a prepared data directory"):
+        MemoryMappedDataset(f"{memory_root}/nothing", 32)
+
+
+def test_an_unknown_protocol_names_what_to_install():
+    with pytest.raises(StoreError, match="no client for nosuchstore:// stores"):
+        filesystem("nosuchstore://bucket/x")
+
+
+@pytest.mark.parametrize("field", ["checkpoint.dir", "train.run_dir"])
+def test_a_store_url_for_a_local_directory_is_refused_at_start_up(field):
+    config = load_config(None, [f"--{field}=s3://bucket/run"])
+    with pytest.raises(ConfigError) as caught:
+        check_stores(config)
+    message = str(caught.value)
+    assert message.startswith(f"{field} = 's3://bucket/run': expected a local or mounted")
+    assert "not supported yet" in message and "\n" not in message
+
+
+def test_a_data_url_nothing_is_stored_under_is_refused_at_start_up(memory_root):
+    config = load_config(None, [f"--data.path={memory_root}/missing"])
+    with pytest.raises(ConfigError, match=r"^data\.path = .*nothing is stored under"):
+        check_stores(config)
+
+
+def test_store_read_settings_are_validated_naming_the_field():
+    with pytest.raises(ConfigError, match="data.store_read_ahead_mb"):
+        DataConfig(store_read_ahead_mb=-1)
+    with pytest.raises(ConfigError, match="data.store_read_ahead_mb"):
+        DataConfig(store_read_ahead_mb=4096)
+    with pytest.raises(ConfigError, match="data.store_cache_gb"):
+        DataConfig(store_cache_gb=0.001)
+    with pytest.raises(ConfigError, match="data.store_cache_gb"):
+        DataConfig(store_cache_gb=-1.0)
+    DataConfig(store_cache_gb=0.5, store_read_ahead_mb=0)
