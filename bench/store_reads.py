@@ -3,12 +3,14 @@ the same corpus on disk, through MemoryMappedDataset as training reads it.
 
 Writes a synthetic prepared corpus of `--tokens` uint16 ids, uploads it to a local moto
 server (the real client stack: s3fs, botocore, HTTP), and reads `--batches` batches of
-`--batch-size` windows of `--seq-len` + 1 tokens in four settings, each in a fresh dataset:
-disk (memory maps), store shuffled (one ranged request per window), store in file order
-(the read-ahead of `--read-ahead-mb`), and store shuffled through a local block cache,
-timed on its second pass (cache filled by the first). One JSON line per setting: seconds,
-tokens_per_sec, requests (ranged reads sent). A local server has almost no latency, so the
-store's figures here are an upper bound for a remote store; the request counts carry over.
+`--batch-size` windows of `--seq-len` + 1 tokens in five settings, each in a fresh dataset:
+disk (memory maps); store shuffled, one ranged request per window one after another, and a
+batch at a time as the loader reads (__getitems__: the batch's requests sent together);
+store in file order (the read-ahead of `--read-ahead-mb`); and store shuffled through a
+local block cache, timed on its second pass (cache filled by the first). One JSON line per
+setting: seconds, tokens_per_sec, requests (ranged reads sent). A local server has almost
+no latency, so the store's figures here are an upper bound for a remote store; the request
+counts carry over.
 
     python bench/store_reads.py [--tokens 20000000] [--batches 50] [--batch-size 8]
 """
@@ -52,10 +54,18 @@ def requests_of(dataset: MemoryMappedDataset) -> int:
     return sum(m.reader.requests for m in maps if isinstance(m, StoreTokens))
 
 
-def timed(dataset: MemoryMappedDataset, indices: list[int], seq_len: int) -> dict:
+def timed(
+    dataset: MemoryMappedDataset, indices: list[int], seq_len: int, batch_size: int = 0
+) -> dict:
+    """Read ``indices`` one window at a time, or (``batch_size``) a batch at a time as the
+    loader does, through __getitems__ (its windows fetched together)."""
     start = time.perf_counter()
-    for i in indices:
-        dataset[i]
+    if batch_size:
+        for first in range(0, len(indices), batch_size):
+            dataset.__getitems__(indices[first : first + batch_size])
+    else:
+        for i in indices:
+            dataset[i]
     seconds = time.perf_counter() - start
     tokens = len(indices) * seq_len
     return {
@@ -107,8 +117,14 @@ def main() -> None:
             "disk, shuffled": timed(
                 MemoryMappedDataset(local, args.seq_len), shuffled, args.seq_len
             ),
-            "store, shuffled": timed(
+            "store, shuffled, a window at a time": timed(
                 MemoryMappedDataset(url, args.seq_len, store=reads), shuffled, args.seq_len
+            ),
+            "store, shuffled, a batch at a time": timed(
+                MemoryMappedDataset(url, args.seq_len, store=reads),
+                shuffled,
+                args.seq_len,
+                args.batch_size,
             ),
             "store, in order (read-ahead)": timed(
                 MemoryMappedDataset(url, args.seq_len, store=reads), in_order, args.seq_len

@@ -59,6 +59,17 @@ class MixtureDataset(Dataset[dict[str, torch.Tensor]]):
         sample["dataset_idx"] = torch.tensor(source, dtype=torch.int64)
         return sample
 
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The samples of ``indices``, each source's windows fetched together first
+        (MemoryMappedDataset.prefetch); the same samples as one ``self[i]`` each."""
+        by_source: dict[int, list[int]] = {}
+        for index in indices:
+            source, window = self.locate(index)
+            by_source.setdefault(source, []).append(window)
+        for source, windows in by_source.items():
+            self.datasets[source].prefetch(windows)
+        return [self[i] for i in indices]
+
 
 def mixture_probabilities(weights: Sequence[float], temperature: float) -> list[float]:
     """p_i proportional to w_i ** (1 / temperature); a zero weight stays zero."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from kempnerforge.data.store_tokens import StoreReads, StoreTokens
 from kempnerforge.storage.location import is_store_url, local_path
+from kempnerforge.storage.ranges import RangeReader, prefetch
 
 # Memory maps kept open per process: a window spans few files, and a corpus of thousands of
 # shards must not hold thousands of maps (each a kernel mapping) in every loader worker.
@@ -77,6 +78,26 @@ class TokenStream:
             length -= len(piece)
             index, local = index + 1, 0
         return np.concatenate(pieces)
+
+    def prefetch(self, starts: Sequence[int], length: int) -> None:
+        """Fetch ids ``[start, start + length)`` for every start at once, for the reads
+        about to come: the ranged requests of the files in a store go out together (one
+        round trip for a batch of shuffled windows, not one per window); memory-mapped
+        files need nothing. Reads return the same ids with or without it."""
+        reads: list[tuple[RangeReader, int, int]] = []
+        for start in starts:
+            index = self._file_of(start)
+            local, remaining = start - int(self.starts[index]), length
+            while remaining > 0 and index < len(self.paths):
+                ids = self._map(index)
+                take = min(remaining, len(ids) - local)
+                if isinstance(ids, StoreTokens) and take > 0:
+                    item = self.dtype.itemsize
+                    reads.append((ids.reader, local * item, (local + take) * item))
+                remaining -= take
+                index, local = index + 1, 0
+        if reads:
+            prefetch(reads)
 
     def _map(self, index: int) -> np.ndarray | StoreTokens:
         ids = self._maps.get(index)

@@ -47,6 +47,11 @@ class BlockCache:
             os.utime(path)  # most recently used
         return data
 
+    def has(self, key: str, index: int) -> bool:
+        """Whether block ``index`` of object ``key`` is cached (it may be evicted before it
+        is read, which only makes that read a miss)."""
+        return (self.directory / key / f"{index:010d}").is_file()
+
     def put(self, key: str, index: int, data: bytes) -> None:
         """Store block ``index`` of ``key``; a full or unwritable cache only skips caching."""
         folder = self.directory / key

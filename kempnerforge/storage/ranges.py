@@ -7,12 +7,18 @@ Reads that move forward through the object (evaluation, ``data.shuffle = false``
 window of a batch) fetch ``read_ahead`` bytes at once and serve the following reads from
 memory, so the store's latency is paid once per block instead of once per window. With a
 BlockCache every read goes by whole cache blocks, kept on local disk for later epochs.
+
+``prefetch`` fetches the ranges a batch is about to read, of any number of readers, in one
+round of concurrent requests (read_ranges), so a batch of shuffled windows waits for the
+store about once instead of once per window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kempnerforge.storage.cache import CACHE_BLOCK_BYTES, BlockCache
-from kempnerforge.storage.files import read_range
+from kempnerforge.storage.files import read_range, read_ranges
 
 
 class RangeReader:
@@ -39,6 +45,7 @@ class RangeReader:
         self._buffer = b""
         self._buffer_start = 0
         self._last = (-1, -1)  # the byte range of the previous read
+        self._prefetched: dict[tuple[int, int], bytes] = {}  # ranges fetched ahead, by prefetch
         self.requests = 0  # ranged requests sent by this reader (for benchmarks and tests)
 
     def read(self, start: int, end: int) -> bytes:
@@ -47,6 +54,10 @@ class RangeReader:
             raise IndexError(f"{self.url}: bytes [{start}, {end}) beyond its {self.size}")
         if start == end:
             return b""
+        ahead = self._prefetched.pop((start, end), None)
+        if ahead is not None:
+            self._last = (start, end)
+            return ahead
         if self.cache is not None:
             return self._read_cached(start, end)
         buffered_end = self._buffer_start + len(self._buffer)
@@ -66,6 +77,27 @@ class RangeReader:
         self.requests += 1
         return read_range(self.url, start, end)
 
+    def wanted(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The byte ranges a read of ``[start, end)`` would fetch from the store: itself, or
+        the cache blocks it covers that are not cached; none when it is buffered."""
+        if self.cache is None:
+            buffered_end = self._buffer_start + len(self._buffer)
+            inside = self._buffer_start <= start and end <= buffered_end
+            return [] if inside or start == end else [(start, end)]
+        ranges = []
+        for index in range(start // CACHE_BLOCK_BYTES, (end - 1) // CACHE_BLOCK_BYTES + 1):
+            if not self.cache.has(self.cache_key, index):
+                block_start = index * CACHE_BLOCK_BYTES
+                ranges.append((block_start, min(self.size, block_start + CACHE_BLOCK_BYTES)))
+        return ranges
+
+    def keep(self, start: int, end: int, data: bytes) -> None:
+        """Hold bytes ``[start, end)`` fetched for a read about to come (or cache the block)."""
+        if self.cache is not None:
+            self.cache.put(self.cache_key, start // CACHE_BLOCK_BYTES, data)
+        else:
+            self._prefetched[(start, end)] = data
+
     def _read_cached(self, start: int, end: int) -> bytes:
         assert self.cache is not None
         pieces = []
@@ -84,4 +116,26 @@ class RangeReader:
         # A worker starts without the parent's buffer (it reads other windows).
         state = self.__dict__.copy()
         state["_buffer"], state["_buffer_start"], state["_last"] = b"", 0, (-1, -1)
+        state["_prefetched"] = {}
         return state
+
+
+def prefetch(reads: Sequence[tuple[RangeReader, int, int]]) -> None:
+    """Fetch what the reads ``(reader, start, end)`` about to come need from the store, in
+    one round of concurrent requests; each reader then serves its read from memory (or its
+    cache). Ranges fetched ahead and never read are dropped at the reader's next prefetch,
+    so a reader holds at most one batch of them."""
+    fetches: dict[tuple[int, int, int], RangeReader] = {}
+    for reader, _, _ in reads:
+        reader._prefetched.clear()
+    for reader, start, end in reads:
+        for lo, hi in reader.wanted(start, end):
+            fetches.setdefault((id(reader), lo, hi), reader)
+    if not fetches:
+        return
+    keys = list(fetches)
+    readers = [fetches[key] for key in keys]
+    datas = read_ranges([r.url for r in readers], [k[1] for k in keys], [k[2] for k in keys])
+    for reader, (_, lo, hi), data in zip(readers, keys, datas, strict=True):
+        reader.requests += 1
+        reader.keep(lo, hi, data)

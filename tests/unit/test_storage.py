@@ -115,6 +115,40 @@ def test_a_corpus_in_a_store_gives_the_windows_it_gives_on_disk(memory_root, tok
             assert all(np.array_equal(a[k], b[k]) for k in a), i
 
 
+def _store_requests(dataset: MemoryMappedDataset) -> int:
+    """Ranged requests the dataset's open store readers have sent."""
+    return sum(m.reader.requests for m in dataset._stream._maps.values() if hasattr(m, "reader"))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_batch_is_fetched_in_one_prefetch_and_reads_the_same_samples(
+    memory_root, token_dirs, tmp_path, cached
+):
+    """A batch's windows go out in one read_ranges (the loader's __getitems__), after which
+    its reads send nothing; the samples equal one ``dataset[i]`` each and those on disk.
+    With the cache, the prefetch fetches the missing blocks only, and a second batch over
+    the same blocks none."""
+    train, _ = token_dirs
+    url = f"{memory_root}/train"
+    _upload(train, url)
+    on_disk = MemoryMappedDataset(train, 32)
+    reads = StoreReads(0, str(tmp_path), 1 << 30) if cached else StoreReads(read_ahead_bytes=0)
+    stored = MemoryMappedDataset(url, 32, store=reads)
+    batch = [900, 3, len(on_disk) - 1, 450, 3, 77]  # shuffled, one window twice
+    stored.prefetch(batch)
+    fetched = _store_requests(stored)
+    assert fetched == (-(-on_disk.num_tokens * 2 // CACHE_BLOCK_BYTES) if cached else 5)
+    samples = [stored[i] for i in batch]
+    # Each read came from the prefetch but the repeated window's second, which goes to
+    # the store again (to the cache, with one).
+    assert _store_requests(stored) == fetched + (0 if cached else 1)
+    for i, sample in zip(batch, samples, strict=True):
+        assert all(np.array_equal(sample[k], on_disk[i][k]) for k in sample), i
+    again = stored.__getitems__(batch)
+    assert _store_requests(stored) == fetched + (0 if cached else 1 + 5 + 1)
+    assert [list(s["labels"]) for s in again] == [list(on_disk[i]["labels"]) for i in batch]
+
+
 def test_a_store_directory_without_a_corpus_is_refused_like_one_on_disk(memory_root):
     with pytest.raises(DataError, match="is not a prepared data directory"):
         MemoryMappedDataset(f"{memory_root}/nothing", 32)
