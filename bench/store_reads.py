@@ -9,10 +9,11 @@ batch at a time as the loader reads (__getitems__: the batch's requests sent tog
 store in file order (the read-ahead of `--read-ahead-mb`); and store shuffled through a
 local block cache, timed on its second pass (cache filled by the first). One JSON line per
 setting: seconds, tokens_per_sec, requests (ranged reads sent). A local server has almost
-no latency, so the store's figures here are an upper bound for a remote store; the request
-counts carry over.
+no latency: `--latency-ms` puts a proxy in front of it that adds a store's round trip to
+every request, which is what sending a batch's requests together saves.
 
     python bench/store_reads.py [--tokens 20000000] [--batches 50] [--batch-size 8]
+        [--latency-ms 30]
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +50,38 @@ def write_corpus(directory: str, num_tokens: int) -> None:
             writer.add_document(doc)
             written += len(doc) + 1
         writer.finish(1)
+
+
+class LatencyProxy:
+    """A TCP proxy on a free local port in front of ``target`` that holds every chunk a
+    client sends for ``latency_s`` before passing it on: a store's round-trip time, which
+    a local server lacks. Each connection has its own threads, so concurrent requests wait
+    concurrently, as they would on a network."""
+
+    def __init__(self, target: tuple[str, int], latency_s: float) -> None:
+        self.target, self.latency_s = target, latency_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, delayed: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if delayed:
+                    time.sleep(self.latency_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                end.close()
 
 
 def requests_of(dataset: MemoryMappedDataset) -> int:
@@ -82,6 +117,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--read-ahead-mb", type=int, default=8)
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="round-trip time added to every request (a proxy in front of the local server)",
+    )
     args = parser.parse_args()
 
     from moto.server import ThreadedMotoServer
@@ -90,6 +131,8 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    if args.latency_ms > 0:
+        host, port = "127.0.0.1", LatencyProxy((host, port), args.latency_ms / 1000).port
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update(
             AWS_ACCESS_KEY_ID="bench",
