@@ -109,7 +109,7 @@ def test_a_cancelled_group_step_is_relaunched_and_rejoins(slurm, token_dirs, tmp
         tmp_path / f"job-{job}.out"
     )
     assert reference["JobState"] == "COMPLETED", _tail(tmp_path / f"job-{whole}.out")
-    _assert_losses_match(faulted_dir / "replica_0", whole_dir)
+    _assert_losses_match(faulted_dir, whole_dir)
 
 
 def _cancel_group_1_midway(
@@ -136,12 +136,13 @@ def _assert_losses_match(run: pathlib.Path, whole: pathlib.Path) -> None:
     far had the same groups in both jobs (the same sums in the same order), then to the
     rounding of summing the step's slots in one process instead of over two (layout_atol,
     as tests/distributed/test_replica_groups.py)."""
-    losses = {r["step"]: r["loss"] for r in train_rows(run)}
-    # Either group of the uninterrupted job may have started late and joined with the
-    # other's state: both log the same global loss, so their union is every step.
+    # Either group of a job may have started late and joined with the other's state, and
+    # group 1 of this one was down a while: both log the same global loss, so the union of
+    # their rows is every step.
+    losses = {r["step"]: r["loss"] for g in (0, 1) for r in train_rows(run / f"replica_{g}")}
     reference = {r["step"]: r["loss"] for g in (0, 1) for r in train_rows(whole / f"replica_{g}")}
     assert sorted(losses) == sorted(reference) == list(range(1, MAX_STEPS + 1))
-    ours = _participants(run)
+    ours = {**_participants(run / "replica_1"), **_participants(run / "replica_0")}
     theirs = {**_participants(whole / "replica_0"), **_participants(whole / "replica_1")}
     assert 1 in ours.values(), ours  # group 0 stepped alone while group 1 was down
     model = load_config(DEBUG, tiny_run(None, None, *TINY)).model
