@@ -39,6 +39,11 @@ def read_text(path: str) -> str:
 def read_range(url: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of the object at ``url``: one ranged request."""
     data = store_call(url, lambda fs, key: fs.cat_file(key, start=start, end=end))
+    return _whole(url, start, end, data)
+
+
+def _whole(url: str, start: int, end: int, data: bytes) -> bytes:
+    """``data``, checked to be all of bytes ``[start, end)`` of ``url``."""
     if len(data) != end - start:
         raise StoreError(
             f"{url}: asked for bytes [{start}, {end}), the store returned {len(data)}: the "
@@ -67,14 +72,8 @@ def read_ranges(urls: list[str], starts: list[int], ends: list[int]) -> list[byt
             )
 
         for i, data in zip(positions, store_call(first, fetch), strict=True):
-            if len(data) != ends[i] - starts[i]:
-                raise StoreError(
-                    f"{urls[i]}: asked for bytes [{starts[i]}, {ends[i]}), the store returned "
-                    f"{len(data)}: the object is shorter than its meta.json says; prepare "
-                    "the corpus again"
-                )
-            found[i] = data
-    return [data for data in found if data is not None]
+            found[i] = _whole(urls[i], starts[i], ends[i], data)
+    return [data for data in found if data is not None]  # every position is filled
 
 
 def is_dir(path: str) -> bool:
