@@ -71,6 +71,32 @@ def share_problems(path: Path, rank: int, world_size: int) -> list[str]:
     return _first_problem(path, [rank], world_size)
 
 
+def share_files(path: Path, rank: int, world_size: int) -> list[str]:
+    """The files share_problems reads for rank `rank` besides the marker and .metadata,
+    read from `path` (empty when either is unreadable: the check then says why). For a
+    checkpoint in a store, what the rank fetches before its check: its own share only."""
+    marker, _ = load_marker(path)
+    try:
+        _, metadata = _read_metadata(path)
+    except _Problem:
+        return []
+    if marker is None:
+        return []
+    writers = {train_state_source(rank, marker["world_size"])}
+    names = {train_state_name(w) for w in writers}
+    if rank == 0:
+        writers.add(0)  # .metadata's checksum
+    spans = _spans_by_file(metadata)
+    for index, name in enumerate(sorted(spans)):
+        writer = _dcp_file_writer(name, index)
+        if writer % world_size == rank:
+            names.add(name)
+            writers.add(writer)
+    if marker.get("checksums") == CHECKSUM_KIND:
+        names |= {checksums_name(w) for w in writers}
+    return sorted(names)
+
+
 def checkpoint_problems(path: Path) -> list[str]:
     """What keeps `path` from being a complete checkpoint, every rank's share checked here."""
     return _first_problem(path, None, None)

@@ -38,9 +38,12 @@ from kempnerforge.checkpoint.resume import (
     saved_keys,
 )
 from kempnerforge.checkpoint.saver import CheckpointSaver
+from kempnerforge.checkpoint.store import CheckpointStore, default_staging
+from kempnerforge.checkpoint.store_reads import fetch_share, store_candidates
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError, incomplete
 from kempnerforge.core.logging import get_logger
+from kempnerforge.storage.location import is_store_url, local_path
 
 __all__ = ["CheckpointError", "CheckpointManager"]
 
@@ -73,13 +76,20 @@ class CheckpointManager(CheckpointSaver):
         process_group: dist.ProcessGroup | None = None,
         side_group: dist.ProcessGroup | None = None,
         config_sha256: str = "",
+        staging_dir: str = "",
     ) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not initialized:
             raise ValueError(f"world_size={world_size} needs torch.distributed to be initialized")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        root = Path(directory)
+        store = None
+        if is_store_url(directory):
+            store = CheckpointStore(
+                directory, timeout_s=cfg.store_timeout_s, connections=cfg.store_connections
+            )
+            directory = staging_dir or cfg.staging_dir or default_staging(directory)
+        root = Path(local_path(directory))
         super().__init__(
             cfg,
             root,
@@ -91,6 +101,7 @@ class CheckpointManager(CheckpointSaver):
             no_dist=not initialized,
             config_sha256=config_sha256,
         )
+        self.store = store
         self._verified: set[Path] = set()
         """Checkpoints a verdict of this run found complete: a load of one checks no more."""
 
@@ -169,6 +180,8 @@ class CheckpointManager(CheckpointSaver):
         """
         root = Path(path)
         try:
+            if self.store is not None:
+                fetch_share(self.store, root, self.rank, self.world_size)
             local = share_problems(root, self.rank, self.world_size)
         except Exception as e:  # a rank that raised alone would leave the others waiting
             local = [f"cannot be checked ({type(e).__name__}: {e})"]
@@ -182,9 +195,12 @@ class CheckpointManager(CheckpointSaver):
         return []
 
     def _choose(self, choice: str) -> str | None:
-        candidates: Candidates | None = self._coord.on_rank0(
-            lambda: list_candidates(self.directory, choice)
-        )
+        def listing() -> Candidates | None:
+            if self.store is not None:
+                return store_candidates(self.store, self.directory, choice)
+            return list_candidates(self.directory, choice)
+
+        candidates: Candidates | None = self._coord.on_rank0(listing)
         if candidates is None:
             return None
         return choose(candidates, self.verify, quiet=self.rank != 0)

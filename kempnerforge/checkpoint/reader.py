@@ -7,15 +7,23 @@ after the completeness check would still run code inside ``dcp.load``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
 from kempnerforge.checkpoint.disk_format import DCP_METADATA
 from kempnerforge.core.errors import CheckpointError
+
+FETCHERS: dict[Path, Callable[[set[str]], None]] = {}
+"""Checkpoints staged from an object store (store_reads.fetch_share), by local path: each
+maps to what fetches the named files a load needs that its check did not (another rank's
+file, when the layout changed) before DCP reads them."""
 
 
 class AllowListedReader(FileSystemReader):
@@ -47,6 +55,14 @@ class AllowListedReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read of this rank's items, after fetching their files from the store
+        when the checkpoint is staged from one (FETCHERS)."""
+        fetch = FETCHERS.get(Path(self.path))
+        if fetch is not None:
+            fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        return super().read_data(plan, planner)
 
     def _refuse(self, error: CheckpointError) -> CheckpointError:
         if self.refusal is None:

@@ -42,6 +42,7 @@ from kempnerforge.checkpoint.checksums import (
     Checksum,
     ChecksummingWriter,
     checksum_of_bytes,
+    checksums_name,
     write_checksums,
 )
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
@@ -67,9 +68,16 @@ from kempnerforge.checkpoint.publish import (
     remove_leftovers,
     settle,
 )
+from kempnerforge.checkpoint.store import (
+    CheckpointStore,
+    clear_local,
+    prepare_store_save,
+    store_retention,
+)
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
+from kempnerforge.storage.stores import StoreError
 
 logger = get_logger(__name__)
 
@@ -128,6 +136,10 @@ class CheckpointSaver:
         self.failed_saves_in_a_row = 0
         """Saves that failed (FailedSave) since the last committed one; the same on every
         rank."""
+        self.store: CheckpointStore | None = None
+        """Where checkpoints go when checkpoint.dir is a store URL (``directory`` is then
+        the local staging directory); None for a local directory."""
+        self._store_ready = False
 
     @property
     def writing(self) -> bool:
@@ -290,6 +302,12 @@ class CheckpointSaver:
 
         def then() -> None:
             write_rank_files(tmp, self.rank, train_state_data, writer.sums)
+            if self.store is not None:  # the rank's own files; rank 0's include .metadata
+                own = [*writer.sums, train_state_name(self.rank), checksums_name(self.rank)]
+                self.store.upload(tmp, tmp.name.removesuffix(".tmp"), own)
+
+        if self.store is not None:
+            tmp.mkdir(parents=True, exist_ok=True)  # a node's staging rank 0 did not make
 
         if self.cfg.async_mode == "async":
             return self._writer.start(
@@ -350,7 +368,7 @@ class CheckpointSaver:
         reason = diagnosis.reason
         if self.world_size > 1 and "rank " not in reason:
             reason = f"rank {rank}: {reason}"
-        latest = read_latest(self.directory)
+        latest = self._latest()
         kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
         what = "the background write of" if background else "writing"
         raise FailedSave(
@@ -375,6 +393,12 @@ class CheckpointSaver:
         except OSError as e:
             return diagnose(e, self.directory)
         check_names_free(self.directory, step)
+        if self.store is not None:
+            try:
+                prepare_store_save(self.store, f"step_{step}", first=not self._store_ready)
+            except StoreError as e:
+                return Diagnosis(str(e))
+            self._store_ready = True
         if tmp.exists():
             raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
         try:
@@ -390,10 +414,20 @@ class CheckpointSaver:
         self._raise_failed(marker["step"], failure, background=background)
 
     def _commit(self, tmp: Path, marker: dict[str, Any]) -> Diagnosis | None:
+        name = f"step_{marker['step']}"
         try:
             write_marker(tmp, marker)
             fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
-            publish(self.directory, f"step_{marker['step']}")
+            if self.store is not None:
+                self.store.publish(tmp, name)  # every rank's uploads are confirmed
+                clear_local(tmp)
+                ours = {p.name for p in self.known_complete} | {name}
+                for gone in store_retention(self.store, ours, self.cfg):
+                    self.known_complete.discard(self.directory / gone)
+                return None
+            publish(self.directory, name)
+        except StoreError as e:
+            return Diagnosis(str(e))
         except OSError as e:
             return diagnose(e, self.directory)
         apply_retention(
@@ -403,6 +437,10 @@ class CheckpointSaver:
             is_complete=self._counts_as_complete,
         )
         return None
+
+    def _latest(self) -> str | None:
+        """What ``latest`` names, for a failure's report (None when a store cannot say)."""
+        return read_latest(self.directory) if self.store is None else self.store.latest()
 
     def _counts_as_complete(self, path: Path) -> bool:
         """For retention: a checkpoint this run wrote or verified, or else one with a

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kempnerforge.config.checks import MAX_STEPS, check_at_least, check_choice
+from kempnerforge.config.checks import MAX_STEPS, check_at_least, check_choice, check_positive
+from kempnerforge.config.distributed import MAX_TIMEOUT_S
 from kempnerforge.core.errors import ConfigError
 
 ASYNC_MODES = ("disabled", "async")
@@ -15,7 +16,20 @@ class CheckpointConfig:
     interval: int = 100
     """Save every N optimizer steps; 0 saves only at the end of the run; at most 2**62 - 1."""
     dir: str = ""
-    """Checkpoint directory; empty means <train.run_dir>/checkpoints."""
+    """Checkpoint directory; empty means <train.run_dir>/checkpoints. A URL
+    (s3://bucket/prefix, any fsspec protocol) saves into an object store: each save is
+    written to staging_dir first and uploaded from there (docs/fault-tolerance.md)."""
+    staging_dir: str = ""
+    """With dir a store URL: the local directory each save is written to before its upload,
+    and resumes read their share into; empty means <train.run_dir>/checkpoint_staging.
+    Node-local disk is fastest; it holds at most one save and one resume at a time."""
+    store_timeout_s: float = 600.0
+    """With dir a store URL: seconds a rank's uploads of one save (or its reads of one
+    resume) may take before the save counts as failed (a checkpoint_failed event, 'latest'
+    unchanged) or the resume stops; above 0."""
+    store_connections: int = 8
+    """With dir a store URL: files a rank uploads or downloads at once (large files also go
+    in parts); at least 1."""
     resume_from: str = "auto"
     """Where a run without checkpoints of its own starts: 'auto' (nothing to load), 'none',
     or a checkpoint path (absolute, or a name such as step_30 inside dir). Once the run has
@@ -53,6 +67,8 @@ class CheckpointConfig:
         for name in ("interval", "keep_last_n", "keep_every"):
             check_at_least(f"checkpoint.{name}", getattr(self, name), 0, MAX_STEPS)
         check_at_least("checkpoint.max_failed_saves", self.max_failed_saves, 1, MAX_STEPS)
+        check_at_least("checkpoint.store_connections", self.store_connections, 1, 1024)
+        check_positive("checkpoint.store_timeout_s", self.store_timeout_s, MAX_TIMEOUT_S)
         check_choice("checkpoint.async_mode", self.async_mode, ASYNC_MODES)
         if not self.resume_from:
             raise ConfigError(

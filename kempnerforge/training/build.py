@@ -75,6 +75,8 @@ def build_checkpointer(
         world_size=runtime.world_size,
         side_group=runtime.side_group,
         config_sha256=config_sha256(config),
+        staging_dir=config.checkpoint.staging_dir
+        or os.path.join(config.job_dir, "checkpoint_staging"),
     )
 
 

@@ -4,16 +4,18 @@ before anything is built; and a URL where only local paths work yet is refused."
 
 from __future__ import annotations
 
+import uuid
+
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.storage.files import probe
-from kempnerforge.storage.location import is_store_url
+from kempnerforge.storage.files import probe, remove, write_bytes
+from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.storage.stores import StoreError
 
 LOCAL_ONLY = "a local or mounted directory"
 LOCAL_ONLY_WHY = (
-    "object-store checkpoints and run directories are not supported yet; use a local path or "
-    "a store mounted as a directory, and name object stores only in data paths"
+    "a run directory holds the run's lock, config and metrics and must be local or a store "
+    "mounted as a directory; object stores work for data paths and checkpoint.dir"
 )
 
 
@@ -27,14 +29,28 @@ def data_urls(config: JobConfig) -> list[tuple[str, str]]:
 
 
 def check_local_dirs(config: JobConfig) -> None:
-    """Refuse checkpoint.dir or train.run_dir naming an object store: they would be created
-    as a local directory named after the scheme ('s3:'), silently."""
-    for field, value in (
-        ("train.run_dir", config.train.run_dir),
-        ("checkpoint.dir", config.checkpoint.dir),
-    ):
-        if value and is_store_url(value):
-            raise ConfigError(field, value, LOCAL_ONLY, LOCAL_ONLY_WHY)
+    """Refuse train.run_dir naming an object store: it would be created as a local
+    directory named after the scheme ('s3:'), silently."""
+    value = config.train.run_dir
+    if value and is_store_url(value):
+        raise ConfigError("train.run_dir", value, LOCAL_ONLY, LOCAL_ONLY_WHY)
+
+
+def check_checkpoint_store(config: JobConfig) -> None:
+    """With checkpoint.dir a store URL: write and delete one probe object under it, so a
+    missing bucket or credentials that may not write stop the launch now, not at the first
+    save; ConfigError naming checkpoint.dir and carrying the store's own error."""
+    url = config.checkpoint.dir
+    if not (url and is_store_url(url)):
+        return
+    probe_url = join(url, f".write-probe-{uuid.uuid4().hex}")
+    try:
+        write_bytes(probe_url, b"")
+        remove(probe_url)
+    except StoreError as exc:
+        raise ConfigError(
+            "checkpoint.dir", url, "a store location this job may write and delete in", str(exc)
+        ) from None
 
 
 def check_stores(config: JobConfig) -> None:
@@ -42,6 +58,7 @@ def check_stores(config: JobConfig) -> None:
     stores' bounded timeouts; the first that fails is a ConfigError naming its field and
     carrying the store's own error."""
     check_local_dirs(config)
+    check_checkpoint_store(config)
     for field, url in data_urls(config):
         try:
             probe(url)

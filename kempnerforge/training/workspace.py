@@ -33,6 +33,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.core.metrics_file import METRICS_FILE
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.resilience.run_lock import LOCK_NAME, RunLock
+from kempnerforge.storage.location import is_url
 
 logger = get_logger(__name__)
 
@@ -70,8 +71,8 @@ def check_directories(config: JobConfig) -> None:
     _check_run_dir(
         run_field, Path(config.run_dir), config.checkpoint_dir, config.train.use_existing_dir
     )
-    if config.train.use_existing_dir:
-        return
+    if config.train.use_existing_dir or is_url(config.checkpoint_dir):
+        return  # a store holds no foreign entries a save would overwrite: only step_<N>
     path = Path(config.checkpoint_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(
@@ -183,7 +184,9 @@ def rank0_workspace(config: JobConfig, runtime: RuntimeContext) -> Iterator[None
                 check_directories(config)
                 # A replica group shares the job's checkpoint directory with the others.
                 shared = config.fault_tolerance.enabled
-                checkpoints = None if shared else config.checkpoint_dir
+                # A store cannot be locked: two runs must not share a checkpoint.dir URL.
+                in_store = is_url(config.checkpoint_dir)
+                checkpoints = None if shared or in_store else config.checkpoint_dir
                 stack.enter_context(locked_directories(config.run_dir, checkpoints))
                 mark_run_dir(config.run_dir, config.train.name)
             except Exception as e:

@@ -227,11 +227,12 @@ def test_an_unreadable_store_stops_the_launch_at_start_up_naming_the_field(
     assert "127.0.0.1:9" in line, line
 
 
-def test_a_checkpoint_dir_in_a_store_is_refused_at_start_up(token_dirs, tmp_path):
+def test_a_run_dir_in_a_store_is_refused_at_start_up(token_dirs, tmp_path):
     result = run_kempnerforge(
-        *cli_train(tmp_path / "run", token_dirs, "--checkpoint.dir=s3://bucket/ckpt"),
+        *cli_train(tmp_path / "run", token_dirs, "--train.run_dir=s3://bucket/run"),
+        cwd=tmp_path,
     )
     line = _one_error_line(result)
-    assert line.startswith("kempnerforge: error: checkpoint.dir = 's3://bucket/ckpt'"), line
-    assert "not supported yet" in line and "local or mounted" in line, line
-    assert not pathlib.Path("s3:").exists() and not (tmp_path / "run").exists()
+    assert line.startswith("kempnerforge: error: train.run_dir = 's3://bucket/run'"), line
+    assert "local or mounted" in line, line
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "run").exists()

