@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import time
 
 import pytest
 
 from kempnerforge.storage.stores import filesystem
 from tests.support.cli import run_kempnerforge
+from tests.support.metrics_rows import events
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_steps
 
@@ -99,3 +102,39 @@ def test_a_bucket_the_job_cannot_write_stops_the_launch_naming_checkpoint_dir(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"kempnerforge: error: checkpoint.dir = '{url}'"), lines[0]
     assert "The specified bucket does not exist" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("mode", "fault"), [("disabled", "refuse"), ("async", "refuse"), ("async", "stall")]
+)
+def test_a_store_failing_mid_upload_is_a_failed_save_and_training_goes_on(
+    s3, token_dirs, tmp_path, mode, fault
+):
+    server, bucket = s3
+    url = f"{bucket}/failing"
+    run = tmp_path / "run"
+    overrides = tiny_run(
+        run,
+        token_dirs,
+        "--train.max_steps=6",
+        "--checkpoint.interval=2",
+        f"--checkpoint.async_mode={mode}",
+        "--checkpoint.store_timeout_s=2",
+        f"--checkpoint.dir={url}",
+    )
+    started = time.monotonic()
+    with server.faulting("/failing/step_4/", fault):
+        # Only step 4's uploads fail: the store fails it, the run goes on to save step 6
+        # (which waits for step 4's outcome first in async mode).
+        done = train_steps(overrides)
+    assert done["step"] == 6
+    assert time.monotonic() - started < 60  # bounded by the timeout, not the store
+    failed = events(run, "checkpoint_failed")
+    assert [e["step"] for e in failed] == [4]
+    assert failed[0]["path"] == f"{url}/step_4"
+    expected = "AccessDenied|Access Denied" if fault == "refuse" else "store_timeout_s = 2 s"
+    assert re.search(expected, failed[0]["reason"]), failed[0]["reason"]
+    stored = objects(url)
+    assert "step_4/complete.json" not in stored  # never taken by a reader
+    assert {"step_2/complete.json", "step_6/complete.json"} <= set(stored)
+    assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_6"

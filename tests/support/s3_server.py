@@ -30,6 +30,9 @@ class S3Server:
     endpoint: str
     requests: list[Request] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    fault: tuple[str, str] | None = None
+    """(path fragment, 'refuse' or 'stall') while a test has writes fail (faulting)."""
+    released: threading.Event = field(default_factory=threading.Event)
 
     def environment(self, home: str) -> dict[str, str]:
         """The variables a process needs to reach this server with the credentials it
@@ -55,6 +58,25 @@ class S3Server:
                 )
             )
 
+    def fault_for(self, environ: dict[str, Any]) -> str | None:
+        """'stall' or 'refuse' for a write whose path holds the fragment faulting() set."""
+        fault = self.fault
+        if fault is None or environ.get("REQUEST_METHOD") not in ("PUT", "POST"):
+            return None
+        return fault[1] if fault[0] in environ.get("PATH_INFO", "") else None
+
+    @contextmanager
+    def faulting(self, fragment: str, kind: str) -> Iterator[None]:
+        """Writes (PUT, POST) to paths holding ``fragment`` are refused (403 AccessDenied,
+        kind 'refuse') or never answered until the block ends (kind 'stall')."""
+        self.released.clear()
+        self.fault = (fragment, kind)
+        try:
+            yield
+        finally:
+            self.fault = None
+            self.released.set()
+
     def clear(self) -> None:
         with self._lock:
             self.requests.clear()
@@ -77,9 +99,21 @@ class S3Server:
             settings.INITIAL_NO_AUTH_ACTION_COUNT = saved
 
 
+_REFUSED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message></Error>"
+)
+
+
 def _counting(app: Callable[..., Any], server: S3Server) -> Callable[..., Any]:
     def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         server.record(environ)
+        fault = server.fault_for(environ)
+        if fault == "stall":
+            server.released.wait()  # a store that accepted the request and went silent
+        elif fault == "refuse":
+            start_response("403 Forbidden", [("Content-Type", "application/xml")])
+            return [_REFUSED]
         return app(environ, start_response)
 
     return counted

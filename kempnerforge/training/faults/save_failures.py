@@ -31,8 +31,8 @@ def tolerating_failed_saves(session: TrainingSession) -> Iterator[None]:
         checkpointer = session.checkpointer
         failed = checkpointer.failed_saves_in_a_row
         allowed = session.config.checkpoint.max_failed_saves
-        path = checkpointer.directory / f"step_{error.step}"
-        fields: dict[str, object] = {"reason": error.reason, "path": str(path), "in_a_row": failed}
+        path = checkpointer.location(f"step_{error.step}")
+        fields: dict[str, object] = {"reason": error.reason, "path": path, "in_a_row": failed}
         if error.bytes_free is not None:
             fields["bytes_free"] = error.bytes_free
         session.tracker.log_event(error.step, "checkpoint_failed", **fields)
