@@ -138,3 +138,28 @@ def test_a_store_failing_mid_upload_is_a_failed_save_and_training_goes_on(
     assert "step_4/complete.json" not in stored  # never taken by a reader
     assert {"step_2/complete.json", "step_6/complete.json"} <= set(stored)
     assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_6"
+
+
+def test_retention_deletes_a_checkpoints_marker_before_its_other_objects(s3, token_dirs, tmp_path):
+    server, bucket = s3
+    url = f"{bucket}/kept"
+    overrides = tiny_run(
+        tmp_path / "run",
+        token_dirs,
+        "--train.max_steps=4",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_last_n=1",
+        f"--checkpoint.dir={url}",
+    )
+    train_steps(overrides)
+    assert {name.split("/")[0] for name in objects(url)} == {"latest", "step_4"}
+    taken = server.taken()
+    # s3fs deletes one object with DELETE and several with one POST ?delete (keys in the body).
+    deleting = [
+        i
+        for i, r in enumerate(taken)
+        if (r.method == "DELETE" and "/kept/step_2/" in r.path)
+        or (r.method == "POST" and "delete" in r.query)
+    ]
+    assert taken[deleting[0]].path.endswith("/kept/step_2/complete.json")
+    assert taken[deleting[0]].method == "DELETE" and len(deleting) > 1
