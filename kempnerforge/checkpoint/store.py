@@ -52,11 +52,14 @@ class CheckpointStore:
 
     def upload(self, local: Path, name: str, files: Iterable[str]) -> None:
         """Upload `files` of the local directory `local` into checkpoint `name`, in
-        parallel; returns once the store has confirmed every one (StoreError otherwise)."""
+        parallel; returns once the store has confirmed every one (StoreError otherwise).
+        Each local file is deleted once the store has it, so a node's staging directory
+        (rank 0 clears its own at the commit) holds no save after its upload."""
 
         def put(file: str) -> None:
             url = self.object_url(name, file)
             store_call(url, lambda fs, key: fs.put_file(str(local / file), key))
+            (local / file).unlink(missing_ok=True)
 
         self._parallel(put, sorted(set(files)), f"uploading {name}")
 

@@ -1,6 +1,7 @@
 """Start-up checks of the paths a job names in object stores: the stores it reads are asked
 once, so a missing bucket, refused credentials or an unreachable endpoint stop the launch
-before anything is built; and a URL where only local paths work yet is refused."""
+before anything is built; a checkpoint.dir in a store is written to once (the job must be
+able to write there); and a run directory in a store is refused."""
 
 from __future__ import annotations
 
