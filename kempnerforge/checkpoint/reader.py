@@ -20,10 +20,13 @@ from kempnerforge.checkpoint.dcp_metadata import read_dcp_metadata
 from kempnerforge.checkpoint.disk_format import DCP_METADATA
 from kempnerforge.core.errors import CheckpointError
 
-FETCHERS: dict[Path, Callable[[set[str]], None]] = {}
+Span = tuple[str, int, int]
+"""(relative path, offset, length) of one DCP item."""
+FETCHERS: dict[Path, Callable[[list[Span]], None]] = {}
 """Checkpoints staged from an object store (store_reads.fetch_share), by local path: each
-maps to what fetches the named files a load needs that its check did not (another rank's
-file, when the layout changed) before DCP reads them."""
+maps to what fetches the items a load reads outside the files its check fetched (another
+rank's item: a replicated tensor, or any item when the layout changed) before DCP reads
+them."""
 
 
 class AllowListedReader(FileSystemReader):
@@ -61,7 +64,8 @@ class AllowListedReader(FileSystemReader):
         when the checkpoint is staged from one (FETCHERS)."""
         fetch = FETCHERS.get(Path(self.path))
         if fetch is not None:
-            fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            infos = [self.storage_data[item.storage_index] for item in plan.items]
+            fetch([(info.relative_path, info.offset, info.length) for info in infos])
         return super().read_data(plan, planner)
 
     def _refuse(self, error: CheckpointError) -> CheckpointError:

@@ -35,6 +35,10 @@ from kempnerforge.storage.stores import StoreError, store_call
 
 logger = get_logger(__name__)
 
+SPAN_GAP = 1 << 20
+"""Ranges of one file closer than this are read in one request: a store's latency (tens of
+ms) costs more than the bytes between them."""
+
 
 class CheckpointStore:
     """The checkpoints under store URL ``url``; transfers go ``connections`` at a time and
@@ -91,6 +95,29 @@ class CheckpointStore:
                     os.unlink(tmp)
 
         self._parallel(get, sorted(set(files)), f"reading {name}")
+
+    def read_spans(self, name: str, local: Path, spans: Iterable[tuple[str, int, int]]) -> None:
+        """Fetch byte ranges (file, offset, length) of checkpoint `name` with ranged reads
+        (neighbours less than SPAN_GAP apart in one), in parallel, writing each at its
+        offset in `local`/file (created when absent: a sparse file holding only what a
+        load reads)."""
+        local.mkdir(parents=True, exist_ok=True)
+
+        def get(span: tuple[str, int, int]) -> None:
+            file, offset, length = span
+            url = self.object_url(name, file)
+            data = store_call(
+                url, lambda fs, key: fs.cat_file(key, start=offset, end=offset + length)
+            )
+            if len(data) != length:
+                raise StoreError(f"{url}: {len(data)} bytes at {offset}, expected {length}")
+            fd = os.open(local / file, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, data, offset)
+            finally:
+                os.close(fd)
+
+        self._parallel(get, coalesce(spans), f"reading {name}")
 
     def exists(self, url: str) -> bool:
         """Whether the object `url` exists: one metadata request."""
@@ -171,7 +198,7 @@ class CheckpointStore:
                 logger.info("removing %s, left by an interrupted save", self.object_url(name))
                 self.delete(name)
 
-    def _parallel(self, action: Callable[[str], None], files: list[str], what: str) -> None:
+    def _parallel(self, action: Callable[[Any], None], files: list[Any], what: str) -> None:
         """Run `action` on every file, `connections` at once, within `timeout_s`; the
         first failure (or the deadline) raises StoreError naming the checkpoint."""
         if not files:
@@ -251,3 +278,16 @@ def default_staging(url: str) -> str:
     directory of the system's temporary space named after the URL."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"kempnerforge-staging-{digest}")
+
+
+def coalesce(spans: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """`spans` (file, offset, length) with those of one file less than SPAN_GAP apart
+    merged into one."""
+    merged: list[tuple[str, int, int]] = []
+    for file, offset, length in sorted(set(spans)):
+        if merged and merged[-1][0] == file and offset - sum(merged[-1][1:]) < SPAN_GAP:
+            start = merged[-1][1]
+            merged[-1] = (file, start, max(sum(merged[-1][1:]), offset + length) - start)
+        else:
+            merged.append((file, offset, length))
+    return merged

@@ -4,9 +4,11 @@ Rank 0 lists the checkpoint prefix once and asks for the marker of each ``step_<
 (a prefix without one is an interrupted save, never a candidate). Each rank then fetches
 into its staged copy only what its own check and load read: the marker and DCP's
 .metadata (shared, small), its train state, and the DCP files and checksums of its share
-(integrity.share_files), all at once over checkpoint.store_connections. A load that needs
-another rank's file (the layout changed) fetches it when DCP asks (reader.FETCHERS). The
-staged copy is then checked and loaded exactly as a local checkpoint is.
+(integrity.share_files), all at once over checkpoint.store_connections. An item a load
+reads from another rank's file (a replicated tensor DCP saved once, or any item when the
+layout changed) is fetched when DCP asks for it (reader.FETCHERS), with a ranged read of
+its bytes only, written at its offset in the staged file. The staged copy is then checked
+and loaded exactly as a local checkpoint is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from kempnerforge.checkpoint.choice import Candidate, Candidates, list_candidates
 from kempnerforge.checkpoint.disk_format import DCP_METADATA, LATEST, MARKER, STEP_DIR
 from kempnerforge.checkpoint.integrity import share_files
-from kempnerforge.checkpoint.reader import FETCHERS
+from kempnerforge.checkpoint.reader import FETCHERS, Span
 from kempnerforge.checkpoint.store import CheckpointStore
 
 
@@ -49,11 +51,9 @@ def fetch_share(store: CheckpointStore, root: Path, rank: int, world_size: int) 
     name = root.name
     store.download(name, root, [MARKER, DCP_METADATA], missing_ok=True)
     store.download(name, root, share_files(root, rank, world_size), missing_ok=True)
-    fetched: set[str] = set()
+    share = set(share_files(root, rank, world_size))
 
-    def fetch_for_load(files: set[str]) -> None:
-        wanted = files - fetched - set(share_files(root, rank, world_size))
-        store.download(name, root, wanted)
-        fetched.update(wanted)
+    def fetch_for_load(spans: list[Span]) -> None:
+        store.read_spans(name, root, [span for span in spans if span[0] not in share])
 
     FETCHERS[root] = fetch_for_load
