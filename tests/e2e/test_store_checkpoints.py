@@ -7,8 +7,11 @@ write stops the launch."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -163,3 +166,43 @@ def test_retention_deletes_a_checkpoints_marker_before_its_other_objects(s3, tok
     ]
     assert taken[deleting[0]].path.endswith("/kept/step_2/complete.json")
     assert taken[deleting[0]].method == "DELETE" and len(deleting) > 1
+
+
+def test_a_run_killed_mid_upload_resumes_from_the_previous_checkpoint(s3, token_dirs, tmp_path):
+    server, bucket = s3
+    url = f"{bucket}/killed"
+    every = ("--checkpoint.interval=3", "--checkpoint.async_mode=async")
+    args = cli_train(tmp_path / "run", token_dirs, "--train.max_steps=9", *every)
+    env = {**os.environ, **server.environment(str(tmp_path)), "OMP_NUM_THREADS": "2"}
+    with server.faulting("/killed/step_6/", "stall"):
+        run = subprocess.Popen(
+            [sys.executable, "-m", "kempnerforge", *args, f"--checkpoint.dir={url}"],
+            cwd=pathlib.Path(__file__).parents[2],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 120
+        while not any("/killed/step_6/" in r.path and r.method == "PUT" for r in server.taken()):
+            assert run.poll() is None and time.monotonic() < deadline, "no upload of step_6"
+            time.sleep(0.05)
+        run.kill()  # SIGKILL while step 6's uploads are in flight
+        run.wait()
+    assert "step_6/complete.json" not in objects(url)
+    assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_3"
+    resumed = train_steps(
+        tiny_run(
+            tmp_path / "run",
+            token_dirs,
+            "--model.n_kv_heads=2",
+            "--train.max_steps=9",
+            *every,
+            f"--checkpoint.dir={url}",
+            "--train.use_existing_dir=true",
+        ),
+        config_path=DEBUG,
+    )
+    assert (resumed["start_step"], resumed["step"]) == (3, 9)
+    stored = objects(url)
+    assert {"step_6/complete.json", "step_9/complete.json"} <= set(stored)
+    assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_9"
