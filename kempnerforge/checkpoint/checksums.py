@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from kempnerforge.checkpoint.disk_format import CHECKSUM_KIND, write_durable
+from kempnerforge.checkpoint.disk_format import CHECKSUM_KIND, train_state_name, write_durable
 
 _READ_CHUNK = 8 << 20
 
@@ -165,3 +165,12 @@ def read_checksums(directory: Path, rank: int) -> tuple[dict[str, Checksum] | No
             return None, f"{name}: the entry of {file!r} is not a crc32 and a length"
         sums[str(file)] = (crc, size)
     return sums, None
+
+
+def write_rank_files(
+    tmp: Path, rank: int, train_state_data: bytes, dcp_sums: dict[str, Checksum]
+) -> None:
+    """After this rank's DCP files: its train state, then the checksums of all it wrote."""
+    name = train_state_name(rank)
+    write_durable(tmp / name, train_state_data)
+    write_checksums(tmp, rank, {**dcp_sums, name: checksum_of_bytes(train_state_data)})

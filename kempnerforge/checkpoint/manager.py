@@ -110,11 +110,6 @@ class CheckpointManager(CheckpointSaver):
         """The step of the async save being written and not yet committed, or None."""
         return None if self.pending is None else self.pending.step
 
-    def location(self, name: str) -> str:
-        """Where checkpoint `name` (``step_<N>``) lives, for reports: its URL when
-        checkpoint.dir is a store, else its directory."""
-        return str(self.directory / name) if self.store is None else self.store.object_url(name)
-
     def is_on_schedule(self, step: int) -> bool:
         """True when `step` is a positive multiple of checkpoint.interval (never if it is 0)."""
         return self.cfg.interval > 0 and step > 0 and step % self.cfg.interval == 0

@@ -26,6 +26,7 @@ saves of that step or later; see ``background.fault_save_delay``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -38,13 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kempnerforge.checkpoint.background import BackgroundWriter, PendingSave, fault_save_delay
-from kempnerforge.checkpoint.checksums import (
-    Checksum,
-    ChecksummingWriter,
-    checksum_of_bytes,
-    checksums_name,
-    write_checksums,
-)
+from kempnerforge.checkpoint.checksums import ChecksummingWriter, write_rank_files
 from kempnerforge.checkpoint.coordination import Coordinator, new_gloo_group, quiet_single_process
 from kempnerforge.checkpoint.disk_format import (
     CHECKSUM_KIND,
@@ -55,8 +50,6 @@ from kempnerforge.checkpoint.disk_format import (
     read_latest,
     read_marker,
     torch_bytes,
-    train_state_name,
-    write_durable,
     write_marker,
 )
 from kempnerforge.checkpoint.failures import FAILURES, Diagnosis, FailedSave, diagnose
@@ -70,9 +63,9 @@ from kempnerforge.checkpoint.publish import (
 )
 from kempnerforge.checkpoint.store import (
     CheckpointStore,
-    clear_local,
+    commit_to_store,
     prepare_store_save,
-    store_retention,
+    upload_rank_files,
 )
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError
@@ -83,15 +76,6 @@ logger = get_logger(__name__)
 
 CommitCallback = Callable[[int, str, float], None]
 """Called with a committed checkpoint's step, its path and the seconds since its save began."""
-
-
-def write_rank_files(
-    tmp: Path, rank: int, train_state_data: bytes, dcp_sums: dict[str, Checksum]
-) -> None:
-    """After this rank's DCP files: its train state, then the checksums of all it wrote."""
-    name = train_state_name(rank)
-    write_durable(tmp / name, train_state_data)
-    write_checksums(tmp, rank, {**dcp_sums, name: checksum_of_bytes(train_state_data)})
 
 
 class CheckpointSaver:
@@ -139,7 +123,6 @@ class CheckpointSaver:
         self.store: CheckpointStore | None = None
         """Where checkpoints go when checkpoint.dir is a store URL (``directory`` is then
         the local staging directory); None for a local directory."""
-        self._store_ready = False
 
     @property
     def writing(self) -> bool:
@@ -214,7 +197,7 @@ class CheckpointSaver:
             error = e
         self._agree_on_write(step, error, writer.os_error, background=False)
         marker = self._marker(step, int(state.get("tokens_seen", 0)), config_sha256)
-        path = self.directory / name
+        path = self.location(name)
         if future is not None:
             self.pending = PendingSave(step, tmp, marker, future, started, lambda: writer.os_error)
             if self.rank == 0:
@@ -223,14 +206,14 @@ class CheckpointSaver:
                     path,
                     time.monotonic() - started,
                 )
-            return str(path)
+            return path
         fault_save_delay(step)
         self._commit_or_fail(tmp, marker, background=False)
         elapsed = time.monotonic() - started
         if self.rank == 0:
             logger.info("saved checkpoint %s (%.2f s)", path, elapsed)
-        self._committed(step, str(path), elapsed)
-        return str(path)
+        self._committed(step, elapsed)
+        return path
 
     def poll(self) -> str | None:
         """Commit the save in flight if its write has finished, without waiting for it.
@@ -264,18 +247,27 @@ class CheckpointSaver:
             error = e
         self._agree_on_write(pending.step, error, pending.os_error(), background=True)
         self._commit_or_fail(pending.tmp, pending.marker, background=True)
-        path = self.directory / f"step_{pending.step}"
+        path = self.location(f"step_{pending.step}")
         elapsed = time.monotonic() - pending.started_s
         if self.rank == 0:
             logger.info("saved checkpoint %s (committed %.2f s after save)", path, elapsed)
-        self._committed(pending.step, str(path), elapsed)
-        return str(path)
+        self._committed(pending.step, elapsed)
+        return path
 
-    def _committed(self, step: int, path: str, elapsed: float) -> None:
+    def location(self, name: str) -> str:
+        """Where checkpoint `name` (``step_<N>``) lives: its URL when checkpoint.dir is a
+        store, else its directory. What save() returns and reports name."""
+        return str(self.directory / name) if self.store is None else self.store.object_url(name)
+
+    def _committed(self, step: int, elapsed: float) -> None:
         self.failed_saves_in_a_row = 0
-        self.known_complete.add(Path(path))  # written whole by this run: retention trusts it
+        # Written whole by this run: retention trusts it (its staged path for a store).
+        self.known_complete.add(self.directory / f"step_{step}")
+        if self.store is not None:  # empty on a node without rank 0 (which removed its own)
+            with contextlib.suppress(OSError):
+                (self.directory / f"step_{step}.tmp").rmdir()
         if self.on_commit is not None:
-            self.on_commit(step, path, elapsed)
+            self.on_commit(step, self.location(f"step_{step}"), elapsed)
 
     def _marker(self, step: int, tokens_seen: int, config_sha256: str) -> dict[str, Any]:
         return {
@@ -302,9 +294,8 @@ class CheckpointSaver:
 
         def then() -> None:
             write_rank_files(tmp, self.rank, train_state_data, writer.sums)
-            if self.store is not None:  # the rank's own files; rank 0's include .metadata
-                own = [*writer.sums, train_state_name(self.rank), checksums_name(self.rank)]
-                self.store.upload(tmp, tmp.name.removesuffix(".tmp"), own)
+            if self.store is not None:
+                upload_rank_files(self.store, tmp, self.rank, writer.sums)
 
         if self.store is not None:
             tmp.mkdir(parents=True, exist_ok=True)  # a node's staging rank 0 did not make
@@ -395,10 +386,9 @@ class CheckpointSaver:
         check_names_free(self.directory, step)
         if self.store is not None:
             try:
-                prepare_store_save(self.store, f"step_{step}", first=not self._store_ready)
+                prepare_store_save(self.store, f"step_{step}")
             except StoreError as e:
                 return Diagnosis(str(e))
-            self._store_ready = True
         if tmp.exists():
             raise CheckpointError(tmp, f"'{LATEST}' names this directory, which a save reuses")
         try:
@@ -418,12 +408,8 @@ class CheckpointSaver:
         try:
             write_marker(tmp, marker)
             fsync_dir(tmp)  # entries of the DCP and train-state files, before the rename
-            if self.store is not None:
-                self.store.publish(tmp, name)  # every rank's uploads are confirmed
-                clear_local(tmp)
-                ours = {p.name for p in self.known_complete} | {name}
-                for gone in store_retention(self.store, ours, self.cfg):
-                    self.known_complete.discard(self.directory / gone)
+            if self.store is not None:  # every rank's uploads are confirmed
+                commit_to_store(self.store, tmp, self.known_complete, self.cfg)
                 return None
             publish(self.directory, name)
         except StoreError as e:

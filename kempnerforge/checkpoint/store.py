@@ -25,19 +25,25 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from kempnerforge.checkpoint.disk_format import LATEST, MARKER, STEP_DIR
+from kempnerforge.checkpoint.checksums import Checksum, checksums_name
+from kempnerforge.checkpoint.disk_format import LATEST, MARKER, STEP_DIR, train_state_name
 from kempnerforge.checkpoint.publish import retained
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.storage.location import join
-from kempnerforge.storage.stores import StoreError, store_call
+from kempnerforge.storage.location import join, scheme_of
+from kempnerforge.storage.stores import S3_PROTOCOLS, StoreError, store_call
 
 logger = get_logger(__name__)
 
 SPAN_GAP = 1 << 20
 """Ranges of one file closer than this are read in one request: a store's latency (tens of
 ms) costs more than the bytes between them."""
+
+
+DOWNLOAD_PART = 32 << 20
+"""A file larger than this is fetched in ranged parts of this size, several at once: one
+stream per file reaches a fraction of what a store serves."""
 
 
 class CheckpointStore:
@@ -48,6 +54,8 @@ class CheckpointStore:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.connections = connections
+        self.swept = False
+        """Whether a save has removed what interrupted saves left (prepare_store_save)."""
 
     def object_url(self, name: str, file: str = "") -> str:
         """The URL of checkpoint `name` (``step_<N>``), or of one of its files."""
@@ -62,8 +70,11 @@ class CheckpointStore:
 
         def put(file: str) -> None:
             url = self.object_url(name, file)
-            store_call(url, lambda fs, key: fs.put_file(str(local / file), key))
+            store_call(url, lambda fs, key: fs.put_file(str(local / file), key, **parts))
             (local / file).unlink(missing_ok=True)
+
+        # A rank's share is mostly one large file: its parts go up side by side too.
+        parts = {"max_concurrency": self.connections} if self._is_s3() else {}
 
         self._parallel(put, sorted(set(files)), f"uploading {name}")
 
@@ -75,6 +86,20 @@ class CheckpointStore:
         file). With `missing_ok`, an object the store lacks is left out, and so is any
         local file of its name (a check then says it is missing)."""
         local.mkdir(parents=True, exist_ok=True)
+        files = sorted(set(files))
+        sizes = self.sizes(name)
+        large = [f for f in files if sizes.get(f, 0) > DOWNLOAD_PART]
+        if large:  # in parts, side by side, into files renamed into place once whole
+            spans = [
+                (f, start, min(DOWNLOAD_PART, sizes[f] - start))
+                for f in large
+                for start in range(0, sizes[f], DOWNLOAD_PART)
+            ]
+            for file in large:
+                (local / f"{file}.part").unlink(missing_ok=True)
+            self.read_spans(name, local, spans, into=".part", merge=False)
+            for file in large:
+                os.replace(local / f"{file}.part", local / file)
 
         def get(file: str) -> None:
             url = self.object_url(name, file)
@@ -94,13 +119,33 @@ class CheckpointStore:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
 
-        self._parallel(get, sorted(set(files)), f"reading {name}")
+        self._parallel(get, [f for f in files if f not in large], f"reading {name}")
 
-    def read_spans(self, name: str, local: Path, spans: Iterable[tuple[str, int, int]]) -> None:
+    def sizes(self, name: str) -> dict[str, int]:
+        """The size of each object of checkpoint `name`, by file name: one listing."""
+
+        def listing(fs: Any, key: str) -> dict[str, int]:
+            try:
+                entries = fs.ls(key, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {str(e["name"]).rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries}
+
+        return store_call(self.object_url(name), listing)
+
+    def read_spans(
+        self,
+        name: str,
+        local: Path,
+        spans: Iterable[tuple[str, int, int]],
+        *,
+        into: str = "",
+        merge: bool = True,
+    ) -> None:
         """Fetch byte ranges (file, offset, length) of checkpoint `name` with ranged reads
-        (neighbours less than SPAN_GAP apart in one), in parallel, writing each at its
-        offset in `local`/file (created when absent: a sparse file holding only what a
-        load reads)."""
+        (with `merge`, neighbours less than SPAN_GAP apart in one), in parallel, writing
+        each at its offset in `local`/file + `into` (created when absent: a sparse file
+        holding only what a load reads)."""
         local.mkdir(parents=True, exist_ok=True)
 
         def get(span: tuple[str, int, int]) -> None:
@@ -111,13 +156,14 @@ class CheckpointStore:
             )
             if len(data) != length:
                 raise StoreError(f"{url}: {len(data)} bytes at {offset}, expected {length}")
-            fd = os.open(local / file, os.O_WRONLY | os.O_CREAT, 0o644)
+            fd = os.open(local / (file + into), os.O_WRONLY | os.O_CREAT, 0o644)
             try:
                 os.pwrite(fd, data, offset)
             finally:
                 os.close(fd)
 
-        self._parallel(get, coalesce(spans), f"reading {name}")
+        chosen = coalesce(spans) if merge else sorted(set(spans))
+        self._parallel(get, chosen, f"reading {name}")
 
     def exists(self, url: str) -> bool:
         """Whether the object `url` exists: one metadata request."""
@@ -190,13 +236,56 @@ class CheckpointStore:
                 fs.rm(key, recursive=True)
 
         store_call(prefix, remove_all)
+        self.abort_uploads(name)
+
+    def abort_uploads(self, name: str = "", *, unless: Callable[[str], bool] | None = None) -> int:
+        """Abort the multipart uploads left unfinished under checkpoint `name` (every
+        checkpoint when empty, except those whose name `unless` accepts); return how many.
+        A process killed mid-upload leaves its parts stored, and billed, but listed by no
+        ``ls``. S3 only: other stores keep no parts apart from their objects."""
+        if not self._is_s3():
+            return 0
+        where = self.object_url(name) if name else self.url
+
+        def abort(fs: Any, key: str) -> int:
+            bucket, _, prefix = key.partition("/")
+            found, page = [], {"IsTruncated": True}
+            while page.get("IsTruncated"):
+                markers = {
+                    k: page[f"Next{k}"]
+                    for k in ("KeyMarker", "UploadIdMarker")
+                    if page.get(f"Next{k}")
+                }
+                page = fs.call_s3(
+                    "list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/", **markers
+                )
+                found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+            if unless is not None:
+                found = [(k, u) for k, u in found if not unless(k[len(prefix) + 1 :].split("/")[0])]
+            for object_key, upload_id in found:
+                fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=object_key, UploadId=upload_id
+                )
+            return len(found)
+
+        aborted = store_call(where, abort)
+        if aborted:
+            logger.info("aborted %d unfinished uploads under %s", aborted, where)
+        return aborted
+
+    def _is_s3(self) -> bool:
+        return scheme_of(self.url) in S3_PROTOCOLS
 
     def remove_unmarked(self, keep: str | None = None) -> None:
         """Delete the prefixes interrupted saves left (no marker), except `keep`."""
+        marked = {keep}
         for _, name in self.step_names():
-            if name != keep and not self.has_marker(name):
+            if name == keep or self.has_marker(name):
+                marked.add(name)
+            else:
                 logger.info("removing %s, left by an interrupted save", self.object_url(name))
                 self.delete(name)
+        self.abort_uploads(unless=marked.__contains__)  # also prefixes holding only parts
 
     def _parallel(self, action: Callable[[Any], None], files: list[Any], what: str) -> None:
         """Run `action` on every file, `connections` at once, within `timeout_s`; the
@@ -233,13 +322,14 @@ def clear_local(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def prepare_store_save(store: CheckpointStore, name: str, *, first: bool) -> None:
-    """Before a save of checkpoint `name`: at the run's first save, delete what
+def prepare_store_save(store: CheckpointStore, name: str) -> None:
+    """Before a save of checkpoint `name`: at the first save through `store`, delete what
     interrupted saves left (prefixes without a marker); and delete an earlier `name`,
     which its upload would overwrite in place, unless ``latest`` names it (CheckpointError:
     a store cannot swap a complete checkpoint for a new one without a moment with none)."""
-    if first:
+    if not store.swept:
         store.remove_unmarked()
+        store.swept = True
     if store.read_latest() == name:
         raise CheckpointError(
             store.object_url(name),
@@ -249,6 +339,30 @@ def prepare_store_save(store: CheckpointStore, name: str, *, first: bool) -> Non
         )
     if any(found == name for _, found in store.step_names()):
         store.delete(name)
+
+
+def upload_rank_files(
+    store: CheckpointStore, staged: Path, rank: int, dcp_sums: dict[str, Checksum]
+) -> None:
+    """Upload what rank `rank` wrote of the staged save `staged` (``step_<N>.tmp``): its
+    DCP files (rank 0's include .metadata), train state and checksums."""
+    own = [*dcp_sums, train_state_name(rank), checksums_name(rank)]
+    store.upload(staged, staged.name.removesuffix(".tmp"), own)
+
+
+def commit_to_store(
+    store: CheckpointStore, staged: Path, complete: set[Path], cfg: CheckpointConfig
+) -> None:
+    """Rank 0's commit of the staged save `staged` once every rank's uploads are
+    confirmed: its marker, then ``latest``; then the staged copy is freed and retention
+    runs over `complete` (the staged paths of the checkpoints this run wrote or verified;
+    those it deletes leave the set) and this one."""
+    name = staged.name.removesuffix(".tmp")
+    store.publish(staged, name)
+    clear_local(staged)
+    ours = {path.name for path in complete} | {name}
+    for gone in store_retention(store, ours, cfg):
+        complete.discard(staged.parent / gone)
 
 
 def store_retention(store: CheckpointStore, ours: set[str], cfg: CheckpointConfig) -> list[str]:

@@ -20,6 +20,9 @@ from kempnerforge.checkpoint.disk_format import DCP_METADATA, LATEST, MARKER, ST
 from kempnerforge.checkpoint.integrity import share_files
 from kempnerforge.checkpoint.reader import FETCHERS, Span
 from kempnerforge.checkpoint.store import CheckpointStore
+from kempnerforge.core.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def store_candidates(store: CheckpointStore, staging: Path, choice: str) -> Candidates | None:
@@ -36,6 +39,15 @@ def store_candidates(store: CheckpointStore, staging: Path, choice: str) -> Cand
         return list_candidates(staging, choice)
     latest = store.read_latest()
     marked = [name for _, name in store.marked()]
+    if latest is not None and latest not in marked:
+        logger.warning(
+            "'%s' names %s, which has no %s (a save or deletion was interrupted): not "
+            "taken; trying the marked checkpoints under %s, newest first",
+            LATEST,
+            store.object_url(latest),
+            MARKER,
+            store.url,
+        )
     tries = []
     if latest in marked:
         label = f"{store.object_url(latest)} named by '{LATEST}'"

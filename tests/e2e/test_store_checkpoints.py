@@ -206,3 +206,59 @@ def test_a_run_killed_mid_upload_resumes_from_the_previous_checkpoint(s3, token_
     stored = objects(url)
     assert {"step_6/complete.json", "step_9/complete.json"} <= set(stored)
     assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_9"
+
+
+def test_unfinished_multipart_uploads_of_an_interrupted_save_are_aborted(s3, tmp_path):
+    from kempnerforge.checkpoint.store import CheckpointStore
+
+    _, bucket = s3
+    url = f"{bucket}/parts"
+    fs = filesystem(url)
+    name = bucket.removeprefix("s3://")
+    # What a process killed mid-upload leaves: a multipart upload begun, one part stored.
+    for key in ("parts/step_9/__0_0.distcp", "parts/step_12/__1_0.distcp"):
+        upload = fs.call_s3("create_multipart_upload", Bucket=name, Key=key)
+        fs.call_s3(
+            "upload_part",
+            Bucket=name,
+            Key=key,
+            UploadId=upload["UploadId"],
+            PartNumber=1,
+            Body=b"x" * (5 << 20),
+        )
+    fs.pipe_file(f"{url}/step_9/.metadata", b"partial")  # step_9 has objects, step_12 none
+    fs.call_s3("create_multipart_upload", Bucket=name, Key="elsewhere/big.bin")
+
+    def unfinished() -> list[str]:
+        page = fs.call_s3("list_multipart_uploads", Bucket=name)
+        return sorted(u["Key"] for u in page.get("Uploads", []))
+
+    store = CheckpointStore(url, timeout_s=30, connections=2)
+    assert store.abort_uploads("step_9") == 1
+    assert unfinished() == ["elsewhere/big.bin", "parts/step_12/__1_0.distcp"]
+    store.delete("step_9")
+    assert not fs.exists(f"{url}/step_9/.metadata")
+    # A prefix holding nothing but parts is listed by no ls: the sweep before a run's first
+    # save also aborts those, under the checkpoint prefix and nowhere else.
+    store.remove_unmarked()
+    assert unfinished() == ["elsewhere/big.bin"]
+
+
+def test_a_large_file_is_fetched_in_ranged_parts_side_by_side(s3, tmp_path, monkeypatch):
+    from kempnerforge.checkpoint import store as store_module
+
+    server, bucket = s3
+    url = f"{bucket}/large"
+    data = os.urandom(5 * 1024 + 17)
+    filesystem(url).pipe_file(f"{url}/step_1/__0_0.distcp", data)
+    filesystem(url).pipe_file(f"{url}/step_1/small.bin", b"abc")
+    monkeypatch.setattr(store_module, "DOWNLOAD_PART", 1024)
+    store = store_module.CheckpointStore(url, timeout_s=30, connections=4)
+    server.clear()
+    store.download("step_1", tmp_path / "got", ["__0_0.distcp", "small.bin"])
+    assert (tmp_path / "got" / "__0_0.distcp").read_bytes() == data
+    assert (tmp_path / "got" / "small.bin").read_bytes() == b"abc"
+    ranges = sorted(r.range for r in server.taken() if r.path.endswith("/__0_0.distcp"))
+    assert len(ranges) == 6  # 5 whole parts of 1,024 bytes and the last 17
+    assert "bytes=5120-5136" in ranges
+    assert not list((tmp_path / "got").glob("*.part"))

@@ -4,6 +4,7 @@ checkpoints this run saw complete, and a rank fetches only its own share."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import fsspec
@@ -69,9 +70,19 @@ def test_a_prefix_without_its_marker_is_never_taken(store_url, tmp_path):
     _save(manager, 6, seed=2)
     fs = fsspec.filesystem("memory")
     fs.rm_file(f"{store_url}/step_6/complete.json")  # as if the save died before its marker
-    resumed = _manager(store_url, tmp_path / "again")
-    path = resumed.find_resume_path()
+    fs.pipe_file(f"{store_url}/latest", b"step_6\n")  # and 'latest' named it all the same
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append  # type: ignore[method-assign]
+    logging.getLogger("kempnerforge.checkpoint").addHandler(handler)
+    try:
+        resumed = _manager(store_url, tmp_path / "again")
+        path = resumed.find_resume_path()
+    finally:
+        logging.getLogger("kempnerforge.checkpoint").removeHandler(handler)
     assert path == str(tmp_path / "again" / "staging" / "step_3")
+    said = [r.getMessage() for r in warnings]
+    assert any(f"'latest' names {store_url}/step_6, which has no complete.json" in m for m in said)
     model, optimizer, scheduler = _parts(seed=9)
     state = resumed.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
     assert state["step"] == 3
