@@ -63,6 +63,7 @@ from kempnerforge.checkpoint.publish import (
 )
 from kempnerforge.checkpoint.store import (
     CheckpointStore,
+    clear_local,
     commit_to_store,
     prepare_store_save,
     upload_rank_files,
@@ -355,6 +356,8 @@ class CheckpointSaver:
             return
         tmp = self.directory / f"step_{step}.tmp"
         self._coord.on_rank0(lambda: discard_partial(self.directory, tmp))
+        if self.store is not None:  # what this node staged (rank 0's node: already gone)
+            clear_local(tmp)
         self.failed_saves_in_a_row += 1
         reason = diagnosis.reason
         if self.world_size > 1 and "rank " not in reason:

@@ -141,6 +141,9 @@ def test_a_store_failing_mid_upload_is_a_failed_save_and_training_goes_on(
     assert "step_4/complete.json" not in stored  # never taken by a reader
     assert {"step_2/complete.json", "step_6/complete.json"} <= set(stored)
     assert filesystem(url).cat_file(f"{url}/latest").decode().strip() == "step_6"
+    # Saves are named by their URL; nothing staged outlives its save, failed or not.
+    assert events(run, "checkpoint")[0]["path"] == f"{url}/step_2"
+    assert not list((run / "checkpoint_staging").glob("step_*"))
 
 
 def test_retention_deletes_a_checkpoints_marker_before_its_other_objects(s3, token_dirs, tmp_path):
