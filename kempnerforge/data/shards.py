@@ -22,6 +22,7 @@ from kempnerforge.data.token_file import (
     check_tokens_file,
     read_meta,
 )
+from kempnerforge.data.token_flags import MASKED_KEY
 from kempnerforge.storage.files import is_dir, names_in, size_of
 from kempnerforge.storage.location import join
 
@@ -36,6 +37,8 @@ AGREED_KEYS = (
     "eos_id",
     "bos_id",
     "bos_per_document",
+    "format",
+    MASKED_KEY,  # read as one stream, the shards all have token_flags.bin or none do
 )
 _SUMMED_KEYS = ("num_tokens", "num_documents", "sources")
 _NAMES_SHOWN = 4
@@ -167,13 +170,18 @@ def _check_agreement(shards: list[tuple[str, dict[str, Any]]]) -> None:
 
 def corpus_meta(shards: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """What a sharded corpus is as a whole: the fields its shards share, the counts summed,
-    the largest id (when every shard records one) and ``num_shards``."""
+    the largest id and document (when every shard records them) and ``num_shards``."""
     metas = [meta for _, meta in shards]
     corpus = {key: metas[0][key] for key in AGREED_KEYS}
     for key in _SUMMED_KEYS:
         corpus[key] = sum(int(meta[key]) for meta in metas)
     if all(MAX_ID_KEY in meta for meta in metas):
         corpus[MAX_ID_KEY] = max(int(meta[MAX_ID_KEY]) for meta in metas)
+    # Known for the corpus only when known for every shard (None in older ones).
+    assistant = [meta["assistant_tokens"] for meta in metas]
+    corpus["assistant_tokens"] = None if None in assistant else sum(assistant)
+    longest = [meta["max_document_tokens"] for meta in metas]
+    corpus["max_document_tokens"] = None if None in longest else max(longest)
     corpus["num_shards"] = len(metas)
     return corpus
 

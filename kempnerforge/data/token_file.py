@@ -1,7 +1,8 @@
 """The prepared-data format: tokens.bin (raw little-endian ids) plus meta.json, and its writer.
 
 A prepared directory is complete exactly when meta.json exists: the writer renames tokens.bin
-into place first and meta.json last, so a crash never leaves a half file under a final name.
+(and a masked corpus's token_flags.bin, see token_flags.py) into place first and meta.json
+last, so a crash never leaves a half file under a final name.
 meta.json records the largest id written (``max_token_id``), so a reader checks the ids
 against a vocabulary without reading tokens.bin.
 """
@@ -17,6 +18,17 @@ from typing import Any
 import numpy as np
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.token_flags import (
+    FLAGS_FILE,
+    FLAGS_SHA_KEY,
+    MASKED_KEY,
+    FlagsFileWriter,
+    check_flags_file,
+    check_loss_mask,
+    document_flags,
+    flags_meta_problem,
+    remove_stale_flags,
+)
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.storage.files import (
     is_dir,
@@ -47,7 +59,15 @@ META_KEYS = (
     "sources",
 )
 # Keys a reader fills in when an older prepared directory lacks them.
-META_DEFAULTS: dict[str, Any] = {"bos_per_document": False}
+META_DEFAULTS: dict[str, Any] = {
+    "bos_per_document": False,
+    MASKED_KEY: False,
+    "format": "text",
+    "assistant_tokens": None,  # tokens whose loss is on; None: no mask, every token counts
+    "max_document_tokens": None,  # the longest document, BOS and EOS included; None: unknown
+}
+FORMATS = ("text", "chat")
+"""meta.json's ``format``: plain text (every token a target), or loss-masked conversations."""
 # The largest id in tokens.bin, -1 when it holds none. Written by every writer since it was
 # added; a directory prepared before lacks it until it is scanned once (token_ids.py).
 MAX_ID_KEY = "max_token_id"
@@ -78,6 +98,11 @@ def check_distinct_bos(tokenizer: Tokenizer, where: str) -> None:
 class TokenFileWriter:
     """Streams documents into ``output_dir/tokens.bin``, each followed by EOS and, with
     ``bos_per_document``, preceded by BOS.
+
+    Documents given with a ``loss_mask`` make a masked corpus (``format`` "chat"): no EOS is
+    added after them (a chat template's tokens are the whole document), and token_flags.bin
+    records each token's mask and where each document ends (token_flags.py). A writer gets a
+    mask with every document or with none.
 
     Use as a context manager: leaving it by an exception removes the temporary file and leaves
     whatever was under the final names before untouched; ``finish`` publishes the result.
@@ -113,18 +138,48 @@ class TokenFileWriter:
         self.num_tokens = 0
         self.num_documents = 0
         self.max_token_id = -1  # none written yet
+        self.max_document_tokens = 0
+        self.assistant_tokens = 0  # tokens whose loss bit is on (a masked corpus)
+        self._flags: FlagsFileWriter | None = None  # opened by the first masked document
+        self._flag_buffer: list[np.ndarray] = []
 
-    def add_document(self, tokens: np.ndarray) -> None:
-        """Append one document's ids and its EOS (after its BOS, with bos_per_document)."""
-        if self.bos_per_document:
-            self._buffer.append(self._bos)
-            self._buffered += 1
-        self._buffer.append(tokens)
-        self._buffer.append(self._eos)
-        self._buffered += len(tokens) + 1
+    def add_document(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
+        """Append one document's ids and its EOS (after its BOS, with bos_per_document).
+
+        With ``loss_mask`` (bool, one per token, True where the token is a supervised
+        target), no EOS is added and the mask goes to token_flags.bin; a BOS added before
+        the document is never a target.
+        """
+        self._check_mask(tokens, loss_mask)
+        pieces = [self._bos] if self.bos_per_document else []
+        pieces.append(tokens)
+        if loss_mask is None:
+            pieces.append(self._eos)
+        length = sum(len(piece) for piece in pieces)
+        if loss_mask is not None:
+            if self.bos_per_document:
+                loss_mask = np.concatenate([np.zeros(1, dtype=bool), loss_mask])
+            self._flag_buffer.append(document_flags(loss_mask, length))
+            self.assistant_tokens += int(np.count_nonzero(loss_mask))
+        self._buffer.extend(pieces)
+        self._buffered += length
+        self.max_document_tokens = max(self.max_document_tokens, length)
         self.num_documents += 1
         if self._buffered >= _FLUSH_TOKENS:
             self._flush()
+
+    def _check_mask(self, tokens: np.ndarray, loss_mask: np.ndarray | None) -> None:
+        """The first document decides whether the corpus is masked (opening
+        token_flags.bin then); every later one must agree (check_loss_mask)."""
+        if self.num_documents == 0 and loss_mask is not None:
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
+        check_loss_mask(
+            f"{self.output_dir}: document {self.num_documents}",
+            tokens,
+            loss_mask,
+            self._flags is not None,
+            self.bos_per_document,
+        )
 
     def _flush(self) -> None:
         if not self._buffer:
@@ -144,6 +199,9 @@ class TokenFileWriter:
         self.num_tokens += self._buffered
         self._buffer.clear()
         self._buffered = 0
+        if self._flags is not None:
+            self._flags.write(np.concatenate(self._flag_buffer))
+            self._flag_buffer.clear()
 
     def finish(self, num_sources: int) -> dict[str, Any]:
         """Publish tokens.bin and meta.json; returns the metadata written."""
@@ -152,6 +210,8 @@ class TokenFileWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+        if self._flags is not None:
+            self._flags.sync()
         meta = {
             "format_version": FORMAT_VERSION,
             "dtype": self.dtype_name,
@@ -165,7 +225,13 @@ class TokenFileWriter:
             "bos_per_document": self.bos_per_document,
             "content_sha256": self._sha.hexdigest(),
             "sources": num_sources,
+            "format": "chat" if self._flags is not None else "text",
+            MASKED_KEY: self._flags is not None,
+            "assistant_tokens": self.assistant_tokens if self._flags is not None else None,
+            "max_document_tokens": self.max_document_tokens,
         }
+        if self._flags is not None:
+            meta[FLAGS_SHA_KEY] = self._flags.sha256
         if self._url is not None:
             self._publish_to_store(meta, self._url)
             return meta
@@ -173,6 +239,7 @@ class TokenFileWriter:
         # Drop the old meta.json first: new tokens beside old metadata must never look complete.
         meta_path.unlink(missing_ok=True)
         os.replace(self._tmp_tokens, self.output_dir / TOKENS_FILE)
+        self._publish_flags(str(self.output_dir))
         tmp_meta = self.output_dir / f".{META_FILE}.tmp-{os.getpid()}"
         tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp_meta, meta_path)
@@ -183,11 +250,22 @@ class TokenFileWriter:
         never finds new tokens beside old metadata, nor meta.json before its tokens."""
         remove(join(url, META_FILE))
         self._file.close()
+        self._publish_flags(url)
         write_bytes(join(url, META_FILE), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
 
+    def _publish_flags(self, output_dir: str) -> None:
+        """token_flags.bin into place, or an old one removed: after tokens.bin, before
+        meta.json, so a complete directory's flags always describe its tokens."""
+        if self._flags is not None:
+            self._flags.publish()
+        else:
+            remove_stale_flags(output_dir)
+
     def abort(self) -> None:
-        """Close and delete the temporary file, or abandon the upload (safe to call more
+        """Close and delete the temporary files, or abandon the uploads (safe to call more
         than once)."""
+        if self._flags is not None:
+            self._flags.abort()
         if self._url is not None:
             self._file.discard()
             return
@@ -243,8 +321,8 @@ def _check_foreign(output_dir: str, names: list[str], option: str, what_to_do: s
 def _is_prepared_entry(name: str) -> bool:
     """Whether ``name`` is one prepare-data writes: its outputs or their temporary files
     (left behind only by a killed run)."""
-    return name in (TOKENS_FILE, META_FILE) or name.startswith(
-        (f".{TOKENS_FILE}.tmp-", f".{META_FILE}.tmp-")
+    return name in (TOKENS_FILE, META_FILE, FLAGS_FILE) or name.startswith(
+        (f".{TOKENS_FILE}.tmp-", f".{META_FILE}.tmp-", f".{FLAGS_FILE}.tmp-")
     )
 
 
@@ -302,7 +380,9 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
             return f"{key} {_show(meta[key])} is not a non-empty string"
     if not isinstance(meta["bos_per_document"], bool):
         return f"bos_per_document {_show(meta['bos_per_document'])} is not true or false"
-    return _max_id_problem(meta)
+    if meta["format"] not in FORMATS:
+        return f"format {_show(meta['format'])} is not one of {', '.join(FORMATS)}"
+    return flags_meta_problem(meta) or _max_id_problem(meta)
 
 
 def _max_id_problem(meta: dict[str, Any]) -> str | None:
@@ -337,7 +417,8 @@ def _show(value: Any) -> str:
 
 def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> str:
     """Path (or URL) of tokens.bin after checking its size matches meta.json's count and
-    dtype; no content is read (a stat, or one metadata request to a store)."""
+    dtype, and a masked corpus's token_flags.bin one byte per token; no content is read (a
+    stat, or one metadata request to a store per file)."""
     path = join(data_dir, TOKENS_FILE)
     actual = size_of(path)
     if actual is None:
@@ -350,6 +431,7 @@ def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> str:
             f"{meta['dtype']} = {expected} bytes: the file is truncated or the dtype is wrong; "
             "run prepare-data again"
         )
+    check_flags_file(data_dir, meta)
     return path
 
 
