@@ -37,8 +37,8 @@ AGREED_KEYS = (
     "eos_id",
     "bos_id",
     "bos_per_document",
-    "format",
     MASKED_KEY,  # read as one stream, the shards all have token_flags.bin or none do
+    "format",
 )
 _SUMMED_KEYS = ("num_tokens", "num_documents", "sources")
 _NAMES_SHOWN = 4
