@@ -171,7 +171,7 @@ class TokenFileWriter:
     def _check_mask(self, tokens: np.ndarray, loss_mask: np.ndarray | None) -> None:
         """The first document decides whether the corpus is masked (opening
         token_flags.bin then); every later one must agree (check_loss_mask)."""
-        if self.num_documents == 0 and loss_mask is not None:
+        if self.num_documents == 0 and loss_mask is not None and self._flags is None:
             self._flags = FlagsFileWriter(str(self.output_dir), self._url)
         check_loss_mask(
             f"{self.output_dir}: document {self.num_documents}",
