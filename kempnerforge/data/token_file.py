@@ -145,8 +145,12 @@ class TokenFileWriter:
         self._buffer.clear()
         self._buffered = 0
 
-    def finish(self, num_sources: int) -> dict[str, Any]:
-        """Publish tokens.bin and meta.json; returns the metadata written."""
+    def finish(self, num_sources: int, extra_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Publish tokens.bin and meta.json; returns the metadata written.
+
+        ``extra_meta`` adds keys that describe the corpus (a conversation corpus's format and
+        counts) beside the ones every prepared directory has.
+        """
         self._flush()
         if self._url is None:
             self._file.flush()
@@ -165,6 +169,7 @@ class TokenFileWriter:
             "bos_per_document": self.bos_per_document,
             "content_sha256": self._sha.hexdigest(),
             "sources": num_sources,
+            **(extra_meta or {}),
         }
         if self._url is not None:
             self._publish_to_store(meta, self._url)
