@@ -31,7 +31,7 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     num_prompt_messages: int = 0
-    where: str = ""
+    where: str = "a conversation"
     """The file and line (or row) it came from, for error messages."""
 
     def key(self) -> bytes:
