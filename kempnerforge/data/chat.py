@@ -41,16 +41,22 @@ class Conversation:
 
 def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     """``messages`` if it is a non-empty list of {'role', 'content'} dicts with a known role
-    and string content; else DataError naming ``where`` and the message."""
+    and string content; else DataError naming ``where`` and the message.
+
+    Keys whose value is null are dropped, as transformers drops them: a parquet or dataset
+    column of messages holds every key any message has, null where a message lacks it.
+    """
     if not isinstance(messages, list) or not messages:
         shown = "an empty list" if messages == [] else type(messages).__name__
         raise DataError(f"{where}: expected a non-empty list of messages, found {shown}")
+    checked = []
     for number, message in enumerate(messages):
         at = f"{where}: message {number}"
         if not isinstance(message, dict):
             raise DataError(
                 f"{at} is {type(message).__name__}, not an object with role and content"
             )
+        message = {key: value for key, value in message.items() if value is not None}
         role = message.get("role")
         if role not in ROLES:
             raise DataError(f"{at} has role {role!r}; expected one of {', '.join(ROLES)}")
@@ -58,7 +64,8 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             found = "missing" if "content" not in message else type(content).__name__
             raise DataError(f"{at} ({role}): content is {found}, not a string")
-    return messages
+        checked.append(message)
+    return checked
 
 
 def conversation_of(record: Any, where: str, messages_field: str = "messages") -> Conversation:
