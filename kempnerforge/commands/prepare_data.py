@@ -195,8 +195,12 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.format == "chat":
         from kempnerforge.data.chat_template import load_chat_template
 
-        if args.text_suffix:
-            raise DataError("--text-suffix reads whole files as text; --format chat reads none")
+        if args.text_suffix or args.skip_non_utf8:
+            option = "--text-suffix" if args.text_suffix else "--skip-non-utf8"
+            raise DataError(
+                f"{option} is about whole-file text documents; --format chat reads none "
+                f"(leave {option} out)"
+            )
         chat_template = load_chat_template(args.tokenizer)
     output = join(args.output, shard.name) if shard else args.output
     meta = prepare_data(

@@ -2,9 +2,9 @@
 exactly as Hugging Face transformers' ``apply_chat_template`` does.
 
 The Jinja environment below matches transformers' (sandboxed, trim_blocks, lstrip_blocks, the
-loop controls, ``raise_exception``, a ``tojson`` that does not escape HTML, ``strftime_now``), so
-a template written for a model renders here the text it renders there; transformers itself is
-not needed.
+loop controls, ``raise_exception``, a ``tojson`` that does not escape HTML, ``strftime_now``, a
+``namespace`` that refuses underscore names), so a template written for a model renders here
+the text it renders there; transformers itself is not needed.
 """
 
 from __future__ import annotations
@@ -200,12 +200,41 @@ def _compile(source: str, where: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["namespace"] = _private_free_namespace()
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise DataError(
             f"{where}: the chat template is not valid Jinja (line {exc.lineno}: {exc.message})"
         ) from None
+
+
+def _private_free_namespace() -> type:
+    """Jinja's ``namespace`` refusing attribute names that start with '_': a template comes
+    from a model's files, and underscore names are the way into Python's internals."""
+    import jinja2.exceptions
+    import jinja2.utils
+
+    def check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not set {name!r} on a namespace (names starting with '_' "
+                "are refused)"
+            )
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            # Jinja's signature: the first positional argument is the namespace itself.
+            namespace, initial = args[0], dict(*args[1:], **kwargs)
+            for name in initial:
+                check(name)
+            jinja2.utils.Namespace.__init__(namespace, initial)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    return Namespace
 
 
 def _make_generation_tag() -> type:

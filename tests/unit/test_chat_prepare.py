@@ -224,3 +224,10 @@ def test_prepare_data_chat_writes_the_loss_mask_into_the_prepared_format(tmp_pat
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["format"] == "chat"
     assert meta["num_assistant_tokens"] == sum(int(m.sum()) for _, m in _expected(RECORDS))
+
+
+@pytest.mark.parametrize("option", [["--text-suffix", ".md"], ["--skip-non-utf8"]])
+def test_whole_file_text_options_are_refused_in_chat_format(tmp_path, capsys, option):
+    src = write_conversations(tmp_path / "chats.jsonl", RECORDS)
+    assert _run(["--input", str(src), "--output", str(tmp_path / "o"), *option]) == 2
+    assert f"{option[0]} is about whole-file text documents" in capsys.readouterr().err

@@ -130,3 +130,25 @@ def test_a_template_travels_to_worker_processes():
     template = ChatTemplate("{{ messages[0]['content'] }}", "test", {"eos_token": "E"})
     copy = pickle.loads(pickle.dumps(template))
     assert copy == template and copy.render(CONVERSATION) == "Answer briefly."
+
+
+def test_namespaces_loop_controls_and_the_date_render_as_in_transformers(tmp_path):
+    template = (
+        "{% set ns = namespace(turns=0) %}"
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}"
+        "{% set ns.turns = ns.turns + 1 %}{% endfor %}"
+        "{{ ns.turns }} turns, {{ strftime_now('%Y') }}"
+    )
+    directory = make_chat_tokenizer_dir(tmp_path / "tok", template)
+    ours = load_chat_template(str(directory)).render(CONVERSATION)
+    assert ours.startswith("4 turns, 2")
+    assert ours == _transformers_tokenizer(directory).apply_chat_template(
+        CONVERSATION, tokenize=False
+    )
+
+
+def test_a_template_cannot_set_underscore_names_on_a_namespace(tmp_path):
+    template = "{% set ns = namespace(a=1) %}{% set ns.__class__ = 2 %}{{ ns.a }}"
+    directory = make_chat_tokenizer_dir(tmp_path / "tok", template)
+    with pytest.raises(DataError, match="may not set '__class__' on a namespace"):
+        load_chat_template(str(directory)).render(CONVERSATION)
