@@ -191,6 +191,7 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
                 "of N (0 <= I < N)"
             )
         shard = Shard(args.shard_index, args.num_shards)
+    tokenizer = load_tokenizer(args.tokenizer)  # a wrong path is named before any template
     chat_template = None
     if args.format == "chat":
         from kempnerforge.data.chat_template import load_chat_template
@@ -206,7 +207,7 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     meta = prepare_data(
         args.input,
         args.output,
-        load_tokenizer(args.tokenizer),
+        tokenizer,
         text_field=args.text_field,
         show_progress=not args.no_progress and sys.stderr.isatty(),
         eval_fraction=args.eval_fraction,

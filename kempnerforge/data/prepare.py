@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.chat import Conversation
@@ -97,7 +99,7 @@ class ChatCounts:
     num_assistant_tokens: int = 0
     max_document_tokens: int = 0
 
-    def add(self, tokens: Any, loss_mask: Any) -> None:
+    def add(self, tokens: np.ndarray, loss_mask: np.ndarray) -> None:
         self.num_assistant_tokens += int(loss_mask.sum())
         self.max_document_tokens = max(self.max_document_tokens, len(tokens))
 
@@ -150,7 +152,7 @@ def write_corpus(
             )
             writers.append(held_out)
         encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers, chat_template))
-        counts = {id(w): ChatCounts() for w in writers}
+        counts = {writer: ChatCounts() for writer in writers}
         try:
             batches = _batches(sources, eval_fraction, progress, max_docs)
             for batch, encoded in encoder.encode(batches, lambda b: b.documents):
@@ -162,17 +164,17 @@ def write_corpus(
                     tokens, loss_mask = document
                     # TODO(writer stores masks): drop the ignore once add_document takes loss_mask.
                     writer.add_document(tokens, loss_mask=loss_mask)  # pyright: ignore[reportCallIssue]
-                    counts[id(writer)].add(tokens, loss_mask)
+                    counts[writer].add(tokens, loss_mask)
                 for _ in range(batch.files_done):
                     progress.file_done(writers)
         finally:
             progress.close()
         if not allow_empty:
             _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
-        extra = {id(w): counts[id(w)].meta() if chat_template else None for w in writers}
+        extra = {w: counts[w].meta() if chat_template is not None else None for w in writers}
         if held_out is not None:
-            held_out.finish(num_sources, extra[id(held_out)])
-        meta = train.finish(num_sources, extra[id(train)])
+            held_out.finish(num_sources, extra[held_out])
+        meta = train.finish(num_sources, extra[train])
     logger.info(
         "prepared %s tokens in %s documents into %s (%.1f s)",
         f"{meta['num_tokens']:,}",
