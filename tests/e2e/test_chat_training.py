@@ -1,0 +1,126 @@
+"""End to end: training on conversations. Pretraining text then fine-tuning on chat in one
+run, switched by a phase and resumed exactly across the switch; and every parallel layout
+on a chat corpus equal to one process (check-parallel)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from kempnerforge.data.chat import conversation_of, encode_conversation
+from kempnerforge.data.chat_template import byte_chat_template
+from kempnerforge.data.tokenizer import ByteTokenizer
+from tests.e2e.test_check_parallel import DEBUG, assert_every_layout_passes, check_parallel
+from tests.support.chat_files import write_masked_dir
+from tests.support.tiny import tiny_run
+from tests.support.train_run import train_steps
+
+pytestmark = pytest.mark.slow
+
+WORDS = ["amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "heron", "iris", "jade"]
+
+
+def conversations(count: int, seed: int = 0) -> list[dict]:
+    """Small multi-turn conversations: a system turn, then the user asks for words repeated."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(count):
+        a, b = rng.choice(WORDS, 2)
+        records.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "Repeat."},
+                    {"role": "user", "content": f"say {a}"},
+                    {"role": "assistant", "content": f"{a} {a}"},
+                    {"role": "user", "content": f"say {b}"},
+                    {"role": "assistant", "content": f"{b} {b}"},
+                ]
+            }
+        )
+    return records
+
+
+def write_chat_corpus(path: pathlib.Path, records: list[dict]) -> str:
+    """A prepared chat corpus of ``records`` with the byte tokenizer's template."""
+    tokenizer, template = ByteTokenizer(), byte_chat_template()
+    documents = [
+        encode_conversation(tokenizer, template, conversation_of(record, f"record {i}"))
+        for i, record in enumerate(records)
+    ]
+    return write_masked_dir(path, [(ids.tolist(), mask.tolist()) for ids, mask in documents])
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("chat")
+    return (
+        write_chat_corpus(root / "train", conversations(300, seed=0)),
+        write_chat_corpus(root / "eval", conversations(30, seed=1)),
+    )
+
+
+def phased_config(path: pathlib.Path, text: str, chat: str, switch_at: int) -> str:
+    """Text alone until ``switch_at``, then the chat corpus alone, at a lower LR."""
+    path.write_text(
+        "\n".join(
+            [
+                "[[data.datasets]]",
+                'name = "text"',
+                f"path = {json.dumps(text)}",
+                "weight = 1.0",
+                "[[data.datasets]]",
+                'name = "chat"',
+                f"path = {json.dumps(chat)}",
+                "weight = 0.0",
+                "[[train.phases]]",
+                f"start_step = {switch_at}",
+                "dataset_weights = { text = 0.0, chat = 1.0 }",
+                "lr_scale = 0.5",
+                "",
+            ]
+        )
+    )
+    return str(path)
+
+
+def test_pretraining_then_fine_tuning_on_chat_in_one_run_resumes_exactly(
+    token_dirs, chat_dirs, tmp_path
+):
+    config = phased_config(tmp_path / "job.toml", token_dirs[0], chat_dirs[0], switch_at=4)
+
+    def run(run_dir: pathlib.Path, *extra: str, stop_after: int | None = None):
+        overrides = tiny_run(
+            run_dir, None, "--train.max_steps=8", "--checkpoint.interval=3", *extra
+        )
+        return train_steps(overrides, config_path=config, stop_after=stop_after)
+
+    whole = run(tmp_path / "whole")
+    sources = [set(losses) for losses in whole["dataset_losses"]]
+    assert sources == [{"text"}] * 4 + [{"chat"}] * 4  # the phase switched the source
+    # Stopped after step 5 (the stop saves, as a preemption does, one step after the switch)
+    # and resumed: the same losses bit for bit, the chat phase still in force.
+    run(tmp_path / "split", stop_after=5)
+    resumed = run(tmp_path / "split", "--train.use_existing_dir=true")
+    assert resumed["start_step"] == 5
+    assert resumed["losses"] == whole["losses"][5:]
+
+
+def test_every_layout_on_a_chat_corpus_trains_as_one_process(chat_dirs, tmp_path):
+    """FSDP, tensor, pipeline and context parallelism on conversations: the loss mask and
+    the conversations' own document ends reach every rank's share of the batch."""
+    worlds = {"dp_shard=2": "2", "tp=2": "2", "pp=2": "2", "cp=2": "2"}
+    proc = check_parallel(
+        "--layouts",
+        *worlds,
+        "--steps",
+        "3",
+        f"--data.path={chat_dirs[0]}",
+        f"--data.eval_path={chat_dirs[1]}",
+        cwd=tmp_path,
+        cache=tmp_path / "cache",
+        config=DEBUG,
+    )
+    assert_every_layout_passes(proc, worlds)
