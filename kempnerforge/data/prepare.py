@@ -124,13 +124,16 @@ def write_corpus(
     # Workers get small chunks so each has work; one process keeps the large batches.
     max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
     with ExitStack() as stack:
-        train = stack.enter_context(TokenFileWriter(output_dir, tokenizer, bos_per_document))
+        masked = chat_template is not None
+        train = stack.enter_context(
+            TokenFileWriter(output_dir, tokenizer, bos_per_document, masked)
+        )
         writers = [train]
         held_out = None
         if eval_fraction > 0.0:
             assert eval_output_dir is not None
             held_out = stack.enter_context(
-                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document)
+                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document, masked)
             )
             writers.append(held_out)
         encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers, chat_template))

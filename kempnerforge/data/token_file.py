@@ -100,7 +100,7 @@ class TokenFileWriter:
     Documents given with a ``loss_mask`` make a masked corpus (``format`` "chat"): no EOS is
     added after them (a chat template's tokens are the whole document), and token_flags.bin
     records each token's mask and where each document ends (token_flags.py). A writer gets a
-    mask with every document or with none.
+    mask with every document or with none; ``masked`` says so before the first.
 
     Use as a context manager: leaving it by an exception removes the temporary file and leaves
     whatever was under the final names before untouched; ``finish`` publishes the result.
@@ -111,7 +111,11 @@ class TokenFileWriter:
     """
 
     def __init__(
-        self, output_dir: str, tokenizer: Tokenizer, bos_per_document: bool = False
+        self,
+        output_dir: str,
+        tokenizer: Tokenizer,
+        bos_per_document: bool = False,
+        masked: bool = False,
     ) -> None:
         if bos_per_document:
             check_distinct_bos(tokenizer, output_dir)
@@ -138,7 +142,11 @@ class TokenFileWriter:
         self.max_token_id = -1  # none written yet
         self.max_document_tokens = 0
         self.assistant_tokens = 0  # tokens whose loss bit is on (a masked corpus)
-        self._flags: FlagsFileWriter | None = None  # opened by the first masked document
+        # Opened by the first masked document, or now with ``masked``: then even an empty
+        # corpus (a shard without conversations) is a masked one, like its sibling shards.
+        self._flags: FlagsFileWriter | None = None
+        if masked:
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
         self._flag_buffer: list[np.ndarray] = []
 
     def add_document(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
