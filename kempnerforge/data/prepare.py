@@ -13,15 +13,17 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.chat import Conversation
+from kempnerforge.data.chat_pack import ConversationPacker, Packing
 from kempnerforge.data.chat_sources import read_conversations
 from kempnerforge.data.chat_template import ChatTemplate
+from kempnerforge.data.output_dir import check_output_dir
 from kempnerforge.data.shards import (
     Shard,
     check_shard_output,
@@ -33,7 +35,7 @@ from kempnerforge.data.sources import (
     is_hf_dataset_dir,
     read_documents,
 )
-from kempnerforge.data.token_file import TokenFileWriter, check_output_dir
+from kempnerforge.data.token_file import TokenFileWriter
 from kempnerforge.data.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.storage.location import is_url
@@ -102,13 +104,15 @@ def write_corpus(
     bos_per_document: bool = False,
     allow_empty: bool = False,
     chat_template: ChatTemplate | None = None,
+    packing: Packing | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``(source name, documents)`` pairs into prepared directories.
 
     Empty documents are skipped; with ``bos_per_document`` each document starts with BOS.
     With ``chat_template`` the documents are conversations: each is rendered with it into one
     document whose loss mask is on for the assistant's tokens (the writer records the
-    format, the number of assistant tokens and the longest conversation in meta.json).
+    format, the number of assistant tokens and the longest conversation in meta.json); with
+    ``packing`` too, each split's conversations are packed into whole windows (chat_pack.py).
     Returns the train split's metadata; the eval split's is in
     ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
     is complete and, without ``allow_empty`` (a shard may hold no documents), non-empty.
@@ -120,34 +124,43 @@ def write_corpus(
     # Workers get small chunks so each has work; one process keeps the large batches.
     max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
     with ExitStack() as stack:
-        train = stack.enter_context(TokenFileWriter(output_dir, tokenizer, bos_per_document))
+        masked = chat_template is not None
+        train = stack.enter_context(
+            TokenFileWriter(output_dir, tokenizer, bos_per_document, masked)
+        )
         writers = [train]
         held_out = None
         if eval_fraction > 0.0:
             assert eval_output_dir is not None
             held_out = stack.enter_context(
-                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document)
+                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document, masked)
             )
             writers.append(held_out)
         encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers, chat_template))
+        # Each split is packed on its own: its windows hold only its conversations.
+        sinks: list[Any] = [
+            w if packing is None else ConversationPacker(w, packing) for w in writers
+        ]
         try:
             batches = _batches(sources, eval_fraction, progress, max_docs)
             for batch, encoded in encoder.encode(batches, lambda b: b.documents):
                 for to_eval, document in zip(batch.to_eval, encoded, strict=True):
-                    writer = held_out if to_eval and held_out else train
+                    sink = sinks[-1] if to_eval and held_out else sinks[0]
                     if chat_template is None:
-                        writer.add_document(document)
+                        sink.add_document(document)
                     else:
-                        writer.add_document(*document)  # the tokens and their loss mask
+                        sink.add_document(*document)  # the tokens and their loss mask
                 for _ in range(batch.files_done):
                     progress.file_done(writers)
         finally:
             progress.close()
+        extras = [s.finish() if isinstance(s, ConversationPacker) else None for s in sinks]
         if not allow_empty:
+            _check_not_all_dropped(sinks)
             _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
         if held_out is not None:
-            held_out.finish(num_sources)
-        meta = train.finish(num_sources)
+            held_out.finish(num_sources, extras[-1])
+        meta = train.finish(num_sources, extras[0])
     logger.info(
         "prepared %s tokens in %s documents into %s (%.1f s)",
         f"{meta['num_tokens']:,}",
@@ -266,6 +279,18 @@ def _check_not_empty(
         )
 
 
+def _check_not_all_dropped(sinks: list[Any]) -> None:
+    """Refuse a packed split whose every conversation was too long for its windows."""
+    for sink in sinks:
+        packer = isinstance(sink, ConversationPacker)
+        if packer and sink.conversations_dropped and sink.writer.num_documents == 0:
+            raise DataError(
+                f"{sink.writer.output_dir}: all {sink.conversations_dropped} conversations are "
+                f"longer than --seq-len {sink.seq_len} (or keep no assistant token when cut) "
+                "and were dropped; raise --seq-len or use --long-conversations cut"
+            )
+
+
 def prepare_data(
     inputs: list[str],
     output_dir: str,
@@ -281,6 +306,7 @@ def prepare_data(
     skip_non_utf8: bool = False,
     shard: Shard | None = None,
     chat_template: ChatTemplate | None = None,
+    packing: Packing | None = None,
 ) -> dict[str, Any]:
     """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
     (directories walked) into ``output_dir``; files ending in one of ``text_suffixes`` (e.g.
@@ -302,7 +328,9 @@ def prepare_data(
     With ``chat_template`` the inputs are conversations (chat_sources.read_conversations,
     ``text_field`` naming the messages field, default 'messages'), each rendered into one
     document with a loss mask on the assistant's tokens; the writer's BOS is refused, since
-    the template writes its own.
+    the template writes its own. With ``packing`` as well, the conversations are packed
+    into whole windows of ``packing.seq_len`` tokens (chat_pack.py); of a sharded corpus
+    only the last shard ends the stream with the extra pad token.
 
     The outputs are checked before any input is read (check_outputs); files a directory walk
     leaves out are counted in one warning per directory.
@@ -312,6 +340,10 @@ def prepare_data(
             f"{output_dir}: --bos does not go with --format chat: the chat template writes "
             "the tokens a conversation starts with; leave --bos out"
         )
+    if packing is not None and chat_template is None:
+        raise DataError(f"{output_dir}: --seq-len packs conversations; it needs --format chat")
+    if packing is not None and shard is not None:
+        packing = replace(packing, ends_stream=shard.index == shard.count - 1)
     if text_field is None:
         text_field = "text" if chat_template is None else "messages"
     train_dir, eval_dir = check_outputs(output_dir, eval_fraction, eval_output_dir, shard)
@@ -353,4 +385,5 @@ def prepare_data(
         bos_per_document=bos_per_document,
         allow_empty=shard is not None,
         chat_template=chat_template,
+        packing=packing,
     )

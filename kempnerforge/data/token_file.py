@@ -19,7 +19,6 @@ import numpy as np
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.token_flags import (
-    FLAGS_FILE,
     FLAGS_SHA_KEY,
     MASKED_KEY,
     FlagsFileWriter,
@@ -32,7 +31,6 @@ from kempnerforge.data.token_flags import (
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.storage.files import (
     is_dir,
-    names_in,
     open_for_writing,
     read_text,
     remove,
@@ -102,7 +100,7 @@ class TokenFileWriter:
     Documents given with a ``loss_mask`` make a masked corpus (``format`` "chat"): no EOS is
     added after them (a chat template's tokens are the whole document), and token_flags.bin
     records each token's mask and where each document ends (token_flags.py). A writer gets a
-    mask with every document or with none.
+    mask with every document or with none; ``masked`` says so before the first.
 
     Use as a context manager: leaving it by an exception removes the temporary file and leaves
     whatever was under the final names before untouched; ``finish`` publishes the result.
@@ -113,7 +111,11 @@ class TokenFileWriter:
     """
 
     def __init__(
-        self, output_dir: str, tokenizer: Tokenizer, bos_per_document: bool = False
+        self,
+        output_dir: str,
+        tokenizer: Tokenizer,
+        bos_per_document: bool = False,
+        masked: bool = False,
     ) -> None:
         if bos_per_document:
             check_distinct_bos(tokenizer, output_dir)
@@ -140,7 +142,11 @@ class TokenFileWriter:
         self.max_token_id = -1  # none written yet
         self.max_document_tokens = 0
         self.assistant_tokens = 0  # tokens whose loss bit is on (a masked corpus)
-        self._flags: FlagsFileWriter | None = None  # opened by the first masked document
+        # Opened by the first masked document, or now with ``masked``: then even an empty
+        # corpus (a shard without conversations) is a masked one, like its sibling shards.
+        self._flags: FlagsFileWriter | None = None
+        if masked:
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
         self._flag_buffer: list[np.ndarray] = []
 
     def add_document(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
@@ -165,6 +171,21 @@ class TokenFileWriter:
         self._buffered += length
         self.max_document_tokens = max(self.max_document_tokens, length)
         self.num_documents += 1
+        if self._buffered >= _FLUSH_TOKENS:
+            self._flush()
+
+    def add_padding(self, num_tokens: int) -> None:
+        """Append ``num_tokens`` pad ids (the tokenizer's pad id, its EOS when it has none)
+        as a run of a loss-masked corpus that is never a target and ends a document, so no
+        attention crosses it: the unused rest of a packed window (chat_pack.py). Not counted
+        as a document, nor in max_document_tokens."""
+        if self._flags is None:
+            if self.num_documents:
+                raise ValueError(f"{self.output_dir}: padding goes only into a masked corpus")
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
+        self._buffer.append(np.full(num_tokens, self.tokenizer.pad_id, dtype=np.int64))
+        self._flag_buffer.append(document_flags(np.zeros(num_tokens, dtype=bool), num_tokens))
+        self._buffered += num_tokens
         if self._buffered >= _FLUSH_TOKENS:
             self._flush()
 
@@ -203,8 +224,9 @@ class TokenFileWriter:
             self._flags.write(np.concatenate(self._flag_buffer))
             self._flag_buffer.clear()
 
-    def finish(self, num_sources: int) -> dict[str, Any]:
-        """Publish tokens.bin and meta.json; returns the metadata written."""
+    def finish(self, num_sources: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Publish tokens.bin and meta.json (with the fields of ``extra`` added, e.g. a
+        packed corpus's); returns the metadata written."""
         self._flush()
         if self._url is None:
             self._file.flush()
@@ -230,6 +252,7 @@ class TokenFileWriter:
             "assistant_tokens": self.assistant_tokens if self._flags is not None else None,
             "max_document_tokens": self.max_document_tokens,
         }
+        meta.update(extra or {})
         if self._flags is not None:
             meta[FLAGS_SHA_KEY] = self._flags.sha256
         if self._url is not None:
@@ -279,51 +302,6 @@ class TokenFileWriter:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None:
             self.abort()
-
-
-def check_output_dir(output_dir: str, option: str) -> None:
-    """``output_dir`` can take a prepared corpus: it is new, empty, or one written before.
-
-    Anything else there (a file, or a directory of other files) is refused, naming
-    ``option``, the command-line option that gave the path, rather than mixed with a corpus.
-    """
-    what_to_do = "name a new or empty directory, or one prepare-data wrote before to rewrite it"
-    if is_store_url(output_dir):
-        _check_foreign(output_dir, names_in(output_dir), option, what_to_do)
-        return
-    path = Path(output_dir)
-    if path.exists() and not path.is_dir():
-        raise DataError(f"{option} {output_dir} is a file, not a directory; {what_to_do}")
-    if not path.exists():
-        # mkdir would fail on a file standing where a parent directory should be.
-        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        if blocking is not None:
-            raise DataError(
-                f"{option} {output_dir}: {blocking} is a file, not a directory; {what_to_do}"
-            )
-        return
-    _check_foreign(output_dir, [entry.name for entry in path.iterdir()], option, what_to_do)
-
-
-def _check_foreign(output_dir: str, names: list[str], option: str, what_to_do: str) -> None:
-    """Refuse an output directory holding entries (``names``) prepare-data did not write."""
-    foreign = sorted(name for name in names if not _is_prepared_entry(name))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (
-            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        )
-        raise DataError(
-            f"{option} {output_dir} is a directory holding other files ({shown}), not a "
-            f"prepared data directory; {what_to_do}"
-        )
-
-
-def _is_prepared_entry(name: str) -> bool:
-    """Whether ``name`` is one prepare-data writes: its outputs or their temporary files
-    (left behind only by a killed run)."""
-    return name in (TOKENS_FILE, META_FILE, FLAGS_FILE) or name.startswith(
-        (f".{TOKENS_FILE}.tmp-", f".{META_FILE}.tmp-", f".{FLAGS_FILE}.tmp-")
-    )
 
 
 def read_meta(data_dir: str) -> dict[str, Any]:

@@ -30,6 +30,8 @@ MASKED_KEY = "loss_mask"
 """meta.json's key saying the directory is a masked corpus (token_flags.bin exists)."""
 FLAGS_SHA_KEY = "token_flags_sha256"
 """meta.json's key holding token_flags.bin's content hash, like content_sha256 for tokens."""
+PACKED_COUNTS = ("pad_tokens", "conversations_cut", "conversations_dropped")
+"""meta.json's counts of a corpus packed into windows (chat_pack.py), summed over shards."""
 
 
 def document_flags(loss_mask: np.ndarray, num_tokens: int) -> np.ndarray:
@@ -121,10 +123,13 @@ def flags_meta_problem(meta: dict[str, Any]) -> str | None:
         return f"{MASKED_KEY} {meta[MASKED_KEY]!r} is not true or false"
     if meta[MASKED_KEY] and not (isinstance(meta.get(FLAGS_SHA_KEY), str) and meta[FLAGS_SHA_KEY]):
         return f"{MASKED_KEY} is true but {FLAGS_SHA_KEY} is not a non-empty string"
-    for key in ("assistant_tokens", "max_document_tokens"):
-        value = meta[key]
+    for key in ("assistant_tokens", "max_document_tokens", *PACKED_COUNTS):
+        value = meta.get(key)
         if value is not None and not (type(value) is int and value >= 0):
             return f"{key} {value!r} is not an integer >= 0 or null"
+    packed = meta.get("packed_seq_len")
+    if packed is not None and not (type(packed) is int and packed >= 1):
+        return f"packed_seq_len {packed!r} is not an integer >= 1 or null"
     return None
 
 

@@ -58,8 +58,13 @@ def _assert_pairs_equal(calls, expected):
         assert mask.dtype == np.bool_ and mask.tolist() == want_mask.tolist()
 
 
+# Longer than all of RECORDS together: they keep their order, packed into one window.
+SEQ_LEN = 4096
+
+
 def _run(argv: list[str]) -> int:
-    return main(["prepare-data", "--format", "chat", "--no-progress", *argv])
+    seq_len = [] if "--seq-len" in argv else ["--seq-len", str(SEQ_LEN)]
+    return main(["prepare-data", "--format", "chat", "--no-progress", *seq_len, *argv])
 
 
 def test_cli_prepares_one_document_per_conversation_with_its_mask(tmp_path, written, capsys):
@@ -69,8 +74,10 @@ def test_cli_prepares_one_document_per_conversation_with_its_mask(tmp_path, writ
     expected = _expected(RECORDS)
     _assert_pairs_equal(written, expected)
     # A conversation's end is in token_flags.bin: no EOS is added after it.
+    # Packed: one window of SEQ_LEN tokens, padded, then the one pad token that ends the stream.
     want = np.concatenate([tokens for tokens, _ in expected])
-    assert prepared_ids(out).tolist() == want.tolist()
+    pads = [ByteTokenizer.pad_id] * (SEQ_LEN + 1 - len(want))
+    assert prepared_ids(out).tolist() == want.tolist() + pads
     meta = read_meta(str(out))
     assert meta["format"] == "chat" and meta["num_documents"] == len(RECORDS)
     assert meta["assistant_tokens"] == sum(int(m.sum()) for _, m in expected)
@@ -110,8 +117,8 @@ def test_the_held_out_split_is_disjoint_complete_and_deterministic(tmp_path, wri
         assert eval_meta["format"] == "chat" and eval_meta["num_documents"] > 0
         assert eval_meta["num_documents"] + read_meta(str(train))["num_documents"] == len(RECORDS)
     assert splits[0] == splits[1]
-    # Input order is kept: the recorded calls, taken in order, are every conversation once.
-    assert [t for _, t in splits[0]] == [t.tolist() for t, _ in _expected(RECORDS)]
+    # Every conversation once (each split is packed, and written, on its own).
+    assert sorted(t for _, t in splits[0]) == sorted(t.tolist() for t, _ in _expected(RECORDS))
 
 
 def test_shards_together_hold_the_unsharded_corpus(tmp_path, written):
@@ -127,7 +134,8 @@ def test_shards_together_hold_the_unsharded_corpus(tmp_path, written):
         shard = ["--shard-index", str(index), "--num-shards", "2"]
         assert _run([*inputs, "--output", str(tmp_path / "sharded"), *shard]) == 0
     assert [(t.tolist(), m.tolist()) for _, t, m in written] == whole
-    assert prepared_ids(tmp_path / "sharded").tolist() == prepared_ids(tmp_path / "whole").tolist()
+    # Each shard is whole windows; only the last ends the stream with one more pad token.
+    assert len(prepared_ids(tmp_path / "sharded")) == 2 * SEQ_LEN + 1
 
 
 def test_worker_processes_give_the_same_documents_and_masks(tmp_path, written):
@@ -213,7 +221,10 @@ def test_the_text_format_records_no_chat_fields(tmp_path):
 
 def test_prepare_data_chat_writes_the_loss_mask_into_the_prepared_format(tmp_path):
     src = write_conversations(tmp_path / "chats.jsonl", RECORDS)
-    assert _run(["--input", str(src), "--output", str(tmp_path / "out")]) == 0
+    # Not packed (no --seq-len from the library), so the conversations follow each other.
+    prepare_data(
+        [str(src)], str(tmp_path / "out"), ByteTokenizer(), chat_template=byte_chat_template()
+    )
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     expected = _expected(RECORDS)
     assert meta["format"] == "chat"
