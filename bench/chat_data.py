@@ -86,12 +86,15 @@ def tokenizer_dir(files: list[Path], directory: Path) -> Path:
 
 def prepare(source: Path, output: Path, tokenizer: str, chat: bool, seq_len: int) -> float:
     """Tokens per second of one prepare_data run of ``source`` into ``output``."""
+    from kempnerforge.data.chat_pack import Packing
     from kempnerforge.data.chat_template import load_chat_template
     from kempnerforge.data.prepare import prepare_data
     from kempnerforge.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
-    options = {"chat_template": load_chat_template(tokenizer)} if chat else {}
+    options = {}
+    if chat:  # packed into whole windows of the training length, as prepare-data requires
+        options = {"chat_template": load_chat_template(tokenizer), "packing": Packing(seq_len)}
     started = time.perf_counter()
     meta = prepare_data([str(source)], str(output), tok, **options)
     return meta["num_tokens"] / (time.perf_counter() - started)

@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
-from kempnerforge.data.chat import conversation_of, encode_conversation
+from kempnerforge.data.chat_pack import Packing
 from kempnerforge.data.chat_template import byte_chat_template
+from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
+from kempnerforge.data.prepare import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
-from tests.e2e.test_check_parallel import DEBUG, assert_every_layout_passes, check_parallel
-from tests.support.chat_files import write_masked_dir
+from tests.e2e.test_check_parallel import (
+    DEBUG,
+    TINY,
+    assert_every_layout_passes,
+    run_check_parallel,
+)
+from tests.support.chat_files import write_conversations
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_steps
 
@@ -43,14 +51,24 @@ def conversations(count: int, seed: int = 0) -> list[dict]:
     return records
 
 
+SEQ_LEN = 128
+"""Windows the chat corpora are packed into and trained with: a conversation is about 110
+tokens."""
+CHAT_RUN = [f"--train.seq_len={SEQ_LEN}", f"--model.max_seq_len={SEQ_LEN}"]
+
+
 def write_chat_corpus(path: pathlib.Path, records: list[dict]) -> str:
-    """A prepared chat corpus of ``records`` with the byte tokenizer's template."""
-    tokenizer, template = ByteTokenizer(), byte_chat_template()
-    documents = [
-        encode_conversation(tokenizer, template, conversation_of(record, f"record {i}"))
-        for i, record in enumerate(records)
-    ]
-    return write_masked_dir(path, [(ids.tolist(), mask.tolist()) for ids, mask in documents])
+    """A chat corpus of ``records`` prepared with the byte tokenizer's template, packed
+    into windows of SEQ_LEN tokens."""
+    source = write_conversations(path.with_suffix(".jsonl"), records)
+    prepare_data(
+        [str(source)],
+        str(path),
+        ByteTokenizer(),
+        chat_template=byte_chat_template(),
+        packing=Packing(SEQ_LEN),
+    )
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +78,26 @@ def chat_dirs(tmp_path_factory) -> tuple[str, str]:
         write_chat_corpus(root / "train", conversations(300, seed=0)),
         write_chat_corpus(root / "eval", conversations(30, seed=1)),
     )
+
+
+def test_a_prepared_chat_corpus_holds_whole_conversations_in_every_window(chat_dirs):
+    """Every document of every window is a whole conversation (both replies supervised,
+    each with its end-of-turn) or padding (nothing supervised)."""
+    dataset = MemoryMappedDataset(chat_dirs[0], SEQ_LEN)
+    eos = ByteTokenizer().eos_id
+    conversations_seen = 0
+    for index in range(len(dataset)):
+        window = dataset[index]
+        supervised = window["labels"] != IGNORE_INDEX
+        for doc in window["doc_ids"].unique().tolist():
+            targets = window["labels"][supervised & (window["doc_ids"] == doc)].tolist()
+            if not targets:
+                continue  # a pad run
+            replies = bytes(t if t != eos else ord("|") for t in targets).decode().split("|")
+            assert len(replies) == 3 and replies[2] == "", replies  # two turns, each ended
+            assert all(re.fullmatch(r"(\w+) \1", reply) for reply in replies[:2]), replies
+            conversations_seen += 1
+    assert conversations_seen == 300
 
 
 def phased_config(path: pathlib.Path, text: str, chat: str, switch_at: int) -> str:
@@ -93,7 +131,7 @@ def test_pretraining_then_fine_tuning_on_chat_in_one_run_resumes_exactly(
 
     def run(run_dir: pathlib.Path, *extra: str, stop_after: int | None = None):
         overrides = tiny_run(
-            run_dir, None, "--train.max_steps=8", "--checkpoint.interval=3", *extra
+            run_dir, None, "--train.max_steps=8", "--checkpoint.interval=3", *CHAT_RUN, *extra
         )
         return train_steps(overrides, config_path=config, stop_after=stop_after)
 
@@ -112,15 +150,7 @@ def test_every_layout_on_a_chat_corpus_trains_as_one_process(chat_dirs, tmp_path
     """FSDP, tensor, pipeline and context parallelism on conversations: the loss mask and
     the conversations' own document ends reach every rank's share of the batch."""
     worlds = {"dp_shard=2": "2", "tp=2": "2", "pp=2": "2", "cp=2": "2"}
-    proc = check_parallel(
-        "--layouts",
-        *worlds,
-        "--steps",
-        "3",
-        f"--data.path={chat_dirs[0]}",
-        f"--data.eval_path={chat_dirs[1]}",
-        cwd=tmp_path,
-        cache=tmp_path / "cache",
-        config=DEBUG,
-    )
+    data = [f"--data.path={chat_dirs[0]}", f"--data.eval_path={chat_dirs[1]}"]
+    argv = [DEBUG, "--layouts", *worlds, "--steps", "3", *TINY, *CHAT_RUN, *data]
+    proc = run_check_parallel(argv, tmp_path, tmp_path / "cache")
     assert_every_layout_passes(proc, worlds)
