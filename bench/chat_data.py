@@ -9,7 +9,7 @@ conversation. The tokenizer is a byte-level BPE trained on that source, with a C
 template in its tokenizer_config.json. Each figure is the median of --rounds runs, the two
 kinds alternating (a machine whose load drifts slows both alike):
 
-    python bench/chat_data.py [--mb 4] [--rounds 3] [--steps 30] [--seq-len 256]
+    python bench/chat_data.py [--mb 2] [--rounds 3] [--steps 20] [--seq-len 1024]
 
 Prepare figures are tokens written over the wall clock of prepare_data (one worker);
 training figures are tokens_seen over the time of steps --skip..--steps of the debug config
@@ -84,8 +84,11 @@ def tokenizer_dir(files: list[Path], directory: Path) -> Path:
     return directory
 
 
-def prepare(source: Path, output: Path, tokenizer: str, chat: bool, seq_len: int) -> float:
-    """Tokens per second of one prepare_data run of ``source`` into ``output``."""
+def prepare(
+    source: Path, output: Path, tokenizer: str, chat: bool, seq_len: int
+) -> tuple[float, dict]:
+    """Tokens per second of one prepare_data run of ``source`` into ``output``, and the
+    meta.json it wrote."""
     from kempnerforge.data.chat_pack import Packing
     from kempnerforge.data.chat_template import load_chat_template
     from kempnerforge.data.prepare import prepare_data
@@ -97,7 +100,7 @@ def prepare(source: Path, output: Path, tokenizer: str, chat: bool, seq_len: int
         options = {"chat_template": load_chat_template(tokenizer), "packing": Packing(seq_len)}
     started = time.perf_counter()
     meta = prepare_data([str(source)], str(output), tok, **options)
-    return meta["num_tokens"] / (time.perf_counter() - started)
+    return meta["num_tokens"] / (time.perf_counter() - started), meta
 
 
 def train(data: Path, tokenizer: str, args: argparse.Namespace) -> float:
@@ -107,7 +110,8 @@ def train(data: Path, tokenizer: str, args: argparse.Namespace) -> float:
             sys.executable, "-m", "kempnerforge", "train", "configs/train/debug.toml",
             f"--data.path={data}", f"--data.tokenizer={tokenizer}", "--model.vocab_size=8256",
             f"--train.max_steps={args.steps}", f"--train.run_dir={run_dir}",
-            f"--train.seq_len={args.seq_len}", "--eval.interval=0", "--checkpoint.interval=0",
+            f"--train.seq_len={args.seq_len}", f"--model.max_seq_len={args.seq_len}",
+            "--eval.interval=0", "--checkpoint.interval=0",
             "--train.sample_prompt=", "--metrics.log_interval=1", "--metrics.progress=off",
         ]  # fmt: skip
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -122,11 +126,13 @@ def train(data: Path, tokenizer: str, args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=4.0, help="megabytes of source text")
+    parser.add_argument("--mb", type=float, default=2.0, help="megabytes of source text")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--seq-len", type=int, default=1024, help="long enough that no conversation is cut"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -137,7 +143,10 @@ def main() -> None:
         for round_ in range(args.rounds):
             for kind, source in (("text", texts), ("chat", chats)):
                 out = root / f"{kind}-{round_}"
-                rate = prepare(source, out, tokenizer, kind == "chat", args.seq_len)
+                rate, meta = prepare(source, out, tokenizer, kind == "chat", args.seq_len)
+                if round_ == 0:
+                    keys = ("num_tokens", "num_documents", "pad_tokens", "conversations_cut")
+                    print(json.dumps({"corpus": kind, **{k: meta.get(k) for k in keys}}))
                 figures.setdefault(f"prepare {kind}", []).append(rate)
                 figures.setdefault(f"train {kind}", []).append(train(out, tokenizer, args))
         medians = {key: statistics.median(values) for key, values in figures.items()}
