@@ -26,6 +26,7 @@ from kempnerforge.data.chat_template import (
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -180,6 +181,30 @@ def copy_tokenizer(tokenizer: str | None, out_dir: str | os.PathLike[str]) -> li
         (folder / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return ["tokenizer.json", TOKENIZER_CONFIG] + ([TEMPLATE_FILE] if template else [])
+
+
+def write_generation_config(tokenizer: str | None, out_dir: str | os.PathLike[str]) -> bool:
+    """Write generation_config.json when the exported tokenizer has a chat template, so
+    transformers' ``generate`` ends a reply where `kempnerforge generate --chat` does: at
+    the template's end-of-turn token or EOS (its ``eos_token_id`` list). True when written;
+    without a template config.json's single EOS stays the stop, as before."""
+    if tokenizer is None or tokenizer == "byte":
+        return False
+    template = carried_template(tokenizer)
+    if template is None:
+        return False
+    from kempnerforge.data.chat import end_of_turn_ids
+    from kempnerforge.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    config = {
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": sorted(end_of_turn_ids(tok, template)),
+        "pad_token_id": tok.pad_id,
+    }
+    text = json.dumps(config, indent=2) + "\n"
+    (Path(out_dir) / GENERATION_CONFIG).write_text(text, encoding="utf-8")
+    return True
 
 
 def carried_template(tokenizer: str) -> ChatTemplate | None:

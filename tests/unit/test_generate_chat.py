@@ -231,6 +231,10 @@ def test_an_export_renders_the_template_as_kempnerforge_does(tmp_path, layout):
     loaded = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours = load_chat_template(spec).render(QUESTION, add_generation_prompt=True)
     assert loaded.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False) == ours
+    # transformers' generate stops where generate --chat does: <|im_end|> or EOS.
+    generation = transformers.GenerationConfig.from_pretrained(str(folder))
+    stops = [loaded.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    assert generation.eos_token_id == sorted(stops)
 
 
 def test_an_export_of_a_lone_tokenizer_without_a_template_writes_none(tmp_path):
@@ -245,3 +249,4 @@ def test_an_export_of_a_lone_tokenizer_without_a_template_writes_none(tmp_path):
     folder = export_hf(Transformer(cfg), cfg, tmp_path / "hf", str(lone))
     assert not (folder / "chat_template.jinja").exists()
     assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
+    assert not (folder / "generation_config.json").exists()
