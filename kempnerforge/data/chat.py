@@ -165,6 +165,52 @@ def encode_conversation(
     return ids, mask
 
 
+# The reply of the one-turn conversation end_of_turn_ids renders: text no template rewrites.
+TURN_SENTINEL = "kempnerforge reply 7351"
+
+
+def end_of_turn_ids(tokenizer: Tokenizer, template: ChatTemplate) -> set[int]:
+    """The ids that end an assistant's turn, at which generation stops: the tokenizer's EOS,
+    the template's eos_token when it is one special token, and the special token the
+    template writes after an assistant's content (ChatML's <|im_end|>, Llama 3's <|eot_id|>).
+
+    The last is found by rendering a user turn and a sentinel reply and reading the tokens
+    after the reply, as tokenized whole: whitespace is skipped, a special token (one that
+    decodes to nothing) ends the turn. Ordinary text first, or a template that refuses the
+    conversation or rewrites the reply, adds nothing: such turns end with text or EOS.
+    """
+    stops = {tokenizer.eos_id}
+    eos_text = template.variables.get("eos_token")
+    if eos_text:
+        ids, _ = encode_with_offsets(tokenizer, eos_text)
+        if len(ids) == 1 and tokenizer.decode([int(ids[0])]) == "":
+            stops.add(int(ids[0]))
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": TURN_SENTINEL},
+    ]
+    try:
+        text = template.render(messages)
+    except DataError:
+        return stops
+    found = text.find(TURN_SENTINEL)
+    if found < 0:
+        return stops
+    reply_end = found + len(TURN_SENTINEL)
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    for token, (start, end) in zip(ids.tolist(), offsets.tolist(), strict=True):
+        if end <= reply_end:
+            continue
+        if start < reply_end:  # a token that merges the reply with what follows: text
+            break
+        if tokenizer.decode([token]) == "":
+            stops.add(token)
+            break
+        if text[start:end].strip():
+            break
+    return stops
+
+
 def encode_with_offsets(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     """Ids of ``text`` (no special tokens added) and each token's [start, end) characters."""
     if type(tokenizer) is HFTokenizer:
