@@ -69,7 +69,7 @@ def trained(tmp_path_factory) -> dict[str, pathlib.Path]:
     prepared = kempnerforge(
         "prepare-data", "--format", "chat", "--input", str(source), "--output",
         str(root / "train"), "--tokenizer", str(tok), "--eval-fraction", "0.05",
-        "--eval-output", str(root / "eval"), "--no-progress",
+        "--eval-output", str(root / "eval"), "--no-progress", "--seq-len", "128",
     )  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     run_dir = root / "run"
