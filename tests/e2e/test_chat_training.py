@@ -23,6 +23,7 @@ from tests.e2e.test_check_parallel import (
     run_check_parallel,
 )
 from tests.support.chat_files import write_conversations
+from tests.support.metrics_rows import read_rows
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_steps
 
@@ -138,6 +139,11 @@ def test_pretraining_then_fine_tuning_on_chat_in_one_run_resumes_exactly(
     whole = run(tmp_path / "whole")
     sources = [set(losses) for losses in whole["dataset_losses"]]
     assert sources == [{"text"}] * 4 + [{"chat"}] * 4  # the phase switched the source
+    # Text trains on nearly every position, chat on the assistant's tokens only.
+    rows = [r for r in read_rows(tmp_path / "whole") if "loss" in r and "event" not in r]
+    supervised = [r["supervised_tokens"] for r in rows]
+    assert all(n > 0.9 * 4 * SEQ_LEN for n in supervised[:4])
+    assert all(0 < n < 0.5 * 4 * SEQ_LEN for n in supervised[4:])
     # Stopped after step 5 (the stop saves, as a preemption does, one step after the switch)
     # and resumed: the same losses bit for bit, the chat phase still in force.
     run(tmp_path / "split", stop_after=5)

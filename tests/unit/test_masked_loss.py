@@ -1,5 +1,6 @@
 """Training and eval on a loss-masked corpus: the loss counts the assistant's tokens only, so
-what the user says after the last reply changes neither the loss nor the token count."""
+what the user says after the last reply changes neither the loss, nor the gradients, nor
+the token count."""
 
 from __future__ import annotations
 
@@ -50,9 +51,19 @@ def _session(run_dir: Path, data_dir: str):
 
 def _step_and_eval(run_dir: Path, data_dir: str) -> tuple[float, dict[str, float]]:
     """The first training step's loss, then eval over the whole corpus (8 windows)."""
+    loss, _, metrics = _step_grads_and_eval(run_dir, data_dir)
+    return loss, metrics
+
+
+def _step_grads_and_eval(
+    run_dir: Path, data_dir: str
+) -> tuple[float, list[torch.Tensor], dict[str, float]]:
+    """The first training step's loss and gradients, and eval over the whole corpus."""
     session = _session(run_dir, data_dir)
     metrics = evaluate(session.model, session.data, session.config, session.runtime)
-    return session.step_fn(session, 1).loss, metrics
+    loss = session.step_fn(session, 1).loss
+    grads = [p.grad.clone() for p in session.model.parameters() if p.grad is not None]
+    return loss, grads, metrics
 
 
 def test_the_loss_ignores_the_user_turn_no_reply_follows(tmp_path):
@@ -64,9 +75,11 @@ def test_the_loss_ignores_the_user_turn_no_reply_follows(tmp_path):
     tokens = [np.fromfile(Path(p) / "tokens.bin", dtype="<u2") for p in (base, other_user)]
     assert not np.array_equal(*tokens)  # the test changes something
 
-    loss, metrics = _step_and_eval(tmp_path / "run-a", base)
-    same_loss, same_metrics = _step_and_eval(tmp_path / "run-b", other_user)
+    loss, grads, metrics = _step_grads_and_eval(tmp_path / "run-a", base)
+    same_loss, same_grads, same_metrics = _step_grads_and_eval(tmp_path / "run-b", other_user)
     assert same_loss == loss
+    assert grads and len(same_grads) == len(grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, same_grads, strict=True))
     assert same_metrics == metrics
     # The replies are what is learned: changing one changes the loss.
     changed_loss, changed_metrics = _step_and_eval(tmp_path / "run-c", other_reply)
@@ -82,6 +95,9 @@ def test_the_supervised_tokens_are_the_mask_on_tokens(tmp_path):
     batch = {k: torch.stack([dataset[i][k] for i in range(4)]) for k in dataset[0]}
     count = step_tokens(RuntimeContext(), [batch]).count.item()
     assert count == int(np.count_nonzero(flags[1 : 4 * 32 + 1] & LOSS_ON))
+    # The step reports that count, which the loop logs as supervised_tokens.
+    session = _session(tmp_path / "step", path)
+    assert session.step_fn(session, 1).text_tokens == count
     # Eval over the whole corpus counts each mask-on token once (the first token is a user's).
     _, metrics = _step_and_eval(tmp_path / "run", path)
     assert metrics["eval_tokens"] == read_meta(path)["assistant_tokens"] == 16 * 6
