@@ -1,5 +1,6 @@
-"""`kempnerforge prepare-data`: tokenize text into a prepared directory, or record the
-largest token id of directories prepared before.
+"""`kempnerforge prepare-data`: tokenize text (or, with --format chat, conversations and their
+loss masks) into a prepared directory, or record the largest token id of directories prepared
+before.
 
 Building the parser (for `--help`) imports neither numpy nor a tokenizer: those come with
 the run.
@@ -58,9 +59,34 @@ def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json"
     )
     parser.add_argument(
-        "--text-field",
+        "--format",
+        choices=("text", "chat"),
         default="text",
-        help="jsonl field / parquet or dataset column holding the document text",
+        help="'text' (default): each input document is text; 'chat': each is a conversation "
+        "(messages, or prompt and completion) rendered with the tokenizer's chat template, "
+        "with a loss mask on the assistant's tokens",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --format chat (required there): pack whole conversations into windows of "
+        "N tokens, the training job's train.seq_len, so none crosses a window boundary",
+    )
+    parser.add_argument(
+        "--long-conversations",
+        choices=("cut", "drop"),
+        default=None,
+        help="with --format chat: a conversation longer than --seq-len keeps its first N "
+        "tokens ('cut', the default; dropped when that keeps no assistant token) or is left "
+        "out ('drop'); both are counted",
+    )
+    parser.add_argument(
+        "--text-field",
+        default=None,
+        help="jsonl field / parquet or dataset column holding the document text (default "
+        "'text'), or with --format chat the messages (default 'messages')",
     )
     parser.add_argument(
         "--text-suffix",
@@ -181,11 +207,38 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
                 "of N (0 <= I < N)"
             )
         shard = Shard(args.shard_index, args.num_shards)
+    tokenizer = load_tokenizer(args.tokenizer)  # a wrong path is named before any template
+    chat_template = packing = None
+    if args.format != "chat" and (args.seq_len or args.long_conversations):
+        option = "--seq-len" if args.seq_len else "--long-conversations"
+        raise DataError(
+            f"{option} is about packing conversations into windows; it goes only with "
+            f"--format chat (leave {option} out for text)"
+        )
+    if args.format == "chat":
+        from kempnerforge.data.chat_pack import Packing
+        from kempnerforge.data.chat_template import load_chat_template
+
+        if args.seq_len is None:
+            raise DataError(
+                "--format chat needs --seq-len N, the training job's train.seq_len: "
+                "conversations are packed into windows of N tokens so that none crosses a "
+                "window boundary"
+            )
+        packing = Packing(args.seq_len, args.long_conversations or "cut")
+
+        if args.text_suffix or args.skip_non_utf8:
+            option = "--text-suffix" if args.text_suffix else "--skip-non-utf8"
+            raise DataError(
+                f"{option} is about whole-file text documents; --format chat reads none "
+                f"(leave {option} out)"
+            )
+        chat_template = load_chat_template(args.tokenizer)
     output = join(args.output, shard.name) if shard else args.output
     meta = prepare_data(
         args.input,
         args.output,
-        load_tokenizer(args.tokenizer),
+        tokenizer,
         text_field=args.text_field,
         show_progress=not args.no_progress and sys.stderr.isatty(),
         eval_fraction=args.eval_fraction,
@@ -196,11 +249,21 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         text_suffixes=tuple(args.text_suffix),
         skip_non_utf8=args.skip_non_utf8,
         shard=shard,
+        chat_template=chat_template,
+        packing=packing,
     )
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
         f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
     )
+    if chat_template is not None:
+        summary += (
+            f" ({meta['assistant_tokens']:,} assistant tokens; the longest conversation "
+            f"{meta['max_document_tokens']:,} tokens; packed into windows of "
+            f"{meta['packed_seq_len']:,} with {meta['pad_tokens']:,} pad tokens, "
+            f"{meta['conversations_cut']:,} conversations cut and "
+            f"{meta['conversations_dropped']:,} dropped as longer)"
+        )
     if args.eval_fraction > 0.0:
         eval_output = join(args.eval_output, shard.name) if shard else args.eval_output
         held_out = read_meta(eval_output)

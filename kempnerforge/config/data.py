@@ -67,7 +67,8 @@ class DataConfig:
     """Shuffle training windows each epoch (seeded by train.seed and the epoch)."""
     document_masking: bool = True
     """Keep attention and the loss inside each packed document (no attending or predicting
-    across an end-of-document token)."""
+    across an end-of-document token). A loss-masked corpus marks its document ends in
+    token_flags.bin instead of by EOS, and never predicts across them either way."""
     datasets: list[DatasetSourceConfig] = field(default_factory=list)
     """Training mixture (`[[data.datasets]]` tables with name, path and weight); empty means
     the single dataset data.path. Give one or the other, not both."""

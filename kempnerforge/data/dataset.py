@@ -15,11 +15,18 @@ from kempnerforge.data.bad_windows import BadWindowSkipping
 from kempnerforge.data.shards import read_parts
 from kempnerforge.data.store_tokens import StoreReads
 from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
+from kempnerforge.data.token_flags import (
+    FLAGS_FILE,
+    FLAGS_SHA_KEY,
+    IGNORE_INDEX,
+    is_masked,
+    masked_targets,
+)
 from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
 from kempnerforge.data.token_stream import TokenStream
 from kempnerforge.storage.location import join
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "MemoryMappedDataset", "SampleDataset"]
 
 
 class SampleDataset(Protocol):
@@ -53,6 +60,12 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
     needs nothing else: the BOS after an EOS is that masked label and the first position of
     its document, and it predicts the document's first token. Without masking, ``doc_ids`` is
     all zeros: the window is one sequence.
+
+    A masked corpus (token_flags.bin beside tokens.bin, see token_flags.py) says itself
+    which labels count and where documents end, EOS or not: ``labels`` is IGNORE_INDEX
+    where the label's token is not a target and where it opens another document (with or
+    without ``document_masking``), and ``doc_ids`` counts the marked document ends. Its
+    flags are read with its tokens, window by window, from disk or a store alike.
 
     ``path`` is a prepared directory or a sharded one (see shards.py): the shards' tokens are one
     stream, in shard order, and a window may span a shard boundary.
@@ -113,6 +126,15 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
             store,
             [str(part_meta["content_sha256"]) for _, part_meta in parts],
         )
+        self._flags: TokenStream | None = None
+        if is_masked(self.meta):  # every shard is, or none (shards.AGREED_KEYS)
+            self._flags = TokenStream(
+                [join(part_dir, FLAGS_FILE) for part_dir, _ in parts],
+                [int(part_meta["num_tokens"]) for _, part_meta in parts],
+                np.dtype(np.uint8),
+                store,
+                [str(part_meta[FLAGS_SHA_KEY]) for _, part_meta in parts],
+            )
 
     def _check_fits(self, expected_tokenizer: str | None, model_vocab_size: int | None) -> None:
         prepared_with = self.meta["tokenizer"]
@@ -140,17 +162,28 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
         if int(window.max()) >= self._id_limit:
             self._refuse_window(start, window)
         input_ids = window[:-1]
+        if self._flags is not None:
+            flags = self._flags.read(start, self.seq_len + 1)
+            labels, doc_ids = masked_targets(window, flags, self.document_masking)
+        else:
+            labels, doc_ids = self._eos_targets(window)
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "doc_ids": torch.from_numpy(doc_ids),
+        }
+
+    def _eos_targets(self, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(labels, doc_ids) of an unmasked corpus's window: every label counts, and with
+        document masking each EOS ends a document."""
+        input_ids = window[:-1]
         labels = window[1:].copy()
         doc_ids = np.zeros(self.seq_len, dtype=np.int64)
         if self.document_masking:
             ends_document = input_ids == self.eos_id
             np.cumsum(ends_document[:-1], out=doc_ids[1:])
             labels[ends_document] = IGNORE_INDEX
-        return {
-            "input_ids": torch.from_numpy(input_ids),
-            "labels": torch.from_numpy(labels),
-            "doc_ids": torch.from_numpy(doc_ids),
-        }
+        return labels, doc_ids
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch the windows of samples ``indices`` together, ahead of reading them: from a
@@ -159,6 +192,8 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
         in_range = [i for i in indices if 0 <= i < self._num_windows]
         starts = [self.window_for(i) * self.seq_len for i in in_range]
         self._stream.prefetch(starts, self.seq_len + 1)
+        if self._flags is not None:
+            self._flags.prefetch(starts, self.seq_len + 1)
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """The samples of ``indices`` (a batch, as the loader asks for it), prefetched

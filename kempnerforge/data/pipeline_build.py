@@ -14,6 +14,7 @@ from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
+from kempnerforge.data.chat_pack import packing_mismatch
 from kempnerforge.data.dataloader import TrainDataLoader, build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.image_text import build_image_text_datasets
@@ -137,7 +138,7 @@ def _dataset_opener(
         """The dataset at ``path``; a problem names ``field``, the config field giving it
         (None for the built-in corpus, which no field names)."""
         try:
-            return MemoryMappedDataset(
+            dataset = MemoryMappedDataset(
                 path,
                 seq_len,
                 document_masking=cfg.document_masking,
@@ -149,6 +150,11 @@ def _dataset_opener(
             if field is None:
                 raise
             raise DataPathError(field, path, e) from None
+        # Trains all the same, but some conversations lose their beginning: say so once.
+        mismatch = packing_mismatch(path, dataset.meta, seq_len)
+        if mismatch is not None:
+            logger.warning("%s", mismatch)
+        return dataset
 
     return open_dataset
 

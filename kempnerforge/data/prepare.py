@@ -1,4 +1,5 @@
-"""prepare-data: tokenize text inputs into a prepared directory (tokens.bin + meta.json).
+"""prepare-data: tokenize text inputs, or conversations with their loss masks, into a prepared
+directory (tokens.bin + meta.json).
 
 Also splits off a held-out set by document, so train and eval never share a document, writes
 one shard of a sharded corpus, and records the largest id of directories prepared before
@@ -12,12 +13,17 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
+from kempnerforge.data.chat import Conversation
+from kempnerforge.data.chat_pack import ConversationPacker, Packing
+from kempnerforge.data.chat_sources import read_conversations
+from kempnerforge.data.chat_template import ChatTemplate
+from kempnerforge.data.output_dir import check_output_dir
 from kempnerforge.data.shards import (
     Shard,
     check_shard_output,
@@ -29,7 +35,7 @@ from kempnerforge.data.sources import (
     is_hf_dataset_dir,
     read_documents,
 )
-from kempnerforge.data.token_file import TokenFileWriter, check_output_dir
+from kempnerforge.data.token_file import TokenFileWriter
 from kempnerforge.data.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.storage.location import is_url
@@ -86,7 +92,7 @@ class _Progress:
 
 
 def write_corpus(
-    sources: Iterable[tuple[str, Iterable[str]]],
+    sources: Iterable[tuple[str, Iterable[Any]]],
     num_sources: int,
     output_dir: str,
     tokenizer: Tokenizer,
@@ -97,10 +103,16 @@ def write_corpus(
     num_workers: int = 1,
     bos_per_document: bool = False,
     allow_empty: bool = False,
+    chat_template: ChatTemplate | None = None,
+    packing: Packing | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``(source name, documents)`` pairs into prepared directories.
 
     Empty documents are skipped; with ``bos_per_document`` each document starts with BOS.
+    With ``chat_template`` the documents are conversations: each is rendered with it into one
+    document whose loss mask is on for the assistant's tokens (the writer records the
+    format, the number of assistant tokens and the longest conversation in meta.json); with
+    ``packing`` too, each split's conversations are packed into whole windows (chat_pack.py).
     Returns the train split's metadata; the eval split's is in
     ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
     is complete and, without ``allow_empty`` (a shard may hold no documents), non-empty.
@@ -112,30 +124,43 @@ def write_corpus(
     # Workers get small chunks so each has work; one process keeps the large batches.
     max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
     with ExitStack() as stack:
-        train = stack.enter_context(TokenFileWriter(output_dir, tokenizer, bos_per_document))
+        masked = chat_template is not None
+        train = stack.enter_context(
+            TokenFileWriter(output_dir, tokenizer, bos_per_document, masked)
+        )
         writers = [train]
         held_out = None
         if eval_fraction > 0.0:
             assert eval_output_dir is not None
             held_out = stack.enter_context(
-                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document)
+                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document, masked)
             )
             writers.append(held_out)
-        encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers))
+        encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers, chat_template))
+        # Each split is packed on its own: its windows hold only its conversations.
+        sinks: list[Any] = [
+            w if packing is None else ConversationPacker(w, packing) for w in writers
+        ]
         try:
             batches = _batches(sources, eval_fraction, progress, max_docs)
-            for batch, arrays in encoder.encode(batches, lambda b: b.texts):
-                for to_eval, tokens in zip(batch.to_eval, arrays, strict=True):
-                    (held_out if to_eval and held_out else train).add_document(tokens)
+            for batch, encoded in encoder.encode(batches, lambda b: b.documents):
+                for to_eval, document in zip(batch.to_eval, encoded, strict=True):
+                    sink = sinks[-1] if to_eval and held_out else sinks[0]
+                    if chat_template is None:
+                        sink.add_document(document)
+                    else:
+                        sink.add_document(*document)  # the tokens and their loss mask
                 for _ in range(batch.files_done):
                     progress.file_done(writers)
         finally:
             progress.close()
+        extras = [s.finish() if isinstance(s, ConversationPacker) else None for s in sinks]
         if not allow_empty:
+            _check_not_all_dropped(sinks)
             _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
         if held_out is not None:
-            held_out.finish(num_sources)
-        meta = train.finish(num_sources)
+            held_out.finish(num_sources, extras[-1])
+        meta = train.finish(num_sources, extras[0])
     logger.info(
         "prepared %s tokens in %s documents into %s (%.1f s)",
         f"{meta['num_tokens']:,}",
@@ -148,38 +173,41 @@ def write_corpus(
 
 @dataclass
 class _Batch:
-    """Documents tokenized together, their splits, and the sources they complete."""
+    """Documents tokenized together (texts or conversations), their splits, and the sources
+    they complete."""
 
-    texts: list[str] = field(default_factory=list)
+    documents: list[Any] = field(default_factory=list)
     to_eval: list[bool] = field(default_factory=list)
     files_done: int = 0
 
 
 def _batches(
-    sources: Iterable[tuple[str, Iterable[str]]],
+    sources: Iterable[tuple[str, Iterable[Any]]],
     eval_fraction: float,
     progress: _Progress,
     max_docs: int,
 ) -> Iterator[_Batch]:
     """Non-empty documents with their split, grouped for batched tokenization.
 
-    A batch may span sources; ``files_done`` counts those whose last document it holds.
+    A batch may span sources; ``files_done`` counts those whose last document it holds. A
+    conversation's split is decided by the hash of its messages (Conversation.key).
     """
     batch, chars = _Batch(), 0
     for _name, documents in sources:
-        for text in documents:
-            if not text:
+        for document in documents:
+            if not document:
                 continue
-            data = text.encode("utf-8")
+            is_chat = isinstance(document, Conversation)
+            data = document.key() if is_chat else document.encode("utf-8")
             progress.text_bytes += len(data)
-            batch.texts.append(text)
+            batch.documents.append(document)
             batch.to_eval.append(is_eval_document(data, eval_fraction))
-            chars += len(text)
-            if chars >= _BATCH_CHARS or len(batch.texts) >= max_docs:
+            chars += len(data) if is_chat else len(document)
+            if chars >= _BATCH_CHARS or len(batch.documents) >= max_docs:
                 yield batch
                 batch, chars = _Batch(), 0
         batch.files_done += 1
-    if batch.texts or batch.files_done:
+    if batch.documents or batch.files_done:
         yield batch
 
 
@@ -251,11 +279,23 @@ def _check_not_empty(
         )
 
 
+def _check_not_all_dropped(sinks: list[Any]) -> None:
+    """Refuse a packed split whose every conversation was too long for its windows."""
+    for sink in sinks:
+        packer = isinstance(sink, ConversationPacker)
+        if packer and sink.conversations_dropped and sink.writer.num_documents == 0:
+            raise DataError(
+                f"{sink.writer.output_dir}: all {sink.conversations_dropped} conversations are "
+                f"longer than --seq-len {sink.seq_len} (or keep no assistant token when cut) "
+                "and were dropped; raise --seq-len or use --long-conversations cut"
+            )
+
+
 def prepare_data(
     inputs: list[str],
     output_dir: str,
     tokenizer: Tokenizer,
-    text_field: str = "text",
+    text_field: str | None = None,
     show_progress: bool = False,
     eval_fraction: float = 0.0,
     eval_output_dir: str | None = None,
@@ -265,6 +305,8 @@ def prepare_data(
     text_suffixes: tuple[str, ...] = (),
     skip_non_utf8: bool = False,
     shard: Shard | None = None,
+    chat_template: ChatTemplate | None = None,
+    packing: Packing | None = None,
 ) -> dict[str, Any]:
     """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
     (directories walked) into ``output_dir``; files ending in one of ``text_suffixes`` (e.g.
@@ -272,8 +314,8 @@ def prepare_data(
     that are not UTF-8 are left out instead of stopping the run.
 
     Each .txt file is one document; each .jsonl line, parquet row or dataset row one document
-    taken from ``text_field`` (a DatasetDict gives its ``split``, default 'train'). Every
-    document is followed by EOS, and preceded by BOS with ``bos_per_document``. With
+    taken from ``text_field`` (default 'text'; a DatasetDict gives its ``split``, default
+    'train'). Every document is followed by EOS, and preceded by BOS with ``bos_per_document``. With
     ``eval_fraction`` > 0 about that fraction of the documents goes to ``eval_output_dir``
     instead. ``num_workers`` > 1 tokenizes in that many spawned processes with byte-identical
     output. Returns the train split's metadata.
@@ -283,9 +325,27 @@ def prepare_data(
     shards 0..N-1 in order hold exactly the documents of one unsharded run, in its order. A
     shard may be empty (no files, or no held-out documents among its own).
 
+    With ``chat_template`` the inputs are conversations (chat_sources.read_conversations,
+    ``text_field`` naming the messages field, default 'messages'), each rendered into one
+    document with a loss mask on the assistant's tokens; the writer's BOS is refused, since
+    the template writes its own. With ``packing`` as well, the conversations are packed
+    into whole windows of ``packing.seq_len`` tokens (chat_pack.py); of a sharded corpus
+    only the last shard ends the stream with the extra pad token.
+
     The outputs are checked before any input is read (check_outputs); files a directory walk
     leaves out are counted in one warning per directory.
     """
+    if chat_template is not None and bos_per_document:
+        raise DataError(
+            f"{output_dir}: --bos does not go with --format chat: the chat template writes "
+            "the tokens a conversation starts with; leave --bos out"
+        )
+    if packing is not None and chat_template is None:
+        raise DataError(f"{output_dir}: --seq-len packs conversations; it needs --format chat")
+    if packing is not None and shard is not None:
+        packing = replace(packing, ends_stream=shard.index == shard.count - 1)
+    if text_field is None:
+        text_field = "text" if chat_template is None else "messages"
     train_dir, eval_dir = check_outputs(output_dir, eval_fraction, eval_output_dir, shard)
     text_suffixes = check_text_suffixes(text_suffixes)
     files = discover_input_files(inputs, text_suffixes)
@@ -307,7 +367,9 @@ def prepare_data(
             str(f),
             read_documents(
                 f, text_field, split, text_suffixes=text_suffixes, skip_non_utf8=skip_non_utf8
-            ),
+            )
+            if chat_template is None
+            else read_conversations(f, text_field, split),
         )
         for f in files
     )
@@ -322,4 +384,6 @@ def prepare_data(
         num_workers=num_workers,
         bos_per_document=bos_per_document,
         allow_empty=shard is not None,
+        chat_template=chat_template,
+        packing=packing,
     )

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.output_dir import check_output_dir
 from kempnerforge.data.token_file import (
     MAX_ID_KEY,
     META_FILE,
     TOKENS_FILE,
-    check_output_dir,
     check_tokens_file,
     read_meta,
 )
+from kempnerforge.data.token_flags import MASKED_KEY, PACKED_COUNTS
 from kempnerforge.storage.files import is_dir, names_in, size_of
 from kempnerforge.storage.location import join
 
@@ -36,6 +37,9 @@ AGREED_KEYS = (
     "eos_id",
     "bos_id",
     "bos_per_document",
+    MASKED_KEY,  # read as one stream, the shards all have token_flags.bin or none do
+    "format",
+    "packed_seq_len",  # one window layout (absent: unpacked): a window may span shards
 )
 _SUMMED_KEYS = ("num_tokens", "num_documents", "sources")
 _NAMES_SHOWN = 4
@@ -157,9 +161,10 @@ def _check_agreement(shards: list[tuple[str, dict[str, Any]]]) -> None:
     first_dir, first = shards[0]
     for shard_dir, meta in shards[1:]:
         for key in AGREED_KEYS:
-            if meta[key] != first[key]:
+            value, first_value = meta.get(key), first.get(key)
+            if value != first_value:
                 raise DataError(
-                    f"{shard_dir}: {key} {meta[key]!r}, but {first[key]!r} in {first_dir}: the "
+                    f"{shard_dir}: {key} {value!r}, but {first_value!r} in {first_dir}: the "
                     "shards of a corpus are read as one stream and must be prepared with the "
                     "same tokenizer and options; prepare this shard again like the others"
                 )
@@ -167,13 +172,21 @@ def _check_agreement(shards: list[tuple[str, dict[str, Any]]]) -> None:
 
 def corpus_meta(shards: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """What a sharded corpus is as a whole: the fields its shards share, the counts summed,
-    the largest id (when every shard records one) and ``num_shards``."""
+    the largest id and document (when every shard records them) and ``num_shards``."""
     metas = [meta for _, meta in shards]
-    corpus = {key: metas[0][key] for key in AGREED_KEYS}
+    corpus = {key: metas[0].get(key) for key in AGREED_KEYS}
     for key in _SUMMED_KEYS:
         corpus[key] = sum(int(meta[key]) for meta in metas)
     if all(MAX_ID_KEY in meta for meta in metas):
         corpus[MAX_ID_KEY] = max(int(meta[MAX_ID_KEY]) for meta in metas)
+    # Known for the corpus only when known for every shard (None in older ones).
+    assistant = [meta["assistant_tokens"] for meta in metas]
+    corpus["assistant_tokens"] = None if None in assistant else sum(assistant)
+    longest = [meta["max_document_tokens"] for meta in metas]
+    corpus["max_document_tokens"] = None if None in longest else max(longest)
+    for key in PACKED_COUNTS:
+        if all(key in meta for meta in metas):
+            corpus[key] = sum(int(meta[key]) for meta in metas)
     corpus["num_shards"] = len(metas)
     return corpus
 

@@ -41,7 +41,7 @@ def check_text_suffixes(suffixes: Iterable[str]) -> tuple[str, ...]:
     return tuple(checked)
 
 
-def _kind(path: Path, text_suffixes: tuple[str, ...] = ()) -> str | None:
+def input_kind(path: Path, text_suffixes: tuple[str, ...] = ()) -> str | None:
     """'txt', 'jsonl', 'parquet' or 'hf' for a supported input, else None.
 
     A file ending in one of ``text_suffixes`` (optionally .gz) is whole-file text: 'txt'.
@@ -79,7 +79,7 @@ def discover_input_files(inputs: list[str], text_suffixes: tuple[str, ...] = ())
             raise DataError(f"{raw}: input path does not exist; check the --input argument")
         if path.is_dir() and not is_hf_dataset_dir(path):
             found = _walk(path, text_suffixes)
-        elif _kind(path, text_suffixes):
+        elif input_kind(path, text_suffixes):
             found = [path]
         else:
             raise DataError(
@@ -115,7 +115,7 @@ def _walk(root: Path, text_suffixes: tuple[str, ...]) -> list[Path]:
     for p in entries:
         if any(parent in datasets for parent in p.parents):
             continue
-        if p in datasets or (p.is_file() and _kind(p, text_suffixes)):
+        if p in datasets or (p.is_file() and input_kind(p, text_suffixes)):
             found.append(p)
         elif p.is_file() and not _is_tooling(p.relative_to(root)):
             skipped[_suffix_of(p)] += 1
@@ -164,7 +164,8 @@ def describe_skipped(skipped: Counter[str], root: Path) -> str:
     return f"skipped {counts} file{'s' if total > 1 else ''} under {under} ({why})"
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def open_binary(path: Path) -> IO[bytes]:
+    """``path`` opened for reading bytes, decompressed when its name ends in .gz."""
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]  # a GzipFile is a binary IO
     return open(path, "rb")
@@ -178,7 +179,8 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def _decode(data: bytes, where: str) -> str:
+def decode_utf8(data: bytes, where: str) -> str:
+    """``data`` as text; DataError naming ``where`` and the first bad byte if not UTF-8."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -205,7 +207,7 @@ def read_documents(
     missing or non-string field; with ``skip_non_utf8`` a whole-file document that is not
     UTF-8 is left out with a warning instead.
     """
-    kind = _kind(path, text_suffixes)
+    kind = input_kind(path, text_suffixes)
     if kind == "parquet":
         yield from _read_parquet(path, text_field)
         return
@@ -213,16 +215,16 @@ def read_documents(
         yield from _read_hf_dataset(path, text_field, split)
         return
     try:
-        with _open_binary(path) as stream:
+        with open_binary(path) as stream:
             if kind == "txt":
                 data = stream.read()
                 if skip_non_utf8 and not _is_utf8(data):
                     logger.warning("%s is not valid UTF-8: left out (--skip-non-utf8)", path)
                     return
-                yield _decode(data, str(path))
+                yield decode_utf8(data, str(path))
                 return
             for number, raw in enumerate(stream, start=1):
-                line = _decode(raw, f"{path}:{number}")
+                line = decode_utf8(raw, f"{path}:{number}")
                 if line.strip():
                     yield _text_of(line, text_field, f"{path}:{number}")
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
@@ -299,6 +301,20 @@ def _is_arrow_string(pa: Any, arrow_type: Any) -> bool:
 
 def _read_hf_dataset(path: Path, text_field: str, split: str | None) -> Iterator[str]:
     """``text_field`` of each row of a saved dataset, streamed from its memory-mapped arrow."""
+    loaded = load_saved_dataset(path, split)
+    feature = loaded.features.get(text_field)
+    is_text = getattr(feature, "dtype", None) in ("string", "large_string")
+    _check_column(path, text_field, list(loaded.column_names), None if is_text else str(feature))
+    for rows in loaded.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
+        # Batched iteration yields column -> values dicts (the stubs also allow a list).
+        for text in cast(dict[str, list[Any]], rows)[text_field]:
+            if text is not None:
+                yield text
+
+
+def load_saved_dataset(path: Path, split: str | None) -> Any:
+    """The rows of a saved dataset: a Dataset, or ``split`` (default 'train') of a
+    DatasetDict; DataError naming the splits there are when it has no such split."""
     try:
         import datasets
     except ImportError:
@@ -323,11 +339,4 @@ def _read_hf_dataset(path: Path, text_field: str, split: str | None) -> Iterator
         logger.warning(
             "%s is a single dataset, not a DatasetDict; --split %s is ignored", path, split
         )
-    feature = loaded.features.get(text_field)
-    is_text = getattr(feature, "dtype", None) in ("string", "large_string")
-    _check_column(path, text_field, list(loaded.column_names), None if is_text else str(feature))
-    for rows in loaded.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
-        # Batched iteration yields column -> values dicts (the stubs also allow a list).
-        for text in cast(dict[str, list[Any]], rows)[text_field]:
-            if text is not None:
-                yield text
+    return loaded

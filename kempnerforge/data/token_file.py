@@ -1,7 +1,8 @@
 """The prepared-data format: tokens.bin (raw little-endian ids) plus meta.json, and its writer.
 
 A prepared directory is complete exactly when meta.json exists: the writer renames tokens.bin
-into place first and meta.json last, so a crash never leaves a half file under a final name.
+(and a masked corpus's token_flags.bin, see token_flags.py) into place first and meta.json
+last, so a crash never leaves a half file under a final name.
 meta.json records the largest id written (``max_token_id``), so a reader checks the ids
 against a vocabulary without reading tokens.bin.
 """
@@ -17,10 +18,19 @@ from typing import Any
 import numpy as np
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.token_flags import (
+    FLAGS_SHA_KEY,
+    MASKED_KEY,
+    FlagsFileWriter,
+    check_flags_file,
+    check_loss_mask,
+    document_flags,
+    flags_meta_problem,
+    remove_stale_flags,
+)
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.storage.files import (
     is_dir,
-    names_in,
     open_for_writing,
     read_text,
     remove,
@@ -47,7 +57,15 @@ META_KEYS = (
     "sources",
 )
 # Keys a reader fills in when an older prepared directory lacks them.
-META_DEFAULTS: dict[str, Any] = {"bos_per_document": False}
+META_DEFAULTS: dict[str, Any] = {
+    "bos_per_document": False,
+    MASKED_KEY: False,
+    "format": "text",
+    "assistant_tokens": None,  # tokens whose loss is on; None: no mask, every token counts
+    "max_document_tokens": None,  # the longest document, BOS and EOS included; None: unknown
+}
+FORMATS = ("text", "chat")
+"""meta.json's ``format``: plain text (every token a target), or loss-masked conversations."""
 # The largest id in tokens.bin, -1 when it holds none. Written by every writer since it was
 # added; a directory prepared before lacks it until it is scanned once (token_ids.py).
 MAX_ID_KEY = "max_token_id"
@@ -79,6 +97,11 @@ class TokenFileWriter:
     """Streams documents into ``output_dir/tokens.bin``, each followed by EOS and, with
     ``bos_per_document``, preceded by BOS.
 
+    Documents given with a ``loss_mask`` make a masked corpus (``format`` "chat"): no EOS is
+    added after them (a chat template's tokens are the whole document), and token_flags.bin
+    records each token's mask and where each document ends (token_flags.py). A writer gets a
+    mask with every document or with none; ``masked`` says so before the first.
+
     Use as a context manager: leaving it by an exception removes the temporary file and leaves
     whatever was under the final names before untouched; ``finish`` publishes the result.
 
@@ -88,7 +111,11 @@ class TokenFileWriter:
     """
 
     def __init__(
-        self, output_dir: str, tokenizer: Tokenizer, bos_per_document: bool = False
+        self,
+        output_dir: str,
+        tokenizer: Tokenizer,
+        bos_per_document: bool = False,
+        masked: bool = False,
     ) -> None:
         if bos_per_document:
             check_distinct_bos(tokenizer, output_dir)
@@ -113,18 +140,67 @@ class TokenFileWriter:
         self.num_tokens = 0
         self.num_documents = 0
         self.max_token_id = -1  # none written yet
+        self.max_document_tokens = 0
+        self.assistant_tokens = 0  # tokens whose loss bit is on (a masked corpus)
+        # Opened by the first masked document, or now with ``masked``: then even an empty
+        # corpus (a shard without conversations) is a masked one, like its sibling shards.
+        self._flags: FlagsFileWriter | None = None
+        if masked:
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
+        self._flag_buffer: list[np.ndarray] = []
 
-    def add_document(self, tokens: np.ndarray) -> None:
-        """Append one document's ids and its EOS (after its BOS, with bos_per_document)."""
-        if self.bos_per_document:
-            self._buffer.append(self._bos)
-            self._buffered += 1
-        self._buffer.append(tokens)
-        self._buffer.append(self._eos)
-        self._buffered += len(tokens) + 1
+    def add_document(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
+        """Append one document's ids and its EOS (after its BOS, with bos_per_document).
+
+        With ``loss_mask`` (bool, one per token, True where the token is a supervised
+        target), no EOS is added and the mask goes to token_flags.bin; a BOS added before
+        the document is never a target.
+        """
+        self._check_mask(tokens, loss_mask)
+        pieces = [self._bos] if self.bos_per_document else []
+        pieces.append(tokens)
+        if loss_mask is None:
+            pieces.append(self._eos)
+        length = sum(len(piece) for piece in pieces)
+        if loss_mask is not None:
+            if self.bos_per_document:
+                loss_mask = np.concatenate([np.zeros(1, dtype=bool), loss_mask])
+            self._flag_buffer.append(document_flags(loss_mask, length))
+            self.assistant_tokens += int(np.count_nonzero(loss_mask))
+        self._buffer.extend(pieces)
+        self._buffered += length
+        self.max_document_tokens = max(self.max_document_tokens, length)
         self.num_documents += 1
         if self._buffered >= _FLUSH_TOKENS:
             self._flush()
+
+    def add_padding(self, num_tokens: int) -> None:
+        """Append ``num_tokens`` pad ids (the tokenizer's pad id, its EOS when it has none)
+        as a run of a loss-masked corpus that is never a target and ends a document, so no
+        attention crosses it: the unused rest of a packed window (chat_pack.py). Not counted
+        as a document, nor in max_document_tokens."""
+        if self._flags is None:
+            if self.num_documents:
+                raise ValueError(f"{self.output_dir}: padding goes only into a masked corpus")
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
+        self._buffer.append(np.full(num_tokens, self.tokenizer.pad_id, dtype=np.int64))
+        self._flag_buffer.append(document_flags(np.zeros(num_tokens, dtype=bool), num_tokens))
+        self._buffered += num_tokens
+        if self._buffered >= _FLUSH_TOKENS:
+            self._flush()
+
+    def _check_mask(self, tokens: np.ndarray, loss_mask: np.ndarray | None) -> None:
+        """The first document decides whether the corpus is masked (opening
+        token_flags.bin then); every later one must agree (check_loss_mask)."""
+        if self.num_documents == 0 and loss_mask is not None and self._flags is None:
+            self._flags = FlagsFileWriter(str(self.output_dir), self._url)
+        check_loss_mask(
+            f"{self.output_dir}: document {self.num_documents}",
+            tokens,
+            loss_mask,
+            self._flags is not None,
+            self.bos_per_document,
+        )
 
     def _flush(self) -> None:
         if not self._buffer:
@@ -144,14 +220,20 @@ class TokenFileWriter:
         self.num_tokens += self._buffered
         self._buffer.clear()
         self._buffered = 0
+        if self._flags is not None:
+            self._flags.write(np.concatenate(self._flag_buffer))
+            self._flag_buffer.clear()
 
-    def finish(self, num_sources: int) -> dict[str, Any]:
-        """Publish tokens.bin and meta.json; returns the metadata written."""
+    def finish(self, num_sources: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Publish tokens.bin and meta.json (with the fields of ``extra`` added, e.g. a
+        packed corpus's); returns the metadata written."""
         self._flush()
         if self._url is None:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+        if self._flags is not None:
+            self._flags.sync()
         meta = {
             "format_version": FORMAT_VERSION,
             "dtype": self.dtype_name,
@@ -165,7 +247,14 @@ class TokenFileWriter:
             "bos_per_document": self.bos_per_document,
             "content_sha256": self._sha.hexdigest(),
             "sources": num_sources,
+            "format": "chat" if self._flags is not None else "text",
+            MASKED_KEY: self._flags is not None,
+            "assistant_tokens": self.assistant_tokens if self._flags is not None else None,
+            "max_document_tokens": self.max_document_tokens,
         }
+        meta.update(extra or {})
+        if self._flags is not None:
+            meta[FLAGS_SHA_KEY] = self._flags.sha256
         if self._url is not None:
             self._publish_to_store(meta, self._url)
             return meta
@@ -173,6 +262,7 @@ class TokenFileWriter:
         # Drop the old meta.json first: new tokens beside old metadata must never look complete.
         meta_path.unlink(missing_ok=True)
         os.replace(self._tmp_tokens, self.output_dir / TOKENS_FILE)
+        self._publish_flags(str(self.output_dir))
         tmp_meta = self.output_dir / f".{META_FILE}.tmp-{os.getpid()}"
         tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp_meta, meta_path)
@@ -183,11 +273,22 @@ class TokenFileWriter:
         never finds new tokens beside old metadata, nor meta.json before its tokens."""
         remove(join(url, META_FILE))
         self._file.close()
+        self._publish_flags(url)
         write_bytes(join(url, META_FILE), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
 
+    def _publish_flags(self, output_dir: str) -> None:
+        """token_flags.bin into place, or an old one removed: after tokens.bin, before
+        meta.json, so a complete directory's flags always describe its tokens."""
+        if self._flags is not None:
+            self._flags.publish()
+        else:
+            remove_stale_flags(output_dir)
+
     def abort(self) -> None:
-        """Close and delete the temporary file, or abandon the upload (safe to call more
+        """Close and delete the temporary files, or abandon the uploads (safe to call more
         than once)."""
+        if self._flags is not None:
+            self._flags.abort()
         if self._url is not None:
             self._file.discard()
             return
@@ -201,51 +302,6 @@ class TokenFileWriter:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None:
             self.abort()
-
-
-def check_output_dir(output_dir: str, option: str) -> None:
-    """``output_dir`` can take a prepared corpus: it is new, empty, or one written before.
-
-    Anything else there (a file, or a directory of other files) is refused, naming
-    ``option``, the command-line option that gave the path, rather than mixed with a corpus.
-    """
-    what_to_do = "name a new or empty directory, or one prepare-data wrote before to rewrite it"
-    if is_store_url(output_dir):
-        _check_foreign(output_dir, names_in(output_dir), option, what_to_do)
-        return
-    path = Path(output_dir)
-    if path.exists() and not path.is_dir():
-        raise DataError(f"{option} {output_dir} is a file, not a directory; {what_to_do}")
-    if not path.exists():
-        # mkdir would fail on a file standing where a parent directory should be.
-        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        if blocking is not None:
-            raise DataError(
-                f"{option} {output_dir}: {blocking} is a file, not a directory; {what_to_do}"
-            )
-        return
-    _check_foreign(output_dir, [entry.name for entry in path.iterdir()], option, what_to_do)
-
-
-def _check_foreign(output_dir: str, names: list[str], option: str, what_to_do: str) -> None:
-    """Refuse an output directory holding entries (``names``) prepare-data did not write."""
-    foreign = sorted(name for name in names if not _is_prepared_entry(name))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (
-            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        )
-        raise DataError(
-            f"{option} {output_dir} is a directory holding other files ({shown}), not a "
-            f"prepared data directory; {what_to_do}"
-        )
-
-
-def _is_prepared_entry(name: str) -> bool:
-    """Whether ``name`` is one prepare-data writes: its outputs or their temporary files
-    (left behind only by a killed run)."""
-    return name in (TOKENS_FILE, META_FILE) or name.startswith(
-        (f".{TOKENS_FILE}.tmp-", f".{META_FILE}.tmp-")
-    )
 
 
 def read_meta(data_dir: str) -> dict[str, Any]:
@@ -302,7 +358,9 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
             return f"{key} {_show(meta[key])} is not a non-empty string"
     if not isinstance(meta["bos_per_document"], bool):
         return f"bos_per_document {_show(meta['bos_per_document'])} is not true or false"
-    return _max_id_problem(meta)
+    if meta["format"] not in FORMATS:
+        return f"format {_show(meta['format'])} is not one of {', '.join(FORMATS)}"
+    return flags_meta_problem(meta) or _max_id_problem(meta)
 
 
 def _max_id_problem(meta: dict[str, Any]) -> str | None:
@@ -337,7 +395,8 @@ def _show(value: Any) -> str:
 
 def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> str:
     """Path (or URL) of tokens.bin after checking its size matches meta.json's count and
-    dtype; no content is read (a stat, or one metadata request to a store)."""
+    dtype, and a masked corpus's token_flags.bin one byte per token; no content is read (a
+    stat, or one metadata request to a store per file)."""
     path = join(data_dir, TOKENS_FILE)
     actual = size_of(path)
     if actual is None:
@@ -350,6 +409,7 @@ def check_tokens_file(data_dir: str, meta: dict[str, Any]) -> str:
             f"{meta['dtype']} = {expected} bytes: the file is truncated or the dtype is wrong; "
             "run prepare-data again"
         )
+    check_flags_file(data_dir, meta)
     return path
 
 

@@ -1,5 +1,8 @@
 """Tokenizing prepare-data's document chunks in worker processes, results in input order.
 
+A chunk holds texts, or with a chat template conversations, each encoded into its tokens and
+loss mask.
+
 Workers are started with the spawn context (no forked copy of the parent's threads or open
 files) and rebuild the tokenizer from its spec, so any tokenizer ``load_tokenizer`` makes works.
 """
@@ -12,11 +15,13 @@ import pickle
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.chat import Conversation, encode_conversation
+from kempnerforge.data.chat_template import ChatTemplate
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, encode_to_arrays
 
 T = TypeVar("T")
@@ -29,6 +34,7 @@ _CHUNKS_PER_WORKER = 2
 _worker_spec: str | Tokenizer | None = None
 _worker_identity = ""
 _worker_tokenizer: Tokenizer | None = None
+_worker_template: ChatTemplate | None = None
 
 
 def tokenizer_spec(tokenizer: Tokenizer) -> str | Tokenizer:
@@ -48,11 +54,11 @@ def tokenizer_spec(tokenizer: Tokenizer) -> str | Tokenizer:
     return tokenizer
 
 
-def _init_worker(spec: str | Tokenizer, identity: str) -> None:
-    global _worker_spec, _worker_identity
+def _init_worker(spec: str | Tokenizer, identity: str, template: ChatTemplate | None) -> None:
+    global _worker_spec, _worker_identity, _worker_template
     # N workers each encode on one core; the tokenizers library's own threads would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_spec, _worker_identity = spec, identity
+    _worker_spec, _worker_identity, _worker_template = spec, identity, template
 
 
 def _worker_tok() -> Tokenizer:
@@ -75,26 +81,48 @@ def _worker_tok() -> Tokenizer:
     return _worker_tokenizer
 
 
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """One chunk's tokens as a flat array plus document end offsets (one buffer to pickle)."""
-    arrays = encode_to_arrays(_worker_tok(), texts)
+def encode_documents(
+    tokenizer: Tokenizer, template: ChatTemplate | None, documents: list[Any]
+) -> list[Any]:
+    """Token arrays of texts; with ``template``, (tokens, loss mask) of conversations."""
+    if template is None:
+        return encode_to_arrays(tokenizer, documents)
+    return [encode_conversation(tokenizer, template, c) for c in documents]
+
+
+def _encode_chunk(documents: list[str] | list[Conversation]) -> tuple[np.ndarray, ...]:
+    """One chunk's tokens as a flat array plus document end offsets (one buffer to pickle),
+    and with a chat template the flat loss mask after them."""
+    encoded = encode_documents(_worker_tok(), _worker_template, documents)
+    if _worker_template is None:
+        return _flatten(encoded)
+    tokens, ends = _flatten([ids for ids, _ in encoded])
+    masks, _ = _flatten([mask for _, mask in encoded], np.bool_)
+    return tokens, ends, masks
+
+
+def _flatten(arrays: list[np.ndarray], dtype: Any = np.int64) -> tuple[np.ndarray, np.ndarray]:
     ends = np.cumsum([len(a) for a in arrays], dtype=np.int64)
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
     return flat, ends
 
 
 class ChunkEncoder:
-    """Encodes chunks of documents inline (one worker) or in a pool of worker processes.
+    """Encodes chunks of documents inline (one worker) or in a pool of worker processes:
+    texts, or with ``chat_template`` conversations.
 
     Use as a context manager: leaving it stops the workers, cancelling chunks not yet encoded.
     Callers that start workers from a script need the usual ``if __name__ == "__main__"``
     guard, since spawned workers import the main module.
     """
 
-    def __init__(self, tokenizer: Tokenizer, num_workers: int = 1) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, num_workers: int = 1, chat_template: ChatTemplate | None = None
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.num_workers = num_workers
         self._pool: ProcessPoolExecutor | None = None
         if num_workers > 1:
@@ -102,7 +130,7 @@ class ChunkEncoder:
                 max_workers=num_workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(tokenizer_spec(tokenizer), tokenizer.identity),
+                initargs=(tokenizer_spec(tokenizer), tokenizer.identity, chat_template),
             )
 
     def __enter__(self) -> ChunkEncoder:
@@ -114,26 +142,33 @@ class ChunkEncoder:
             self._pool = None
 
     def encode(
-        self, chunks: Iterable[T], texts_of: Callable[[T], list[str]]
-    ) -> Iterator[tuple[T, list[np.ndarray]]]:
-        """Each chunk with its documents' token arrays, in the order the chunks came.
+        self, chunks: Iterable[T], documents_of: Callable[[T], list[Any]]
+    ) -> Iterator[tuple[T, list[Any]]]:
+        """Each chunk with its documents' token arrays (with a chat template, (tokens, loss
+        mask) pairs), in the order the chunks came.
 
         At most ``2 * num_workers`` chunks are read ahead of the one being yielded.
         """
         if self._pool is None:
             for chunk in chunks:
-                yield chunk, encode_to_arrays(self.tokenizer, texts_of(chunk))
+                documents = documents_of(chunk)
+                yield chunk, encode_documents(self.tokenizer, self.chat_template, documents)
             return
-        pending: deque[tuple[T, Future[tuple[np.ndarray, np.ndarray]]]] = deque()
+        pending: deque[tuple[T, Future[tuple[np.ndarray, ...]]]] = deque()
         window = _CHUNKS_PER_WORKER * self.num_workers
         for chunk in chunks:
-            pending.append((chunk, self._pool.submit(_encode_chunk, texts_of(chunk))))
+            pending.append((chunk, self._pool.submit(_encode_chunk, documents_of(chunk))))
             if len(pending) >= window:
                 yield _collect(*pending.popleft())
         while pending:
             yield _collect(*pending.popleft())
 
 
-def _collect(chunk: T, future: Future[tuple[np.ndarray, np.ndarray]]) -> tuple[T, list[np.ndarray]]:
-    flat, ends = future.result()
-    return chunk, np.split(flat, ends[:-1]) if len(ends) else []
+def _collect(chunk: T, future: Future[tuple[np.ndarray, ...]]) -> tuple[T, list[Any]]:
+    flat, ends, *masks = future.result()
+    if not len(ends):
+        return chunk, []
+    tokens = np.split(flat, ends[:-1])
+    if not masks:
+        return chunk, tokens
+    return chunk, list(zip(tokens, np.split(masks[0], ends[:-1]), strict=True))

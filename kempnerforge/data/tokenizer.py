@@ -110,6 +110,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` (no special tokens added) and each token's [start, end)
+        characters of ``text``: a conversation's loss mask is mapped onto tokens with them."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts at once (parallel inside the tokenizers library)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]

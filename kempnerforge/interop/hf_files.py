@@ -16,10 +16,17 @@ from typing import Any
 import torch
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.chat_template import (
+    TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    ChatTemplate,
+    load_chat_template,
+)
 
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -143,9 +150,11 @@ def special_token_ids(tokenizer: str | None) -> dict[str, int]:
 def copy_tokenizer(tokenizer: str | None, out_dir: str | os.PathLike[str]) -> list[str]:
     """Copy a Hugging Face tokenizer beside the weights; the names of the files written.
 
-    A directory gives every tokenizer file it has; a lone tokenizer.json gets a
-    tokenizer_config.json naming its special tokens, so AutoTokenizer loads the folder.
-    The byte tokenizer (and None) writes nothing: it has no Hugging Face form.
+    A directory gives every tokenizer file it has, its chat template with them. A lone
+    tokenizer.json gets a tokenizer_config.json naming its special tokens, so AutoTokenizer
+    loads the folder, and the chat template kempnerforge finds beside it (carried_template)
+    as chat_template.jinja. The byte tokenizer (and None) writes nothing: it has no Hugging
+    Face form.
     """
     if tokenizer is None or tokenizer == "byte":
         return []
@@ -161,15 +170,51 @@ def copy_tokenizer(tokenizer: str | None, out_dir: str | os.PathLike[str]) -> li
             if (source / name).is_file():
                 shutil.copyfile(source / name, folder / name)
                 written.append(name)
-    else:  # the tokenizer.json file itself, whatever its name
-        shutil.copyfile(tok.path, folder / "tokenizer.json")
-        written.append("tokenizer.json")
-    if "tokenizer_config.json" not in written:
-        (folder / "tokenizer_config.json").write_text(
-            json.dumps(_tokenizer_config(tok), indent=2) + "\n", encoding="utf-8"
-        )
-        written.append("tokenizer_config.json")
-    return written
+        return written
+    # The tokenizer.json file itself, whatever its name.
+    shutil.copyfile(tok.path, folder / "tokenizer.json")
+    config = _tokenizer_config(tok)
+    template = carried_template(tokenizer)
+    if template is not None:
+        # The special tokens the template is rendered with, so both render it alike.
+        config.update(template.variables)
+        (folder / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return ["tokenizer.json", TOKENIZER_CONFIG] + ([TEMPLATE_FILE] if template else [])
+
+
+def write_generation_config(tokenizer: str | None, out_dir: str | os.PathLike[str]) -> bool:
+    """Write generation_config.json when the exported tokenizer has a chat template, so
+    transformers' ``generate`` ends a reply where `kempnerforge generate --chat` does: at
+    the template's end-of-turn token or EOS (its ``eos_token_id`` list). True when written;
+    without a template config.json's single EOS stays the stop, as before."""
+    if tokenizer is None or tokenizer == "byte":
+        return False
+    template = carried_template(tokenizer)
+    if template is None:
+        return False
+    from kempnerforge.data.chat import end_of_turn_ids
+    from kempnerforge.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    config = {
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": sorted(end_of_turn_ids(tok, template)),
+        "pad_token_id": tok.pad_id,
+    }
+    text = json.dumps(config, indent=2) + "\n"
+    (Path(out_dir) / GENERATION_CONFIG).write_text(text, encoding="utf-8")
+    return True
+
+
+def carried_template(tokenizer: str) -> ChatTemplate | None:
+    """The chat template a lone tokenizer.json carries into an export: the one generate
+    --chat and prepare-data --format chat use (chat_template.jinja or tokenizer_config.json
+    beside it), or None when there is none."""
+    try:
+        return load_chat_template(tokenizer)
+    except DataError:
+        return None
 
 
 def _tokenizer_config(tok: Any) -> dict[str, Any]:

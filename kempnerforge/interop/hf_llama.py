@@ -29,6 +29,7 @@ from kempnerforge.interop.hf_files import (
     read_hf_config,
     read_safetensors,
     special_token_ids,
+    write_generation_config,
     write_hf_folder,
 )
 from kempnerforge.interop.hf_layout import (
@@ -105,6 +106,7 @@ def export_llama(
     ids = special_token_ids(tokenizer_path)
     folder = write_hf_folder(out_dir, llama_config_json(model_cfg, ids), tensors)
     copy_tokenizer(tokenizer_path, folder)
+    write_generation_config(tokenizer_path, folder)
     return folder
 
 

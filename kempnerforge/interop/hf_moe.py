@@ -41,6 +41,7 @@ from kempnerforge.interop.hf_files import (
     read_hf_config,
     read_safetensors,
     special_token_ids,
+    write_generation_config,
     write_hf_folder,
 )
 from kempnerforge.interop.hf_layout import HFTensors, expected_shapes, take_pairs, tie_head
@@ -92,6 +93,7 @@ def export_moe(
     config = moe_config_json(model_cfg, model_type, special_token_ids(tokenizer_path))
     folder = write_hf_folder(out_dir, config, tensors)
     copy_tokenizer(tokenizer_path, folder)
+    write_generation_config(tokenizer_path, folder)
     return folder
 
 

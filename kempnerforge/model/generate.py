@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -68,13 +68,15 @@ def generate(
     seed: int | None = None,
     use_cache: bool = True,
     stop_when: Callable[[list[int]], bool] | None = None,
+    stop_ids: Collection[int] = (),
 ) -> list[int]:
     """Continue ``prompt_ids`` by up to max_new_tokens sampled tokens; return the new ones.
 
     Each token is drawn by sample_token (temperature, top_k, top_p; temperature 0 is
     greedy) from a CPU torch.Generator seeded with ``seed``, so a seed repeats its tokens
     whatever the device (None draws a fresh seed). Decoding stops early after producing
-    stop_id, which is not included, or once ``stop_when(new tokens so far)`` is true (the
+    stop_id or any of ``stop_ids`` (a chat's end-of-turn tokens and EOS), which is not
+    included, or once ``stop_when(new tokens so far)`` is true (the
     token that made it true is kept: a stop string may end inside it). The prompt and the
     new tokens must fit in model.cfg.max_seq_len together (a ValueError says how many new
     tokens fit).
@@ -113,6 +115,7 @@ def generate(
     if use_cache:
         check_whole_model(model)
         cache = KVCache.for_model(model, len(prompt_ids) + max_new_tokens)
+    stops = {*stop_ids, *([] if stop_id is None else [stop_id])}
     tokens = list(prompt_ids)
     pending = list(prompt_ids)  # not yet in the cache
     new_tokens: list[int] = []
@@ -128,7 +131,7 @@ def generate(
             next_id = sample_token(
                 logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
             )
-            if next_id == stop_id:
+            if next_id in stops:
                 break
             tokens.append(next_id)
             new_tokens.append(next_id)

@@ -287,6 +287,7 @@ def _log_step(
         result.dataset_loss_sums, result.dataset_loss_counts, result.dataset_token_counts
     )
     health_row = {
+        **({} if result.text_tokens is None else {"supervised_tokens": result.text_tokens}),
         "skipped_steps": session.nan_detector.total_skipped,
         **session.replicas.metrics_row(),
     }

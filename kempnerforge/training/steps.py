@@ -64,8 +64,11 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             per_dataset.add(head.token_losses, batch)
         return head.loss_sum
 
-    loss, grad_norm, _ = accumulate(session, micro_batches, micro_loss)
-    result = StepResult(loss=loss, grad_norm=grad_norm)
+    loss, grad_norm, supervised = accumulate(session, micro_batches, micro_loss)
+    # The supervised tokens (the loss's normaliser): every position of pretraining text but
+    # a document's last, only the assistant's tokens of a chat corpus. Logged, not counted
+    # as the step's tokens (a text model trains on every position it reads).
+    result = StepResult(loss=loss, grad_norm=grad_norm, text_tokens=supervised)
     _report_dataset_sums(result, per_dataset, session.runtime, session.replicas)
     return result
 

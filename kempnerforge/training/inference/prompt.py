@@ -45,13 +45,7 @@ def generation_prompt(
     ConfigError when the tokenizer's vocabulary passes model.vocab_size, or the prompt
     leaves no room.
     """
-    if tokenizer.vocab_size > model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            model.vocab_size,
-            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
-            f"data.tokenizer = {data.tokenizer!r}",
-        )
+    check_vocabulary(tokenizer, model, data)
     if bos is None:
         bos = data_starts_with_bos(data)
         if bos is None:
@@ -61,11 +55,29 @@ def generation_prompt(
             )
             bos = False
     ids = prompt_ids(tokenizer, prompt, bos)
+    return ids, fit_new_tokens(ids, model, max_new_tokens, "--prompt")
+
+
+def check_vocabulary(tokenizer: Tokenizer, model: ModelConfig, data: DataConfig) -> None:
+    """ConfigError when the tokenizer's ids pass model.vocab_size."""
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            model.vocab_size,
+            f">= the tokenizer's vocabulary size {tokenizer.vocab_size}",
+            f"data.tokenizer = {data.tokenizer!r}",
+        )
+
+
+def fit_new_tokens(ids: list[int], model: ModelConfig, max_new_tokens: int, argument: str) -> int:
+    """How many new tokens to generate after the prompt ``ids``: max_new_tokens, cut with a
+    warning to what model.max_seq_len leaves; a ConfigError naming ``argument`` (the flag
+    the prompt came from) when the prompt leaves no room."""
     limit = model.max_seq_len
     room = limit - len(ids)
     if room < 1:
         raise ConfigError(
-            "--prompt",
+            argument,
             f"{len(ids)} tokens",
             f"fewer than model.max_seq_len = {limit} tokens",
             "the prompt and its continuation must fit the model's context",
@@ -79,4 +91,4 @@ def generation_prompt(
             len(ids),
             limit,
         )
-    return ids, min(max_new_tokens, room)
+    return min(max_new_tokens, room)

@@ -1,0 +1,57 @@
+"""Example data: synthetic conversations for the fine-tuning recipe (configs/train/sft_chat.toml).
+
+Writes ``--count`` conversations, one JSON object per line in the ``messages`` shape that
+``prepare-data --format chat`` reads. Each asks for a sum or a difference of two numbers
+below 100 and is answered in one fixed form, so a small model fine-tuned on them visibly
+learns the assistant's format; a third of them start with a system turn and a fifth have a
+second exchange. The same ``--seed`` gives the same file.
+
+    python -m examples.chat_conversations --count 4000 --output data/arithmetic.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+SYSTEM = "You are a calculator. Answer with the equation."
+
+
+def exchange(rng: random.Random) -> list[dict[str, str]]:
+    """One question and its answer."""
+    a, b = rng.randrange(100), rng.randrange(100)
+    if rng.random() < 0.5:
+        question, answer = f"What is {a} + {b}?", f"{a} + {b} = {a + b}."
+    else:
+        a, b = max(a, b), min(a, b)
+        question, answer = f"What is {a} - {b}?", f"{a} - {b} = {a - b}."
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def conversation(rng: random.Random) -> dict[str, list[dict[str, str]]]:
+    messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 1 / 3 else []
+    messages += exchange(rng)
+    if rng.random() < 0.2:
+        messages += exchange(rng)
+    return {"messages": messages}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=4000, help="conversations to write")
+    parser.add_argument("--output", required=True, help="the .jsonl file to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("w", encoding="utf-8") as f:
+        for _ in range(args.count):
+            f.write(json.dumps(conversation(rng)) + "\n")
+    print(f"wrote {args.count} conversations to {output}")
+
+
+if __name__ == "__main__":
+    main()
