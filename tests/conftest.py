@@ -112,3 +112,17 @@ def s3(_s3_server, monkeypatch, tmp_path):
     _s3_server.clear()
     yield _s3_server, bucket
     forget_filesystems()
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh memory:// directory, removed afterwards (the memory store is per process)."""
+    import uuid
+
+    import fsspec
+
+    root = f"memory://kf-{uuid.uuid4().hex[:8]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)

@@ -7,16 +7,21 @@ time; every error names the file and the line or row.
 
 from __future__ import annotations
 
-import gzip
 import json
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.chat import Conversation, conversation_of
-from kempnerforge.data.sources import decode_utf8, input_kind, load_saved_dataset, open_binary
+from kempnerforge.data.sources import (
+    decode_utf8,
+    import_pyarrow,
+    input_kind,
+    load_saved_dataset,
+    open_binary,
+    read_errors,
+)
 
 # Rows decoded at once from a parquet file or a saved dataset.
 _ROWS_PER_READ = 256
@@ -46,26 +51,19 @@ def read_conversations(
 
 
 def _read_jsonl(path: Path, messages_field: str) -> Iterator[Conversation]:
-    try:
-        with open_binary(path) as stream:
-            for number, raw in enumerate(stream, start=1):
-                where = f"{path}:{number}"
-                line = decode_utf8(raw, where)
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(
-                        f"{where}: not valid JSON ({exc.msg}); fix or remove the line"
-                    ) from None
-                yield conversation_of(record, where, messages_field)
-    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataError(
-            f"{path}: not a readable gzip file ({exc}); re-compress or remove it"
-        ) from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    with read_errors(path), open_binary(path) as stream:
+        for number, raw in enumerate(stream, start=1):
+            where = f"{path}:{number}"
+            line = decode_utf8(raw, where)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{where}: not valid JSON ({exc.msg}); fix or remove the line"
+                ) from None
+            yield conversation_of(record, where, messages_field)
 
 
 def conversation_columns(path: Path, columns: list[str], messages_field: str) -> list[str]:
@@ -88,14 +86,7 @@ def _rows(batch: dict[str, list[Any]], columns: list[str]) -> Iterator[dict[str,
 
 
 def _read_parquet(path: Path, messages_field: str) -> Iterator[Conversation]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(
-            f"{path}: reading parquet needs the 'pyarrow' package: "
-            "pip install kempnerforge[parquet]"
-        ) from None
+    pa, pq = import_pyarrow(path)
     try:
         parquet = pq.ParquetFile(path)
         columns = conversation_columns(path, parquet.schema_arrow.names, messages_field)

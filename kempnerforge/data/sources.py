@@ -11,6 +11,7 @@ import json
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -190,6 +191,20 @@ def decode_utf8(data: bytes, where: str) -> str:
         ) from None
 
 
+@contextmanager
+def read_errors(path: Path) -> Iterator[None]:
+    """What reading ``path`` raises from gzip or the OS, as a DataError naming the file and
+    what to do."""
+    try:
+        yield
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise DataError(
+            f"{path}: not a readable gzip file ({exc}); re-compress or remove it"
+        ) from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
 def read_documents(
     path: Path,
     text_field: str = "text",
@@ -214,25 +229,18 @@ def read_documents(
     if kind == "hf":
         yield from _read_hf_dataset(path, text_field, split)
         return
-    try:
-        with open_binary(path) as stream:
-            if kind == "txt":
-                data = stream.read()
-                if skip_non_utf8 and not _is_utf8(data):
-                    logger.warning("%s is not valid UTF-8: left out (--skip-non-utf8)", path)
-                    return
-                yield decode_utf8(data, str(path))
+    with read_errors(path), open_binary(path) as stream:
+        if kind == "txt":
+            data = stream.read()
+            if skip_non_utf8 and not _is_utf8(data):
+                logger.warning("%s is not valid UTF-8: left out (--skip-non-utf8)", path)
                 return
-            for number, raw in enumerate(stream, start=1):
-                line = decode_utf8(raw, f"{path}:{number}")
-                if line.strip():
-                    yield _text_of(line, text_field, f"{path}:{number}")
-    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataError(
-            f"{path}: not a readable gzip file ({exc}); re-compress or remove it"
-        ) from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+            yield decode_utf8(data, str(path))
+            return
+        for number, raw in enumerate(stream, start=1):
+            line = decode_utf8(raw, f"{path}:{number}")
+            if line.strip():
+                yield _text_of(line, text_field, f"{path}:{number}")
 
 
 def _text_of(line: str, text_field: str, where: str) -> str:
@@ -264,8 +272,9 @@ def _check_column(path: Path, text_field: str, columns: list[str], type_name: st
         raise DataError(f"{path}: column {text_field!r} holds {type_name}, not strings")
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
-    """``text_field`` of each row, read one batch of rows at a time."""
+def import_pyarrow(path: Path) -> tuple[Any, Any]:
+    """(pyarrow, pyarrow.parquet) for reading the parquet file ``path``; DataError naming it
+    and the extra to install when pyarrow is missing."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -274,6 +283,12 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
             f"{path}: reading parquet needs the 'pyarrow' package: "
             "pip install kempnerforge[parquet]"
         ) from None
+    return pa, pq
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    """``text_field`` of each row, read one batch of rows at a time."""
+    pa, pq = import_pyarrow(path)
     try:
         parquet = pq.ParquetFile(path)
         schema = parquet.schema_arrow

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import config_header
 from tests.support.metrics_rows import read_rows
 
 pytestmark = pytest.mark.slow
@@ -33,14 +34,7 @@ SHORT_RUN = [
 
 
 def header_commands() -> list[str]:
-    """The shell commands in the config's header comment, continuation lines joined."""
-    lines = []
-    for line in CONFIG.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line[1:].strip())
-    text = "\n".join(lines).replace("\\\n", " ")
-    return [line for line in text.splitlines() if line.startswith((".venv/", "STDLIB="))]
+    return config_header.header_commands(CONFIG, (".venv/", "STDLIB="))
 
 
 def test_the_docs_show_the_same_commands_as_the_config_header():

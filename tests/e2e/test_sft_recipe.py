@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import config_header
 from tests.support.metrics_rows import read_rows
 from tests.support.tiny import TINY_MODEL
 
@@ -31,13 +32,7 @@ SHORT += ["--metrics.log_interval=1", "--metrics.progress=off", "--train.sample_
 
 
 def header_commands() -> list[str]:
-    """The shell commands in the config's header comment."""
-    lines = []
-    for line in CONFIG.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line[1:].strip())
-    return [line for line in lines if line.startswith(".venv/")]
+    return config_header.header_commands(CONFIG)
 
 
 def test_the_docs_show_the_same_commands_as_the_config_header():

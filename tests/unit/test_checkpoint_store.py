@@ -5,7 +5,6 @@ checkpoints this run saw complete, and a rank fetches only its own share."""
 from __future__ import annotations
 
 import logging
-import uuid
 
 import fsspec
 import pytest
@@ -18,13 +17,8 @@ from kempnerforge.config.checkpoint import CheckpointConfig
 
 
 @pytest.fixture
-def store_url():
-    """A fresh memory:// prefix, removed afterwards (the memory store is per process)."""
-    root = f"memory://kf-ckpt-{uuid.uuid4().hex[:8]}"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
+def store_url(memory_root):
+    return memory_root
 
 
 def _manager(url: str, tmp_path, **cfg) -> CheckpointManager:

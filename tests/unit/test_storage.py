@@ -4,9 +4,6 @@ from disk, and the start-up refusal of store URLs where only local directories w
 
 from __future__ import annotations
 
-import uuid
-
-import fsspec
 import numpy as np
 import pytest
 
@@ -21,16 +18,6 @@ from kempnerforge.storage.location import is_store_url, is_url, join, local_path
 from kempnerforge.storage.ranges import RangeReader
 from kempnerforge.storage.stores import StoreError, filesystem
 from kempnerforge.training.store_checks import check_stores
-
-
-@pytest.fixture
-def memory_root():
-    """A fresh memory:// directory, removed afterwards (the memory store is per process)."""
-    root = f"memory://kf-{uuid.uuid4().hex[:8]}"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
 
 
 def test_urls_are_told_from_local_paths():

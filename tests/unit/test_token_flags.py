@@ -4,9 +4,7 @@ meta.json, on disk, in shards and in a store alike."""
 from __future__ import annotations
 
 import json
-import uuid
 
-import fsspec
 import numpy as np
 import pytest
 
@@ -25,16 +23,6 @@ CHATS = [
     turns(([1, 2], False), ([3, 4, EOS], True)),
     turns(([5], False), ([6, EOS], True), ([7, 8], False), ([9], True)),
 ]
-
-
-@pytest.fixture
-def memory_root():
-    """A fresh memory:// directory, removed afterwards (the memory store is per process)."""
-    root = f"memory://kf-{uuid.uuid4().hex[:8]}"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
 
 
 def test_a_masked_corpus_round_trips_its_tokens_mask_and_document_ends(tmp_path):
