@@ -100,3 +100,16 @@ def test_a_mixture_gives_each_source_its_own_labels(tmp_path):
     assert batch[1]["labels"].tolist() == chat[0]["labels"].tolist()
     assert batch[1]["doc_ids"].tolist() == chat[0]["doc_ids"].tolist()
     assert all(value.dtype == torch.int64 for sample in batch for value in sample.values())
+
+
+def test_a_recorded_bad_window_reads_its_stand_in_with_the_stand_ins_mask(tmp_path):
+    """A bad-window record on a chat corpus substitutes the whole sample: ids, labels and
+    document ids of the next good window, every other window unchanged."""
+    path = write_masked_dir(tmp_path / "chat", CHATS * 4)
+    clean = MemoryMappedDataset(path, seq_len=4)
+    skipping = MemoryMappedDataset(path, seq_len=4)
+    skipping.skip_windows = frozenset({2})
+    for key in ("input_ids", "labels", "doc_ids"):
+        assert torch.equal(skipping[2][key], clean[3][key])
+        for window in (0, 1, 3, len(clean) - 1):
+            assert torch.equal(skipping[window][key], clean[window][key])
