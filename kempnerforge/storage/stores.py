@@ -26,6 +26,11 @@ ATTEMPTS = 3
 """Tries per request (the SDK's and s3fs's retries alike): a store's brief hiccup is ridden
 out, a store that refuses or cannot be reached stops the run within a minute or so."""
 S3_PROTOCOLS = ("s3", "s3a")
+INSTALL_HINTS = {
+    **dict.fromkeys(S3_PROTOCOLS, "pip install 'kempnerforge[s3]'"),
+    **dict.fromkeys(("gs", "gcs"), "pip install 'kempnerforge[cloud]'"),
+}
+"""What to install for a protocol whose fsspec client is missing."""
 
 _FILESYSTEMS: dict[tuple[int, str], Any] = {}
 
@@ -93,7 +98,7 @@ def _open(protocol: str, url: str) -> Any:
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
-        hint = "pip install 'kempnerforge[s3]'" if protocol in S3_PROTOCOLS else "install it"
+        hint = INSTALL_HINTS.get(protocol, "install it")
         raise StoreError(
             f"{url}: no client for {protocol}:// stores is installed ({exc}); {hint}"
         ) from None

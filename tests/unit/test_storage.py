@@ -4,6 +4,8 @@ from disk, and the start-up refusal of store URLs where only local directories w
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,10 @@ def test_store_read_settings_are_validated_naming_the_field():
     with pytest.raises(ConfigError, match="data.store_cache_gb"):
         DataConfig(store_cache_gb=-1.0)
     DataConfig(store_cache_gb=0.5, store_read_ahead_mb=0)
+
+
+def test_a_store_whose_client_is_missing_names_the_extra_to_install():
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: its client is not missing")
+    with pytest.raises(StoreError, match=r"no client for gs:// stores.*kempnerforge\[cloud\]"):
+        filesystem("gs://some-bucket/corpus")
