@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.core.metrics_file import read_rows
+from kempnerforge.core.metrics_file import read_tail_rows
 
 JOIN_TIMEOUT_STEPS = 3.0
 """--join-timeout-from sets the join timeout to this many median step times (at least
@@ -107,8 +107,8 @@ def join_timeout_from_run(run_dir: str, least_ms: int) -> tuple[int, str]:
     A run with no rows yet (its first start) gets ``least_ms``."""
     times: list[float] = []
     for path in sorted(glob.glob(os.path.join(run_dir, "replica_*", "metrics.jsonl"))):
-        rows = [r for r in read_rows(path) if "event" not in r and "step_time_s" in r]
-        times += [float(r["step_time_s"]) for r in rows[-RECENT_ROWS:] if r["step_time_s"]]
+        rows = read_tail_rows(path, RECENT_ROWS, _is_timed_step)
+        times += [float(r["step_time_s"]) for r in rows if r["step_time_s"]]
     if not times:
         return least_ms, f"no step times in {run_dir} yet: --join-timeout-ms"
     median_s = statistics.median(times)
@@ -117,6 +117,10 @@ def join_timeout_from_run(run_dir: str, least_ms: int) -> tuple[int, str]:
         f"{JOIN_TIMEOUT_STEPS:g} x the median step time {median_s:.3f} s of {len(times)} "
         f"rows in {run_dir}, at least --join-timeout-ms = {least_ms}"
     )
+
+
+def _is_timed_step(row: dict[str, Any]) -> bool:
+    return "event" not in row and "step_time_s" in row
 
 
 def _start_server(args: argparse.Namespace) -> Any:

@@ -6,7 +6,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 METRICS_FILE = "metrics.jsonl"
@@ -79,6 +79,39 @@ def iter_rows(path: str | os.PathLike[str], *, strict: bool = False) -> Iterator
 def read_rows(path: str | os.PathLike[str], *, strict: bool = False) -> list[dict[str, Any]]:
     """Every row of the metrics.jsonl at ``path`` (see iter_rows), as a list."""
     return list(iter_rows(path, strict=strict))
+
+
+TAIL_BYTES = 256 << 10
+"""The end of a metrics.jsonl read_tail_rows reads first: a few hundred rows."""
+
+
+def read_tail_rows(
+    path: str | os.PathLike[str], count: int, keep: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
+    """The newest ``count`` rows ``keep`` accepts of the metrics.jsonl at ``path``, in file
+    order, read from its end: TAIL_BYTES, doubled until enough rows are found or the whole
+    file is read. A long run's file (hundreds of MB) costs what its last rows do."""
+    size = os.path.getsize(path)
+    span = TAIL_BYTES
+    while True:
+        start = max(0, size - span)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+        lines = data.split(b"\n")
+        if start > 0:
+            lines = lines[1:]  # the first may be a row's end only
+        rows = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn row, as iter_rows skips it
+            if isinstance(row, dict) and keep(row):
+                rows.append(row)
+        if len(rows) >= count or start == 0:
+            return rows[-count:] if count else []
+        span *= 2
 
 
 def _refuse_constant(name: str) -> None:
