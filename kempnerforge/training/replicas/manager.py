@@ -3,7 +3,9 @@ over the groups of a step's quorum (TorchftReplicas). torchft is imported only w
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -109,11 +111,25 @@ _STORES: list[Any] = []  # a single-process group's own store lives as long as t
 
 def _group_store(distributed: bool) -> tuple[str, int]:
     """The group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT) for a group of several
-    processes; a fresh one on a free port for a group of one process."""
+    processes; a fresh one on a free port for a group of one process. Its host as the other
+    groups reach it (advertised_host): a quorum hands one group's store to all of them."""
     if distributed:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        return advertised_host(os.environ["MASTER_ADDR"]), int(os.environ["MASTER_PORT"])
     from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     _STORES.append(store)
-    return "localhost", store.port
+    return advertised_host("localhost"), store.port
+
+
+def advertised_host(host: str) -> str:
+    """The name by which other nodes reach a store this node serves at ``host``: ``host``
+    itself, unless it is a loopback name or address (torchrun --standalone's MASTER_ADDR,
+    a one-process group's own store), which every node would take for itself; then this
+    node's host name. A TCPStore's server listens on every interface, so the host name
+    reaches it from this node as well."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost")
+    return socket.gethostname() if loopback else host
