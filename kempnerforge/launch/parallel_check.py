@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -285,22 +286,52 @@ _LAUNCHER_LOG = re.compile(
 )
 
 
+_FAILED_RANK = re.compile(r"^\s*rank\s*: (\d+)")
+_FAILED_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+)")
+
+
 def output_tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
     """The last lines of a run's output, indented, without torchrun's own log lines and its
     closing traceback and failure summary, and with repeats (one per rank) shown once, so
-    that the ranks' own error is what shows."""
+    that the ranks' own error is what shows; then one line per rank the summary names with
+    its exit code (a rank killed by a signal, say SIGSEGV, prints nothing of its own)."""
     kept = text.strip().splitlines()
+    failed: list[str] = []
     for i in range(len(kept) - 1, -1, -1):
         if kept[i] == "Traceback (most recent call last):" and any(
             "ChildFailedError" in line for line in kept[i:]
         ):
-            kept = kept[:i]
+            kept, failed = kept[:i], failed_ranks(kept[i:])
             break
     shown: list[str] = []
     for line in kept:
         if not _LAUNCHER_LOG.match(line) and (not shown or line != shown[-1]):
             shown.append(line)
-    return "\n".join("    " + line for line in shown[-lines:])
+    return "\n".join("    " + line for line in [*shown[-lines:], *failed])
+
+
+def _ending(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def failed_ranks(summary: list[str]) -> list[str]:
+    """'rank R exited with ...' for each rank torchrun's failure summary names, in its order
+    and once each."""
+    said: dict[int, str] = {}
+    rank = None
+    for line in summary:
+        if match := _FAILED_RANK.match(line):
+            rank = int(match[1])
+        elif (match := _FAILED_EXIT.match(line)) and rank is not None:
+            said.setdefault(rank, f"rank {rank} ended with {_ending(int(match[1]))} (torchrun)")
+            rank = None
+    return list(said.values())
 
 
 @dataclass

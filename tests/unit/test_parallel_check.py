@@ -256,6 +256,32 @@ def test_output_tail_shows_the_ranks_error_not_the_launchers():
     assert pc.output_tail("a\nb\nc", lines=2) == "    b\n    c"
 
 
+def test_output_tail_names_the_ranks_torchrun_saw_fail_and_how():
+    """A rank killed by a signal prints nothing of its own: the launcher's summary is the
+    only place its end is told."""
+    summary = [
+        "Traceback (most recent call last):",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "=" * 60,
+        "kempnerforge FAILED",
+        "Failures:",
+        "[1]:",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -11 (pid: 4242) SIGSEGV",
+        "  traceback : Signal 11 (SIGSEGV) received by PID 4242",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 4241)",
+    ]
+    text = "\n".join(["kempnerforge: error: rank 0: a collective failed", *summary])
+    assert pc.output_tail(text).splitlines() == [
+        "    kempnerforge: error: rank 0: a collective failed",
+        "    rank 1 ended with signal SIGSEGV (torchrun)",
+        "    rank 0 ended with exit code 1 (torchrun)",
+    ]
+
+
 def test_sweep_layouts_cover_every_mesh_schedule_and_expert_degree():
     from kempnerforge.launch.layout_sweep import sweep_layouts
 
