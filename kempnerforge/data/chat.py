@@ -156,13 +156,31 @@ def encode_conversation(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of the rendered conversation and its loss mask (bool, True on every token
     that overlaps a trained assistant turn's text)."""
-    text, spans = assistant_spans(template, conversation)
-    ids, offsets = encode_with_offsets(tokenizer, text)
-    mask = np.zeros(len(ids), dtype=bool)
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    for span in spans:
-        mask |= (ends > span.start) & (starts < span.stop)
-    return ids, mask
+    return encode_conversations(tokenizer, template, [conversation])[0]
+
+
+def encode_conversations(
+    tokenizer: Tokenizer, template: ChatTemplate, conversations: list[Conversation]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """encode_conversation of each conversation, the renders tokenized together: a
+    tokenizer.json encodes a batch on all cores, where one text at a time keeps one busy."""
+    rendered = [assistant_spans(template, conversation) for conversation in conversations]
+    texts = [text for text, _ in rendered]
+    if type(tokenizer) is HFTokenizer:
+        encoded = [
+            (np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2))
+            for ids, offsets in tokenizer.encode_batch_with_offsets(texts)
+        ]
+    else:
+        encoded = [encode_with_offsets(tokenizer, text) for text in texts]
+    pairs = []
+    for (ids, offsets), (_, spans) in zip(encoded, rendered, strict=True):
+        mask = np.zeros(len(ids), dtype=bool)
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        for span in spans:
+            mask |= (ends > span.start) & (starts < span.stop)
+        pairs.append((ids, mask))
+    return pairs
 
 
 # The reply of the one-turn conversation end_of_turn_ids renders: text no template rewrites.

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat import Conversation, encode_conversation
+from kempnerforge.data.chat import Conversation, encode_conversations
 from kempnerforge.data.chat_template import ChatTemplate
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, encode_to_arrays
 
@@ -87,7 +87,7 @@ def encode_documents(
     """Token arrays of texts; with ``template``, (tokens, loss mask) of conversations."""
     if template is None:
         return encode_to_arrays(tokenizer, documents)
-    return [encode_conversation(tokenizer, template, c) for c in documents]
+    return encode_conversations(tokenizer, template, documents)
 
 
 def _encode_chunk(documents: list[str] | list[Conversation]) -> tuple[np.ndarray, ...]:

@@ -116,6 +116,14 @@ class HFTokenizer:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
+    def encode_batch_with_offsets(
+        self, texts: list[str]
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """encode_with_offsets of many texts at once (parallel inside the tokenizers library,
+        as encode_batch)."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, e.offsets) for e in encodings]
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts at once (parallel inside the tokenizers library)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
