@@ -89,9 +89,9 @@ def prepare(
 ) -> tuple[float, dict]:
     """Tokens per second of one prepare_data run of ``source`` into ``output``, and the
     meta.json it wrote."""
-    from kempnerforge.data.chat_pack import Packing
-    from kempnerforge.data.chat_template import load_chat_template
-    from kempnerforge.data.prepare import prepare_data
+    from kempnerforge.data.chat.packing import Packing
+    from kempnerforge.data.chat.template import load_chat_template
+    from kempnerforge.data.prepare.corpus import prepare_data
     from kempnerforge.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)

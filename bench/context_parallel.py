@@ -4,7 +4,7 @@
 Each cp degree runs in fresh processes (gloo on CPU, one per cp rank, one intra-op thread
 each), so no allocator cache or earlier peak carries over. Every rank builds the same
 model (seeded), keeps its 1/cp slice of the sequence, and runs forward + backward of the
-summed cross-entropy with the heads exchanged around attention (model/sequence_split.py);
+summed cross-entropy with the heads exchanged around attention (model/attention/sequence_split.py);
 the gradients are then summed over the ranks, as FSDP's reduction would. Causal attention
 over the whole sequence, no document mask, fp32.
 
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model import build_model
-from kempnerforge.model import sequence_split as split_module
-from kempnerforge.model.sequence_split import SequenceSplit, set_sequence_split
+from kempnerforge.model.attention import sequence_split as split_module
+from kempnerforge.model.attention.sequence_split import SequenceSplit, set_sequence_split
 
 DEBUG_SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 259}
 """configs/model/debug.toml (max_seq_len raised to the sequence)."""

@@ -59,7 +59,7 @@ from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.evaluation.scoring import slot_sums, whole_model_losses
 from kempnerforge.evaluation.task_files import ChoiceExample, read_choice_examples
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_task
-from kempnerforge.model.head_loss import HeadLossSpec
+from kempnerforge.model.heads.head_loss import HeadLossSpec
 from kempnerforge.model.transformer import Transformer, build_model
 from kempnerforge.optim.optimizer import build_optimizer
 

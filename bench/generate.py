@@ -19,7 +19,7 @@ import torch
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model import build_model
-from kempnerforge.model.generate import generate
+from kempnerforge.model.generation.generate import generate
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ from kempnerforge.config.train import TrainConfig
 from kempnerforge.distributed.pipeline_parallel import StageModule
 from kempnerforge.distributed.tensor_parallel import apply_tp
 from kempnerforge.model import build_model
-from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
+from kempnerforge.model.heads.head_loss import HeadLoss, HeadLossSpec
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.loss import build_loss_fn
 

@@ -25,7 +25,7 @@ import torch
 from throughput import Variant, run_framework
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.model.moe import MoEFeedForward
+from kempnerforge.model.moe.layer import MoEFeedForward
 from kempnerforge.model.weight_init import fill_parameter
 
 COMPUTES = ("grouped_mm", "padded_bmm", "looped")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.model.moe import MoEFeedForward
+from kempnerforge.model.moe.layer import MoEFeedForward
 from kempnerforge.model.weight_init import fill_parameter
 
 

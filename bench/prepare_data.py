@@ -74,7 +74,7 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path) -> str:
 
 def measure(list_file: str, tokenizer: str, workers: int, output: str) -> None:
     """One timed prepare_data run in this process; prints {"seconds", "tokens"}."""
-    from kempnerforge.data.prepare import prepare_data
+    from kempnerforge.data.prepare.corpus import prepare_data
     from kempnerforge.data.tokenizer import load_tokenizer
 
     files = Path(list_file).read_text().splitlines()

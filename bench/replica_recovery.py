@@ -73,8 +73,8 @@ def _first_commit_after(
 def _data_dir(workdir: pathlib.Path) -> str:
     import numpy as np
 
-    from kempnerforge.data.token_file import TokenFileWriter
     from kempnerforge.data.tokenizer import ByteTokenizer
+    from kempnerforge.data.tokens.token_file import TokenFileWriter
 
     path = workdir / "tokens"
     if not (path / "meta.json").exists():

@@ -119,7 +119,7 @@ def data_index_memory(root: Path, num_tokens: int, num_shards: int) -> tuple[flo
     """(peak MiB, seconds) of opening a sharded corpus and drawing dp rank 127's first
     batches of 8 windows, measured with tracemalloc."""
     from kempnerforge.data.dataset import MemoryMappedDataset
-    from kempnerforge.data.sampler import ShardedSampler
+    from kempnerforge.data.sampling.sampler import ShardedSampler
 
     per_shard = num_tokens // num_shards
     for index in range(num_shards):

@@ -34,10 +34,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kempnerforge.data.dataset import MemoryMappedDataset  # noqa: E402
-from kempnerforge.data.permutation import KeyedPermutation  # noqa: E402
-from kempnerforge.data.store_tokens import StoreReads, StoreTokens  # noqa: E402
-from kempnerforge.data.token_file import TokenFileWriter  # noqa: E402
+from kempnerforge.data.sampling.permutation import KeyedPermutation  # noqa: E402
 from kempnerforge.data.tokenizer import ByteTokenizer  # noqa: E402
+from kempnerforge.data.tokens.store_tokens import StoreReads, StoreTokens  # noqa: E402
+from kempnerforge.data.tokens.token_file import TokenFileWriter  # noqa: E402
 
 
 def write_corpus(directory: str, num_tokens: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.tiny import tiny_run
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kempnerforge.core.metrics_file import read_rows
-from kempnerforge.model.head_loss import linear_cross_entropy
+from kempnerforge.model.heads.head_loss import linear_cross_entropy
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "configs" / "train"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from kempnerforge.data.sources import SUPPORTED
+from kempnerforge.data.prepare import SUPPORTED
 
 
 def _int_at_least(value: str, least: int) -> int:
@@ -178,9 +178,8 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from kempnerforge.core.errors import DataError
     from kempnerforge.data.prepare import prepare_data
-    from kempnerforge.data.shards import Shard
-    from kempnerforge.data.token_file import read_meta
     from kempnerforge.data.tokenizer import load_tokenizer
+    from kempnerforge.data.tokens import Shard, read_meta
     from kempnerforge.storage.location import join
 
     if overrides:
@@ -216,8 +215,7 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
             f"--format chat (leave {option} out for text)"
         )
     if args.format == "chat":
-        from kempnerforge.data.chat_pack import Packing
-        from kempnerforge.data.chat_template import load_chat_template
+        from kempnerforge.data.chat import Packing, load_chat_template
 
         if args.seq_len is None:
             raise DataError(
@@ -280,8 +278,7 @@ def run_record_max_id(data_dirs: list[str]) -> int:
     id in its meta.json, one line each; an id beyond meta.json's vocabulary is then reported
     as opening reports it (it is recorded all the same, so every opening refuses it at once).
     """
-    from kempnerforge.data.shards import prepared_dirs
-    from kempnerforge.data.token_ids import check_token_ids, scan_and_record
+    from kempnerforge.data.tokens import check_token_ids, prepared_dirs, scan_and_record
 
     for data_dir in data_dirs:
         for part in prepared_dirs(data_dir):

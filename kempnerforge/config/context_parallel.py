@@ -27,7 +27,7 @@ def check_context_parallel(config: JobConfig) -> None:
     sequence and their key/value heads (all-to-all), so cp must divide the query heads
     (per tp rank, where tensor parallelism splits them first), and divide the key/value
     heads or be a multiple of them: with fewer key/value heads than ranks, each is
-    repeated to the ranks whose query heads read it (model/sequence_split.py).
+    repeated to the ranks whose query heads read it (model/attention/sequence_split.py).
     """
     dist, model = config.distributed, config.model
     cp = dist.cp

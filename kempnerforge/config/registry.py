@@ -30,6 +30,10 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> None:
+        """Remove what ``register`` added under ``name`` (a test's own entry, after the test)."""
+        del self._entries[name]
+
     def get(self, name: str) -> T:
         if name not in self._entries:
             suggestion = closest_name(name, self._entries)

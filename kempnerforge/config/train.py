@@ -18,8 +18,6 @@ from kempnerforge.config.checks import (
 )
 from kempnerforge.core.errors import ConfigError
 
-LOSS_NAMES = ("cross_entropy",)
-
 # A run name becomes a directory under runs/: one path component that is never '.', '..',
 # hidden, or taken for a command-line option, and that every filesystem spells the same way.
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -208,7 +206,6 @@ class TrainConfig:
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
         if not self.allocator.startswith("/"):
             check_choice("train.allocator", self.allocator, ALLOCATORS)
-        check_choice("train.loss_fn", self.loss_fn, LOSS_NAMES)
         for i, phase in enumerate(self.phases):
             phase.check(f"train.phases[{i}]")
         for i, (before, after) in enumerate(zip(self.phases, self.phases[1:], strict=False)):

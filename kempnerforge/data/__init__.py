@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from kempnerforge.data.pipeline import DataPipeline
     from kempnerforge.data.pipeline_build import build_data_pipeline
     from kempnerforge.data.prepare import prepare_data
-    from kempnerforge.data.sampler import ShardedSampler
-    from kempnerforge.data.token_file import read_meta
+    from kempnerforge.data.sampling import ShardedSampler
     from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+    from kempnerforge.data.tokens import read_meta
 
 _HOMES = {
     "IGNORE_INDEX": "kempnerforge.data.dataset",
@@ -27,7 +27,7 @@ _HOMES = {
     "DataPipeline": "kempnerforge.data.pipeline",
     "HFTokenizer": "kempnerforge.data.tokenizer",
     "MemoryMappedDataset": "kempnerforge.data.dataset",
-    "ShardedSampler": "kempnerforge.data.sampler",
+    "ShardedSampler": "kempnerforge.data.sampling",
     "Tokenizer": "kempnerforge.data.tokenizer",
     "TrainDataLoader": "kempnerforge.data.dataloader",
     "build_data_pipeline": "kempnerforge.data.pipeline_build",
@@ -35,7 +35,7 @@ _HOMES = {
     "default_cache_dir": "kempnerforge.data.builtin",
     "load_tokenizer": "kempnerforge.data.tokenizer",
     "prepare_data": "kempnerforge.data.prepare",
-    "read_meta": "kempnerforge.data.token_file",
+    "read_meta": "kempnerforge.data.tokens",
     "stdlib_dir": "kempnerforge.data.builtin",
 }
 

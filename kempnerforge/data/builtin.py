@@ -21,8 +21,8 @@ from pathlib import Path
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.prepare import write_corpus
-from kempnerforge.data.token_file import is_complete
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.data.tokens import is_complete
 
 logger = get_logger(__name__)
 

@@ -13,8 +13,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.mixture import MixtureSampler
-from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.data.sampling import MixtureSampler, ShardedSampler
 
 logger = get_logger(__name__)
 

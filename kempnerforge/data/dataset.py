@@ -12,18 +12,21 @@ from torch.utils.data import Dataset
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.bad_windows import BadWindowSkipping
-from kempnerforge.data.shards import read_parts
-from kempnerforge.data.store_tokens import StoreReads
-from kempnerforge.data.token_file import DTYPES, TOKENS_FILE
-from kempnerforge.data.token_flags import (
+from kempnerforge.data.tokens import (
+    DTYPES,
     FLAGS_FILE,
     FLAGS_SHA_KEY,
     IGNORE_INDEX,
+    TOKENS_FILE,
+    StoreReads,
+    TokenStream,
+    check_token_ids,
+    id_limit,
     is_masked,
     masked_targets,
+    read_parts,
+    token_at_error,
 )
-from kempnerforge.data.token_ids import check_token_ids, id_limit, token_at_error
-from kempnerforge.data.token_stream import TokenStream
 from kempnerforge.storage.location import join
 
 __all__ = ["IGNORE_INDEX", "MemoryMappedDataset", "SampleDataset"]

@@ -21,8 +21,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import BadWindow, BadWindows
 from kempnerforge.data.dataloader import TrainDataLoader, load_loader_state, sampler_state_of
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset, SampleDataset
-from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
-from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.data.sampling import MixtureDataset, MixtureSampler, ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer
 
 logger = get_logger(__name__)

@@ -14,15 +14,14 @@ from kempnerforge.config.vlm import VisionSpec, VLMConfig
 from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir
-from kempnerforge.data.chat_pack import packing_mismatch
+from kempnerforge.data.chat import packing_mismatch
 from kempnerforge.data.dataloader import TrainDataLoader, build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.image_text import build_image_text_datasets
-from kempnerforge.data.mixture import MixtureDataset, MixtureSampler
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.data.sampler import ShardedSampler
-from kempnerforge.data.store_tokens import StoreReads
+from kempnerforge.data.sampling import MixtureDataset, MixtureSampler, ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
+from kempnerforge.data.tokens import StoreReads
 
 logger = get_logger(__name__)
 

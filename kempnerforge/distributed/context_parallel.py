@@ -3,7 +3,7 @@
 The ``cp`` ranks of a mesh read the same batches (they share a data-parallel rank); each
 keeps its contiguous 1/cp of every sequence's positions (slice_batch; a vision-language
 model's sequence counts its image tokens before the text), and the model
-exchanges attention heads over the ``cp`` group (model/sequence_split.py). They hold the
+exchanges attention heads over the ``cp`` group (model/attention/sequence_split.py). They hold the
 same weights, so FSDP shards and averages over ``dp_shard_cp`` (fsdp.py), and the
 step's loss and token counts are summed over ``dp_cp`` (training/accumulate.py).
 """
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.model.sequence_split import SequenceSplit, held_span, set_sequence_split
+from kempnerforge.model.attention import SequenceSplit, held_span, set_sequence_split
 
 SPLIT_KEYS = ("input_ids", "labels")
 """Per-position batch entries each cp rank keeps a slice of. ``doc_ids`` stays whole:

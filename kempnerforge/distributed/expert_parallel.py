@@ -2,7 +2,7 @@
 
 The expert weights become DTensors sharded on the expert dimension over the ``ep`` mesh,
 so each rank stores and computes E / ep experts, and the layer sends every token copy to
-the rank of its expert and back (model/token_exchange.py). Under context parallelism the
+the rank of its expert and back (model/moe/token_exchange.py). Under context parallelism the
 ``ep`` ranks are taken from dp_shard x cp: a cp rank routes its own slice's tokens.
 FSDP then shards the expert weights further over ``efsdp``, the ranks that hold the
 same experts; the router, the shared experts and the rest of the block are sharded over

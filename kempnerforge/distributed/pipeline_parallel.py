@@ -24,10 +24,9 @@ from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.distributed.schedules import build_schedule
-from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
+from kempnerforge.model.heads import HeadLoss, HeadLossSpec, head_loss
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.transformer import Transformer
-from kempnerforge.model.vocab_parallel_loss import head_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | HeadLoss]
 
@@ -313,7 +312,7 @@ def _without_z_loss(bundle: PipelineBundle) -> Iterator[None]:
     0 for the duration: scoring wants the cross-entropy alone."""
     assert bundle.loss is not None
     modules = [stage.submod for stage in bundle.stages]
-    specs = [getattr(m, "loss_spec", None) for m in modules]
+    specs = [m.loss_spec if isinstance(m, StageModule) else None for m in modules]
     loss_fn = bundle.loss.loss_fn
     try:
         for module, spec in zip(modules, specs, strict=True):

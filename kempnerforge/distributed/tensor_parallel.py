@@ -32,7 +32,7 @@ def apply_tp(
     attention and one after the feed-forward. The embedding is split by vocabulary rows
     and the head by vocabulary columns (unevenly when tp does not divide the vocabulary);
     the head's own forward gathers whole logits, while the model's loss from labels is
-    vocabulary-parallel (model/vocab_parallel_loss.py). A tied embedding stays one
+    vocabulary-parallel (model/heads/vocab_parallel_loss.py). A tied embedding stays one
     parameter.
 
     With sequence parallelism (default for a whole model) the residual stream between
@@ -147,7 +147,7 @@ def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
 def _apply_tp_to_ends(stage: DecoderStack, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Embedding, final norm and head of one stage; the head's forward returns whole logits
     (a plain tensor), for callers that want logits; the loss from labels bypasses it and
-    stays on each rank's vocabulary shard (model/vocab_parallel_loss.py).
+    stays on each rank's vocabulary shard (model/heads/vocab_parallel_loss.py).
 
     The vocabulary is split even when tp does not divide it (DTensor shards unevenly):
     every parameter is then a DTensor, which the foreach optimizers and gradient

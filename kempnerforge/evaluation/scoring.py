@@ -23,7 +23,7 @@ import torch.distributed as dist
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.evaluation.windows import Windows
-from kempnerforge.model.head_loss import HeadLossSpec
+from kempnerforge.model.heads import HeadLossSpec
 
 BatchSlice = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 TokenLosses = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor] | None]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat_template import (
+from kempnerforge.data.chat import (
     TEMPLATE_FILE,
     TOKENIZER_CONFIG,
     ChatTemplate,

@@ -20,7 +20,7 @@ import torch
 
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.evaluation.windows import Request, Windows, pack_requests, rolling_requests
-from kempnerforge.model.generate import eval_mode, generate
+from kempnerforge.model.generation import eval_mode, generate
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.families import family_of
 from kempnerforge.training.forward import training_autocast

@@ -9,15 +9,18 @@ import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.attention import Attention, document_causal_mask
+from kempnerforge.model.attention import (
+    Attention,
+    SequenceSplit,
+    active_split,
+    document_causal_mask,
+    rope_tables,
+)
 from kempnerforge.model.contract import DecoderStack, FamilyModel
-from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
+from kempnerforge.model.heads import HeadLoss, HeadLossSpec, head_loss
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
-from kempnerforge.model.sequence_split import SequenceSplit, active_split
-from kempnerforge.model.vocab_parallel_loss import head_loss
 from kempnerforge.model.weight_init import copy_full_tensor as copy_full_tensor  # re-exported
 from kempnerforge.model.weight_init import fill_parameter, parameter_seed
 
@@ -36,7 +39,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward: SwiGLU | MoEFeedForward = (
             MoEFeedForward(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg.dim, cfg.hidden_dim)
         )
-        """SwiGLU feed-forward, or routed experts in an MoE block (see model/moe.py)."""
+        """SwiGLU feed-forward, or routed experts in an MoE block (see model/moe/layer.py)."""
 
     def forward(
         self,
@@ -192,7 +195,7 @@ class Transformer(FamilyModel):
         With ``labels`` (batch, seq) a model holding the head returns a HeadLoss instead of
         logits: the summed cross-entropy (plus z-loss) and its per-token values, computed
         in chunks of ``loss_spec.chunk_tokens`` tokens so the whole logits never exist
-        (see model/head_loss.py; ``loss_spec`` None takes HeadLossSpec's defaults). It is
+        (see model/heads/head_loss.py; ``loss_spec`` None takes HeadLossSpec's defaults). It is
         computed here, not by the caller, because FSDP gathers the head's weight only
         inside this forward.
         """

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.distributed.gradients import maybe_no_sync, total_grad_norm
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.model.router_step import add_micro_batch_router_losses, record_router_stats
+from kempnerforge.model.moe import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
+from kempnerforge.training.objectives import Batch, label_count
 from kempnerforge.training.session import Replicas, TrainingSession
 
 
@@ -43,13 +43,14 @@ def step_tokens(
     runtime: RuntimeContext,
     micro_batches: list[dict[str, torch.Tensor]],
     replicas: Replicas | None = None,
+    units: Callable[[Batch], int] = label_count,
 ) -> StepTokens:
-    """Count the step's supervised tokens: on the host per rank, summed over the
-    data-parallel and context-parallel group on the device (``dp_cp``: context-parallel
-    peers hold different positions of the same sequences; tensor-parallel and pipeline
-    peers hold the same batches, so they are not counted again), then over the replica
-    groups, if any."""
-    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    """Count the step's supervised tokens (or the objective's ``units``): on the host
+    per rank, summed over the data-parallel and context-parallel group on the device
+    (``dp_cp``: context-parallel peers hold different positions of the same sequences;
+    tensor-parallel and pipeline peers hold the same batches, so they are not counted
+    again), then over the replica groups, if any."""
+    local = sum(units(b) for b in micro_batches)
     count = torch.tensor(local, dtype=torch.int64, device=runtime.device)
     group = runtime.group("dp_cp")
     if group is not None:
@@ -108,7 +109,10 @@ MicroLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
 def accumulate(
-    session: TrainingSession, micro_batches: list[dict[str, torch.Tensor]], micro_loss: MicroLoss
+    session: TrainingSession,
+    micro_batches: list[dict[str, torch.Tensor]],
+    micro_loss: MicroLoss,
+    units: Callable[[Batch], int] = label_count,
 ) -> tuple[float, float, int]:
     """Forward and backward every micro-batch; return (mean loss, grad norm, tokens).
 
@@ -118,11 +122,12 @@ def accumulate(
     same however the micro-batches and ranks split them. The data-parallel gradient
     reduction runs on the last micro-batch only (maybe_no_sync). Nothing is read to the
     host until finish_step, which also clips. The router terms of an MoE model join each
-    micro-batch's objective, and its router statistics the step's totals (model/router_step.py;
-    both do nothing for a model without MoE layers).
+    micro-batch's objective, and its router statistics the step's totals (model/moe/router_step.py;
+    both do nothing for a model without MoE layers). ``units`` gives a micro-batch's units of
+    the loss (the objective's, training/objectives/): its supervised tokens by default.
     """
     config, model, device = session.config, session.model, session.runtime.device
-    tokens = step_tokens(session.runtime, micro_batches, session.replicas)
+    tokens = step_tokens(session.runtime, micro_batches, session.replicas, units)
     loss_sum = torch.zeros((), device=device)
     for micro, cpu_batch in enumerate(micro_batches):
         batch = _to_device(cpu_batch, device)

@@ -16,7 +16,7 @@ from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_tasks
-from kempnerforge.model.head_loss import HeadLossSpec
+from kempnerforge.model.heads import HeadLossSpec
 from kempnerforge.training.families import family_of
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.layout import layout_of

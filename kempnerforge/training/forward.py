@@ -15,7 +15,7 @@ import torch
 
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.model.attention import needs_document_mask
-from kempnerforge.model.head_loss import HeadLossSpec
+from kempnerforge.model.heads import HeadLossSpec
 from kempnerforge.training.loss import cross_entropy_sum
 
 BatchLoss = Callable[

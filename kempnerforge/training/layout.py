@@ -31,8 +31,8 @@ from kempnerforge.distributed.pipeline_parallel import (
 )
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.evaluation.scoring import TokenLosses, pipeline_losses, whole_model_losses
-from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec, logits_head_loss
-from kempnerforge.model.router_stage import attach_stage_router_hooks
+from kempnerforge.model.heads import HeadLoss, HeadLossSpec, logits_head_loss
+from kempnerforge.model.moe import attach_stage_router_hooks
 from kempnerforge.training.families import FamilyModel, StepFn, family_of
 from kempnerforge.training.loss import LossFn, TokenCrossEntropy
 from kempnerforge.training.steps import pipeline_step
@@ -146,7 +146,7 @@ def build_stage_schedule(
     (no whole logits, as text_step's model does); with 0 it comes from the whole logits,
     per token, so mixture steps get their per-dataset losses either way. Any other loss
     function gets the logits. An MoE stage's forward records its routers' loads and
-    carries their losses into its backward (model/router_stage.py).
+    carries their losses into its backward (model/moe/router_stage.py).
     """
     # The gradient norm sums every stage's squares over the pipeline group (total_grad_norm).
     rank_model.model.pipeline_group = runtime.group("pp")

@@ -23,7 +23,7 @@ from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.gradients import total_grad_norm
-from kempnerforge.model.router_step import add_router_losses, finish_router_step
+from kempnerforge.model.moe import add_router_losses, finish_router_step
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
@@ -69,7 +69,7 @@ def add_moe_losses(loss: torch.Tensor, model: torch.nn.Module, mc: ModelConfig) 
 
     ``loss`` plus moe_aux_loss_weight times the summed load-balancing losses, plus
     moe_router_z_loss_weight times the summed z-losses, of every MoE layer's latest
-    forward: model/router_step.py's add_router_losses, which the step bodies use too.
+    forward: model/moe/router_step.py's add_router_losses, which the step bodies use too.
     """
     return add_router_losses(loss, model, mc)
 
@@ -226,7 +226,7 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
     refresh_learning_rates(session)  # the phase and rollback scales on top of the schedule
     # An MoE model's routers after the update: the sigmoid routers' balancing step, from this
     # step's load over every rank, and on log steps their metrics row, every pipeline stage's
-    # layers included (model/router_step.py; nothing for a model without MoE layers).
+    # layers included (model/moe/router_step.py; nothing for a model without MoE layers).
     router_row = finish_router_step(
         session.model,
         session.config.model,

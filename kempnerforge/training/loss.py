@@ -1,7 +1,7 @@
 """build_loss_fn: token cross-entropy with ignore_index and an optional output z-loss.
 
 token_losses (the same objective per position) lives beside the fused output head in
-model/head_loss.py, which computes it without whole logits; it is re-exported here.
+model/heads/head_loss.py, which computes it without whole logits; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.data.dataset import IGNORE_INDEX
-from kempnerforge.model.head_loss import token_losses, z_loss_terms
+from kempnerforge.model.heads import token_losses, z_loss_terms
 
 __all__ = [
     "IGNORE_INDEX",

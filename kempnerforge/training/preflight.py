@@ -16,12 +16,16 @@ import torch
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.core.logging import get_logger
 from kempnerforge.optim.optimizer import OPTIMIZERS
 from kempnerforge.optim.scheduler import SCHEDULES
 from kempnerforge.training.float8 import check_float8
 from kempnerforge.training.hooks import hook_class
 from kempnerforge.training.layout import PIPELINE_STAGES, layout_of
+from kempnerforge.training.objectives import objective_of
 from kempnerforge.training.store_checks import check_stores
+
+logger = get_logger(__name__)
 
 
 def preflight(config: JobConfig) -> None:
@@ -32,10 +36,25 @@ def preflight(config: JobConfig) -> None:
     check_stores(config)
     OPTIMIZERS.get(config.optimizer.name)
     SCHEDULES.get(config.scheduler.name)
+    _warn_unused_chunking(config)
     for path in config.train.hooks:
         hook_class(path)
     check_float8(config)
     check_sequence_split(config, torch.__version__)
+
+
+def _warn_unused_chunking(config: JobConfig) -> None:
+    """Refuse an unknown train.loss_fn; say once when its objective cannot use the chunked
+    head that train.loss_chunk_tokens asks for."""
+    objective = objective_of(config.train)
+    chunk_tokens = config.train.loss_chunk_tokens
+    if objective.per_token_grad and chunk_tokens > 0:
+        logger.warning(
+            "train.loss_chunk_tokens = %d is not used: train.loss_fn = %r weighs per-token "
+            "losses, whose gradients need each micro-batch's whole logits",
+            chunk_tokens,
+            objective.name,
+        )
 
 
 UNEVEN_SEQUENCE_TORCH = (2, 13)

@@ -13,22 +13,25 @@ import torch
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.attention import needs_document_mask
-from kempnerforge.model.head_loss import HeadLossSpec, logits_head_loss
-from kempnerforge.model.router_stage import record_stage_router_stats
-from kempnerforge.model.router_step import begin_router_step
+from kempnerforge.model.heads import HeadLossSpec, logits_head_loss
+from kempnerforge.model.moe import begin_router_step, record_stage_router_stats
 from kempnerforge.training.accumulate import accumulate, finish_step, step_tokens
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.loss import TokenCrossEntropy
 from kempnerforge.training.mixture_metrics import DatasetSums
+from kempnerforge.training.objectives import objective_of
 from kempnerforge.training.session import Replicas, StepResult, TrainingSession
 
 
 def text_step(session: TrainingSession, step: int) -> StepResult:
     """Standard step (no PP, text-only), with optional per-dataset mixture metrics.
 
-    Token-weighted over the whole step (see accumulate). With train.loss_chunk_tokens > 0
-    the model computes the loss itself from labels, never holding the whole logits (see
-    model/head_loss.py); with 0 it returns logits for session.loss_fn. When batches carry
+    The loss is the job's objective (training/objectives/, by train.loss_fn), weighted by
+    its units over the whole step (see accumulate): for the token objective, supervised
+    tokens. With train.loss_chunk_tokens > 0 the model computes the per-token losses itself
+    from labels, never holding the whole logits (see model/heads/head_loss.py); with 0 it
+    returns logits for session.loss_fn (the token objective) or for per-token losses that
+    the objective reads. When batches carry
     ``dataset_idx`` (a mixture), the result also holds per-dataset sums of the same loss
     (z-loss term included), taken from the per-token losses the loss already has, so
     their token-weighted mean is the step's loss. ``step`` goes to an MoE model's routers
@@ -46,25 +49,32 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             for b in micro_batches
         ]
     per_dataset = _dataset_sums(session.data, micro_batches, session.runtime.device)
+    objective = objective_of(tc)
     spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
     # The model computes the loss only when it is the built-in one (a replaced
     # session.loss_fn gets the logits).
-    fused = spec.chunk_tokens > 0 and isinstance(session.loss_fn, TokenCrossEntropy)
+    fused = (
+        spec.chunk_tokens > 0
+        and isinstance(session.loss_fn, TokenCrossEntropy)
+        and not objective.per_token_grad
+    )
+    whole_logits_loss = objective.logits_loss and per_dataset is None
 
     def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         doc_ids = batch.get("doc_ids") if mask_docs else None
         inputs, labels = batch["input_ids"], batch["labels"]
         if fused:
             head = model(inputs, doc_ids=doc_ids, labels=labels, loss_spec=spec)
-        elif per_dataset is None:
+        elif whole_logits_loss:
             return session.loss_fn(model(inputs, doc_ids=doc_ids), labels)
         else:
-            head = logits_head_loss(model(inputs, doc_ids=doc_ids), labels, tc.z_loss_weight)
+            logits = model(inputs, doc_ids=doc_ids)
+            head = logits_head_loss(logits, labels, tc.z_loss_weight, objective.per_token_grad)
         if per_dataset is not None:
             per_dataset.add(head.token_losses, batch)
-        return head.loss_sum
+        return objective.loss(head, batch)
 
-    loss, grad_norm, supervised = accumulate(session, micro_batches, micro_loss)
+    loss, grad_norm, supervised = accumulate(session, micro_batches, micro_loss, objective.count)
     # The supervised tokens (the loss's normaliser): every position of pretraining text but
     # a document's last, only the assistant's tokens of a chat corpus. Logged, not counted
     # as the step's tokens (a text model trains on every position it reads).
@@ -144,7 +154,7 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     data-parallel and pipeline groups in finish_step, so every rank of every stage reports
     it; the gradient norm covers all stages, so a NaN anywhere skips the step everywhere.
     An MoE model's stages add their router terms to their own backward and record their
-    loads (model/router_stage.py); ``step`` goes to the routers as in text_step.
+    loads (model/moe/router_stage.py); ``step`` goes to the routers as in text_step.
     With train.loss_chunk_tokens > 0 the last stage computes the loss itself, chunked, never
     holding whole logits (distributed/pipeline_parallel.py). A mixture's per-dataset sums take the
     last stage's per-token losses, summed over the pipeline group with the loss.

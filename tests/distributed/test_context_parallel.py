@@ -13,7 +13,7 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.parallelize import apply_compile
 from kempnerforge.distributed.runtime import init_runtime
-from kempnerforge.model.sequence_split import (
+from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
     set_sequence_split,
     whole_sequences,

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 
 from kempnerforge.distributed.gradients import total_grad_norm
 from kempnerforge.distributed.runtime import init_runtime
-from kempnerforge.model.moe import moe_layers
-from kempnerforge.model.router_step import (
+from kempnerforge.model.moe.layer import moe_layers
+from kempnerforge.model.moe.router_step import (
     begin_router_step,
     finish_router_step,
     record_router_stats,

@@ -9,7 +9,7 @@ import torch
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.training.build import build_session

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kempnerforge.distributed.runtime import init_runtime
-from kempnerforge.model.attention import Attention
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.attention.rope import rope_tables
+from kempnerforge.model.attention.self_attention import Attention
 from kempnerforge.training.build import build_model_on_mesh
 from kempnerforge.training.loss import cross_entropy_sum
 from tests.support.dist import run_distributed

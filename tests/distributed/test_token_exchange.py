@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kempnerforge.model.token_exchange import combine_tokens, dispatch_tokens
+from kempnerforge.model.moe.token_exchange import combine_tokens, dispatch_tokens
 from tests.support.dist import run_distributed
 
 DIM, OUT_DIM = 5, 3

@@ -9,14 +9,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kempnerforge.model.head_loss import (
+from kempnerforge.model.heads.head_loss import (
     IGNORE_INDEX,
     HeadLoss,
     HeadLossSpec,
     linear_cross_entropy,
     logits_head_loss,
 )
-from kempnerforge.model.vocab_parallel_loss import head_loss, is_vocab_sharded, shard_rows
+from kempnerforge.model.heads.vocab_parallel_loss import head_loss, is_vocab_sharded, shard_rows
 from tests.support.dist import run_distributed
 from tests.support.parallel import whole
 from tests.support.tolerance import assert_reordered_close, reorder_atol

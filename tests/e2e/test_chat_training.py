@@ -11,10 +11,10 @@ import re
 import numpy as np
 import pytest
 
-from kempnerforge.data.chat_pack import Packing
-from kempnerforge.data.chat_template import byte_chat_template
+from kempnerforge.data.chat.packing import Packing
+from kempnerforge.data.chat.template import byte_chat_template
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.e2e.test_check_parallel import (
     DEBUG,

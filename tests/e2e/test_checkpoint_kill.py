@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.metrics_rows import events
 from tests.support.tiny import tiny_run

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session

@@ -21,7 +21,7 @@ import torch
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.data.pipeline_build import build_data_pipeline
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.optim.scheduler import lr_factor
 from kempnerforge.training.hooks import StepContext, TrainingHook

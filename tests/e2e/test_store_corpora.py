@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.shards import Shard
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.data.tokens.shards import Shard
 from kempnerforge.storage.stores import filesystem
 from tests.conftest import synthetic_documents
 from tests.support.cli import run_kempnerforge

@@ -14,7 +14,7 @@ from PIL import Image
 
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.tokenizer import ByteTokenizer
-from kempnerforge.model.head_loss import HeadLossSpec
+from kempnerforge.model.heads.head_loss import HeadLossSpec
 from kempnerforge.training.forward import vlm_batch_loss
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from kempnerforge.training.loop import StepResult, TrainingSession, run_training_loop

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from kempnerforge.data.token_file import TokenFileWriter
 from kempnerforge.data.tokenizer import ByteTokenizer, Tokenizer
+from kempnerforge.data.tokens.token_file import TokenFileWriter
 from tests.support.data_files import make_hf_tokenizer
 
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from kempnerforge.data.token_file import DTYPES, TokenFileWriter, read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, Tokenizer
+from kempnerforge.data.tokens.token_file import DTYPES, TokenFileWriter, read_meta
 
 HF_TRAINING_TEXT = [
     "def add(a, b):\n    return a + b\n",

@@ -12,9 +12,9 @@ import torch
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.bad_windows import read_bad_data
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.shards import Shard
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.data.tokens.shards import Shard
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
 from kempnerforge.training.hooks import StepContext, TrainingHook

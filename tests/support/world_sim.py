@@ -151,7 +151,7 @@ def _group_roles(runtime: Any) -> dict[str, str]:
 
 def _tiny_corpus(root: Path, num_windows: int, seq_len: int) -> str:
     """A prepared corpus of at least ``num_windows`` windows of ``seq_len`` byte tokens."""
-    from kempnerforge.data.prepare import prepare_data
+    from kempnerforge.data.prepare.corpus import prepare_data
     from kempnerforge.data.tokenizer import ByteTokenizer
 
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]

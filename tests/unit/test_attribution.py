@@ -13,7 +13,7 @@ import torch
 from kempnerforge.core.errors import HardwareFaultError
 from kempnerforge.data.bad_windows import BAD_DATA_FILE, BadWindow, read_bad_data
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.resilience.exit_codes import HARDWARE_FAULT, code_of
 from kempnerforge.training.faults.attribution import FAULT_HOSTS_ENV

@@ -18,9 +18,9 @@ from kempnerforge.data import builtin
 from kempnerforge.data.builtin import builtin_corpus
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.pipeline_build import build_data_pipeline
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.token_file import read_meta
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.data.tokens.token_file import read_meta
 from kempnerforge.training.inference.sample import prompt_ids
 from kempnerforge.training.loss import cross_entropy_sum
 from tests.support.data_files import make_hf_tokenizer, prepared_ids, write_jsonl

@@ -17,8 +17,8 @@ from kempnerforge.core.errors import DataError
 from kempnerforge.data import builtin
 from kempnerforge.data.builtin import builtin_corpus, default_cache_dir, stdlib_files
 from kempnerforge.data.pipeline_build import build_data_pipeline
-from kempnerforge.data.token_file import read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.data.tokens.token_file import read_meta
 from tests.support.data_files import make_hf_tokenizer
 
 

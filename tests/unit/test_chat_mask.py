@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat import (
+from kempnerforge.data.chat.conversation import (
     Conversation,
     assistant_spans,
     conversation_of,
     encode_conversation,
 )
-from kempnerforge.data.chat_template import ChatTemplate, byte_chat_template, load_chat_template
+from kempnerforge.data.chat.template import ChatTemplate, byte_chat_template, load_chat_template
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.chat_files import CHATML_GENERATION, CONVERSATION, make_chat_tokenizer_dir
 

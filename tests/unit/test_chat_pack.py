@@ -11,7 +11,7 @@ import pytest
 
 from kempnerforge.cli import main
 from kempnerforge.config.data import DataConfig
-from kempnerforge.data.chat_pack import (
+from kempnerforge.data.chat.packing import (
     MAX_OPEN_WINDOWS,
     ConversationPacker,
     Packing,
@@ -19,8 +19,8 @@ from kempnerforge.data.chat_pack import (
 )
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.pipeline_build import _dataset_opener
-from kempnerforge.data.token_file import TokenFileWriter, read_meta
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.data.tokens.token_file import TokenFileWriter, read_meta
 from tests.support.chat_files import write_conversations
 from tests.support.data_files import prepared_ids
 

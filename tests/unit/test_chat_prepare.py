@@ -11,13 +11,13 @@ import pytest
 
 from kempnerforge.cli import main
 from kempnerforge.core.errors import DataError
-from kempnerforge.data import prepare
-from kempnerforge.data.chat import conversation_of, encode_conversation
-from kempnerforge.data.chat_template import byte_chat_template, load_chat_template
+from kempnerforge.data.chat.conversation import conversation_of, encode_conversation
+from kempnerforge.data.chat.template import byte_chat_template, load_chat_template
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.token_file import TokenFileWriter, read_meta
+from kempnerforge.data.prepare import corpus as prepare
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.data.tokens.token_file import TokenFileWriter, read_meta
 from tests.support.chat_files import CONVERSATION, make_chat_tokenizer_dir, write_conversations
 from tests.support.data_files import prepared_ids
 

@@ -11,8 +11,8 @@ import torch
 from kempnerforge.cli import main
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.dataloader import sampler_state_of
-from kempnerforge.data.mixture import MixtureSampler
-from kempnerforge.data.sampler import ORDER_VERSION, ShardedSampler
+from kempnerforge.data.sampling.mixture import MixtureSampler
+from kempnerforge.data.sampling.sampler import ORDER_VERSION, ShardedSampler
 from tests.support.checksums import rerecord_checksums
 
 RANKS = 1024

@@ -16,7 +16,7 @@ import torch
 
 from kempnerforge.data.dataloader import TrainDataLoader, build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.data.sampling.sampler import ShardedSampler
 from tests.support.data_files import write_token_dir
 
 REPO = Path(__file__).parents[2]
@@ -110,7 +110,7 @@ EXIT_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from kempnerforge.data.dataset import MemoryMappedDataset
     from kempnerforge.data.dataloader import build_train_loader
-    from kempnerforge.data.sampler import ShardedSampler
+    from kempnerforge.data.sampling.sampler import ShardedSampler
 
     dataset = MemoryMappedDataset(sys.argv[1], seq_len=4)
     loader = build_train_loader(dataset, ShardedSampler(len(dataset), 0, 1, seed=5), 2, 2, 5)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data import token_ids
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.token_file import read_meta
+from kempnerforge.data.tokens import token_ids
+from kempnerforge.data.tokens.token_file import read_meta
 from tests.support.data_files import write_token_dir
 
 EOS = 257  # ByteTokenizer's

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
-from kempnerforge.data.mixture import MixtureDataset
-from kempnerforge.data.token_flags import ENDS_DOCUMENT, LOSS_ON, masked_targets
+from kempnerforge.data.sampling.mixture import MixtureDataset
+from kempnerforge.data.tokens.token_flags import ENDS_DOCUMENT, LOSS_ON, masked_targets
 from tests.support.chat_files import turns, write_masked_dir
 from tests.support.data_files import write_token_dir
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kempnerforge.model.experts import grouped_mm_runs
+from kempnerforge.model.moe.experts import grouped_mm_runs
 from tests.support.tolerance import assert_reordered_close
 
 
@@ -43,7 +43,7 @@ def test_an_unknown_device_type_takes_the_padded_path() -> None:
 def test_rows_past_the_last_group_get_zero_outputs_and_no_gradient(compute: str) -> None:
     """Dropped assignments stay in the rows, after every group: the kept rows compute as if
     the dropped ones were cut off, which the grouped matmul does without a host read."""
-    from kempnerforge.model.experts import grouped_swiglu
+    from kempnerforge.model.moe.experts import grouped_swiglu
 
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 2, 1])

@@ -14,9 +14,9 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.distributed.runtime import RuntimeContext
-from kempnerforge.model.head_loss import HeadLossSpec
+from kempnerforge.model.heads.head_loss import HeadLossSpec
 from kempnerforge.model.transformer import Transformer, flops_per_token
-from kempnerforge.model.vlm import VisionLanguageModel
+from kempnerforge.model.vision.vlm import VisionLanguageModel
 from kempnerforge.training.families import (
     COMMANDS,
     TEXT,

@@ -12,8 +12,8 @@ from kempnerforge.commands.generate import add_generate_arguments, run_generate
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.model import KVCache, Transformer, forward_cached, generate, generate_greedy
-from kempnerforge.model.generate import sample_token
-from kempnerforge.model.moe import MoEFeedForward, RouterStats
+from kempnerforge.model.generation.generate import sample_token
+from kempnerforge.model.moe.layer import MoEFeedForward, RouterStats
 from kempnerforge.training.inference.prompt import data_starts_with_bos
 from tests.support.tolerance import assert_reordered_close, transformer_terms
 
@@ -326,9 +326,9 @@ def test_a_vision_language_job_is_refused(tmp_path):
 
 def test_bos_follows_the_training_data(tmp_path):
     from kempnerforge.config.loader import load_config
-    from kempnerforge.data.prepare import prepare_data
-    from kempnerforge.data.shards import Shard
+    from kempnerforge.data.prepare.corpus import prepare_data
     from kempnerforge.data.tokenizer import ByteTokenizer
+    from kempnerforge.data.tokens.shards import Shard
 
     source = tmp_path / "docs.jsonl"
     source.write_text('{"text": "alpha beta"}\n{"text": "gamma"}\n')

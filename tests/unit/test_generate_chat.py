@@ -15,8 +15,8 @@ from kempnerforge.commands.generate import add_generate_arguments, check_argumen
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
-from kempnerforge.data.chat import end_of_turn_ids
-from kempnerforge.data.chat_template import ChatTemplate, byte_chat_template, load_chat_template
+from kempnerforge.data.chat.conversation import end_of_turn_ids
+from kempnerforge.data.chat.template import ChatTemplate, byte_chat_template, load_chat_template
 from kempnerforge.data.tokenizer import ByteTokenizer, load_tokenizer
 from kempnerforge.model import Transformer, generate
 from kempnerforge.training.inference.chat_prompt import chat_prompt, read_conversation

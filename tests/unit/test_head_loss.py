@@ -13,7 +13,7 @@ from kempnerforge.core.errors import ConfigError
 from kempnerforge.data.dataset import IGNORE_INDEX as DATA_IGNORE_INDEX
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import build_model
-from kempnerforge.model.head_loss import (
+from kempnerforge.model.heads.head_loss import (
     IGNORE_INDEX,
     HeadLoss,
     HeadLossSpec,

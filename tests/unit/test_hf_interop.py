@@ -19,7 +19,7 @@ from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf import export_hf, hf_architecture, import_hf, load_hf_into
 from kempnerforge.interop.hf_files import HFFolderError
 from kempnerforge.interop.hf_llama import export_llama, import_llama, load_llama_into
-from kempnerforge.model.moe import Router
+from kempnerforge.model.moe.layer import Router
 from kempnerforge.model.transformer import Transformer
 from tests.support.tolerance import reorder_atol, transformer_terms
 

@@ -87,6 +87,51 @@ def test_the_training_core_imports_no_wing():
     assert not violations, "\n".join(violations)
 
 
+FACED_FOLDERS = ("data", "model")
+"""The folders whose sub-folders (wings) are entered through their faces."""
+
+
+def _wings() -> list[tuple[str, ...]]:
+    """Every sub-folder with an ``__init__`` of a folder in FACED_FOLDERS, as dotted parts."""
+    return [
+        ("kempnerforge", folder, init.parent.name)
+        for folder in FACED_FOLDERS
+        for init in sorted((PACKAGE / folder).glob("*/__init__.py"))
+    ]
+
+
+def test_a_wing_is_entered_through_its_face():
+    """A module outside a wing imports the names its ``__init__`` exports, never the wing's
+    own modules: a wing's modules can be split or renamed without touching its callers."""
+    wings = _wings()
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = ("kempnerforge", *path.relative_to(PACKAGE).with_suffix("").parts)
+        for name in _imports(path):
+            target = tuple(name.split("."))
+            for wing in wings:
+                inside_own = parts[: len(wing)] == wing
+                if target[: len(wing)] == wing and len(target) > len(wing) and not inside_own:
+                    violations.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
+ROOT_MODULES_AT_MOST = {"data": 12, "model": 12, "training": 23}
+"""Modules at a folder's root (its __init__ included); past this, leaves go into wings."""
+
+
+def test_folders_keep_their_leaves_in_wings():
+    for folder, limit in ROOT_MODULES_AT_MOST.items():
+        modules = sorted(p.name for p in (PACKAGE / folder).glob("*.py"))
+        assert len(modules) <= limit, f"{folder}/ holds {len(modules)} modules: {modules}"
+
+
+def test_each_wing_has_a_face_that_says_what_it_holds():
+    for wing in _wings():
+        init = PACKAGE.joinpath(*wing[1:], "__init__.py")
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
 MAX_MODULE_LINES = 450
 """The house guideline is about 400 lines per module; past this a module is split by
 responsibility (the house style), not allowed to drift."""

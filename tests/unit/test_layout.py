@@ -11,7 +11,7 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.transformer import Transformer
-from kempnerforge.model.vlm import VisionLanguageModel
+from kempnerforge.model.vision.vlm import VisionLanguageModel
 from kempnerforge.training import build
 from kempnerforge.training.inference.sample import sample_text
 from kempnerforge.training.layout import PIPELINE_STAGES, WHOLE_MODEL, layout_of

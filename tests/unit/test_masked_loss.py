@@ -12,8 +12,8 @@ import torch
 
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.token_file import read_meta
-from kempnerforge.data.token_flags import FLAGS_FILE, LOSS_ON
+from kempnerforge.data.tokens.token_file import read_meta
+from kempnerforge.data.tokens.token_flags import FLAGS_FILE, LOSS_ON
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.accumulate import step_tokens
 from kempnerforge.training.build import build_session

@@ -10,9 +10,9 @@ import torch
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.dataloader import build_train_loader, load_loader_state
-from kempnerforge.data.mixture import MixtureSampler, mixture_probabilities
 from kempnerforge.data.pipeline_build import build_data_pipeline
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
+from kempnerforge.data.sampling.mixture import MixtureSampler, mixture_probabilities
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.data_files import IndexDataset, make_hf_tokenizer, write_jsonl
 

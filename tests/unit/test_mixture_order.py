@@ -7,8 +7,13 @@ from collections import Counter
 
 import pytest
 
-from kempnerforge.data.mixture import MixtureSampler
-from kempnerforge.data.mixture_order import CHUNK_LEN, MixtureOrder, cumulative_counts, quotas
+from kempnerforge.data.sampling.mixture import MixtureSampler
+from kempnerforge.data.sampling.mixture_order import (
+    CHUNK_LEN,
+    MixtureOrder,
+    cumulative_counts,
+    quotas,
+)
 
 SIZES = [50, 3000, 7]  # 3057 positions: three chunks, the last one short
 PROBS = [0.5, 0.3, 0.2]

@@ -12,10 +12,10 @@ import torch
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model import Transformer, build_model, generate_greedy
-from kempnerforge.model.attention import Attention
+from kempnerforge.model.attention.rope import apply_rope, rope_tables
+from kempnerforge.model.attention.self_attention import Attention
 from kempnerforge.model.mlp import SwiGLU
-from kempnerforge.model.moe import MoEFeedForward
-from kempnerforge.model.rope import apply_rope, rope_tables
+from kempnerforge.model.moe.layer import MoEFeedForward
 from tests.support.tolerance import assert_reordered_close, transformer_terms
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
@@ -306,7 +306,7 @@ def test_all_presets_are_present() -> None:
 
 
 def test_a_document_mask_is_needed_only_where_a_row_holds_two_documents() -> None:
-    from kempnerforge.model.attention import needs_document_mask
+    from kempnerforge.model.attention.self_attention import needs_document_mask
 
     single = torch.zeros(3, SEQ, dtype=torch.long)
     assert not needs_document_mask(single) and not needs_document_mask(None)
@@ -330,7 +330,7 @@ def test_grouped_heads_with_a_document_mask_equal_repeated_heads_on_cpu() -> Non
     attn = Attention(cfg)
     x = torch.randn(2, SEQ, cfg.dim)
     doc_ids = (torch.arange(SEQ) >= 9).long().expand(2, SEQ)
-    from kempnerforge.model.attention import document_causal_mask
+    from kempnerforge.model.attention.self_attention import document_causal_mask
 
     mask = document_causal_mask(doc_ids)
     cos, sin = rope_tables(cfg.head_dim, SEQ, cfg.rope_theta, torch.device("cpu"))

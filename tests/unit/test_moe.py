@@ -15,10 +15,10 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.model.experts import grouped_swiglu, looped_swiglu
 from kempnerforge.model.mlp import SwiGLU
-from kempnerforge.model.moe import MoEFeedForward, moe_layers
-from kempnerforge.model.router_step import (
+from kempnerforge.model.moe.experts import grouped_swiglu, looped_swiglu
+from kempnerforge.model.moe.layer import MoEFeedForward, moe_layers
+from kempnerforge.model.moe.router_step import (
     add_micro_batch_router_losses,
     add_router_losses,
     begin_router_step,

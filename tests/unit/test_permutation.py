@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kempnerforge.data.permutation import KeyedPermutation, derive_key, mix64, subkey
+from kempnerforge.data.sampling.permutation import KeyedPermutation, derive_key, mix64, subkey
 
 
 def _images(n: int, key: int) -> np.ndarray:

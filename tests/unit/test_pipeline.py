@@ -14,7 +14,7 @@ from kempnerforge.core.errors import ConfigError, DataError, DataPathError
 from kempnerforge.data import builtin
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline_build import build_data_pipeline
-from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.data_files import make_hf_tokenizer, write_jsonl
 

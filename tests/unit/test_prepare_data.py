@@ -12,10 +12,10 @@ import pytest
 
 from kempnerforge.commands.prepare_data import add_prepare_data_arguments, run_prepare_data
 from kempnerforge.core.errors import DataError
-from kempnerforge.data import token_file
-from kempnerforge.data.prepare import is_eval_document, prepare_data
-from kempnerforge.data.token_file import dtype_name_for_vocab, read_meta
+from kempnerforge.data.prepare.corpus import is_eval_document, prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.data.tokens import token_file
+from kempnerforge.data.tokens.token_file import dtype_name_for_vocab, read_meta
 from tests.support.data_files import (
     make_hf_tokenizer,
     prepared_documents,

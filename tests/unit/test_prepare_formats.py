@@ -12,9 +12,9 @@ import pytest
 
 from kempnerforge.cli import main
 from kempnerforge.core.errors import DataError
-from kempnerforge.data import sources
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.tokenize_workers import ChunkEncoder
+from kempnerforge.data.prepare import sources
+from kempnerforge.data.prepare.corpus import prepare_data
+from kempnerforge.data.prepare.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.data_files import make_hf_tokenizer, prepared_documents, write_jsonl
 

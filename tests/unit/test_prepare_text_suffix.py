@@ -10,8 +10,8 @@ import pytest
 
 from kempnerforge.commands.prepare_data import add_prepare_data_arguments, run_prepare_data
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.sources import discover_input_files
+from kempnerforge.data.prepare.corpus import prepare_data
+from kempnerforge.data.prepare.sources import discover_input_files
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.data_files import prepared_documents
 

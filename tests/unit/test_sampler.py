@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kempnerforge.data.dataloader import build_train_loader, load_loader_state
-from kempnerforge.data.permutation import KeyedPermutation, derive_key
-from kempnerforge.data.sampler import ShardedSampler
+from kempnerforge.data.sampling.permutation import KeyedPermutation, derive_key
+from kempnerforge.data.sampling.sampler import ShardedSampler
 from tests.support.data_files import IndexDataset
 
 

@@ -79,5 +79,6 @@ def test_training_never_asks_whether_the_model_is_moe():
         if re.search(r"\bis_moe\b", line)
     ]
     assert not asking, (
-        "model/router_step.py's router functions do nothing for dense models:\n" + "\n".join(asking)
+        "model/moe/router_step.py's router functions do nothing for dense models:\n"
+        + "\n".join(asking)
     )

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.model.sequence_split import SequenceSplit, held_span, set_sequence_split
-from kempnerforge.model.vlm import build_vlm
+from kempnerforge.model.attention.sequence_split import SequenceSplit, held_span, set_sequence_split
+from kempnerforge.model.vision.vlm import build_vlm
 from tests.support.tiny import TINY_MODEL
 
 

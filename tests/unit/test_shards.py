@@ -14,13 +14,13 @@ from kempnerforge.cli import main
 from kempnerforge.config.data import DataConfig, DatasetSourceConfig
 from kempnerforge.config.eval import EvalSetConfig
 from kempnerforge.core.errors import DataError
-from kempnerforge.data import token_stream
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.pipeline_build import build_data_pipeline
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.shards import Shard, shard_name
-from kempnerforge.data.token_file import read_meta
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.data.tokens import token_stream
+from kempnerforge.data.tokens.shards import Shard, shard_name
+from kempnerforge.data.tokens.token_file import read_meta
 from tests.support.data_files import (
     make_hf_tokenizer,
     prepared_documents,

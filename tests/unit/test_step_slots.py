@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.sampler import ShardedSampler
-from kempnerforge.data.step_slots import StepSlots, assigned_slots
+from kempnerforge.data.sampling.sampler import ShardedSampler
+from kempnerforge.data.sampling.step_slots import StepSlots, assigned_slots
 
 
 @pytest.mark.parametrize("num_slots", [1, 2, 5, 8])

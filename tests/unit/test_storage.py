@@ -13,7 +13,7 @@ from kempnerforge.config.data import DataConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.store_tokens import StoreReads
+from kempnerforge.data.tokens.store_tokens import StoreReads
 from kempnerforge.storage.cache import CACHE_BLOCK_BYTES, BlockCache
 from kempnerforge.storage.files import names_in
 from kempnerforge.storage.location import is_store_url, is_url, join, local_path

@@ -10,10 +10,10 @@ import pytest
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.shards import read_parts, shard_name
-from kempnerforge.data.token_file import TokenFileWriter, is_complete, read_meta
-from kempnerforge.data.token_flags import ENDS_DOCUMENT, FLAGS_FILE, LOSS_ON
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.data.tokens.shards import read_parts, shard_name
+from kempnerforge.data.tokens.token_file import TokenFileWriter, is_complete, read_meta
+from kempnerforge.data.tokens.token_flags import ENDS_DOCUMENT, FLAGS_FILE, LOSS_ON
 from kempnerforge.storage.files import names_in
 from tests.support.chat_files import turns, write_masked_dir
 from tests.support.data_files import write_token_dir

@@ -15,11 +15,11 @@ import torch
 
 from kempnerforge.cli import main
 from kempnerforge.core.errors import DataError, unwrap_worker_error
-from kempnerforge.data import token_ids
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.prepare import prepare_data
-from kempnerforge.data.token_file import read_meta
+from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
+from kempnerforge.data.tokens import token_ids
+from kempnerforge.data.tokens.token_file import read_meta
 from tests.support.data_files import make_hf_tokenizer, prepared_ids, write_jsonl, write_token_dir
 
 CORRUPT = (

@@ -15,11 +15,11 @@ from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.vlm import AdapterConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.model.adapter import pool_grid
-from kempnerforge.model.head_loss import HeadLoss
+from kempnerforge.model.heads.head_loss import HeadLoss
 from kempnerforge.model.transformer import Transformer
-from kempnerforge.model.vision import build_vision_encoder
-from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
+from kempnerforge.model.vision.adapter import pool_grid
+from kempnerforge.model.vision.encoder import build_vision_encoder
+from kempnerforge.model.vision.vlm import VisionLanguageModel, build_vlm
 from tests.support.tiny import TINY_MODEL
 from tests.support.tolerance import assert_reordered_close
 from tests.support.vision_towers import save_tiny_clip, save_tiny_siglip

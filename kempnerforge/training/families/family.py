@@ -3,7 +3,7 @@ a vision-language model), one value per family, registered once (families/regist
 
 The build, eval, the end-of-run sample, the metrics, the checkpoint and the commands ask
 the job's family instead of testing the model type themselves. MoE is a property of the
-text model, not a family: its router terms and per-step hooks (model/router_step.py) do nothing
+text model, not a family: its router terms and per-step hooks (model/moe/router_step.py) do nothing
 for a model without MoE layers. Pipeline parallelism is the other seam (training/layout.py).
 """
 

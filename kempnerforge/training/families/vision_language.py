@@ -14,7 +14,7 @@ from kempnerforge.data.pipeline import NO_IMAGE_TEXT_EVAL_DATA, DataPipeline
 from kempnerforge.data.pipeline_build import build_image_text_pipeline
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model import generate_greedy
-from kempnerforge.model.vlm import VisionLanguageModel, build_vlm
+from kempnerforge.model.vision import VisionLanguageModel, build_vlm
 from kempnerforge.training.families.family import (
     ModelFamily,
     ModelSummary,

@@ -12,8 +12,12 @@ from typing import Any
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
-from kempnerforge.data.chat import check_messages, encode_with_offsets, end_of_turn_ids
-from kempnerforge.data.chat_template import load_chat_template
+from kempnerforge.data.chat import (
+    check_messages,
+    encode_with_offsets,
+    end_of_turn_ids,
+    load_chat_template,
+)
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.training.inference.prompt import check_vocabulary, fit_new_tokens
 

@@ -7,8 +7,8 @@ from kempnerforge.config.data import DataConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.shards import read_parts
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.data.tokens import read_parts
 from kempnerforge.training.inference.sample import prompt_ids
 
 logger = get_logger(__name__)

@@ -3,7 +3,7 @@ printed by rank 0."""
 
 from __future__ import annotations
 
-from kempnerforge.model.sequence_split import whole_sequences
+from kempnerforge.model.attention import whole_sequences
 from kempnerforge.optim.optimizer import optimizer_eval_mode
 from kempnerforge.training.families import family_of, prompt_ids
 from kempnerforge.training.layout import layout_of

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import default_collate
 
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.data.step_slots import StepSlots, assigned_slots
+from kempnerforge.data.sampling import StepSlots, assigned_slots
 from kempnerforge.training.session import BatchStream
 
 

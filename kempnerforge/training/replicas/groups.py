@@ -10,7 +10,7 @@ step bodies hold no branch for it. torchft is imported only on that path.
 
 Each step attempt: the group joins a quorum (torchft Manager.start_quorum, synchronous);
 a group behind the quorum's newest step takes a peer's live state first. The quorum's n
-participants split the step's slots (data/step_slots.py); token count, loss and gradients
+participants split the step's slots (data/sampling/step_slots.py); token count, loss and gradients
 are summed over the groups; then should_commit: True and the loop steps the optimizer as
 usual; False (a group died mid-step, a collective timed out) and the gradients are dropped
 and the same data step is attempted again with the next quorum.

@@ -46,7 +46,7 @@ class TorchftReplicas(Replicas):
 
     def sum_router_totals(self, model: torch.nn.Module) -> None:
         """One all-reduce of every MoE layer's step totals (router_step.sum_step_totals)."""
-        from kempnerforge.model.router_step import sum_step_totals
+        from kempnerforge.model.moe import sum_step_totals
 
         sum_step_totals(model, self.sum_)
 

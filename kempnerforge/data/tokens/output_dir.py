@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.token_file import META_FILE, TOKENS_FILE
-from kempnerforge.data.token_flags import FLAGS_FILE
+from kempnerforge.data.tokens.token_file import META_FILE, TOKENS_FILE
+from kempnerforge.data.tokens.token_flags import FLAGS_FILE
 from kempnerforge.storage.files import names_in
 from kempnerforge.storage.location import is_store_url
 

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.output_dir import check_output_dir
-from kempnerforge.data.token_file import (
+from kempnerforge.data.tokens.output_dir import check_output_dir
+from kempnerforge.data.tokens.token_file import (
     MAX_ID_KEY,
     META_FILE,
     TOKENS_FILE,
     check_tokens_file,
     read_meta,
 )
-from kempnerforge.data.token_flags import MASKED_KEY, PACKED_COUNTS
+from kempnerforge.data.tokens.token_flags import MASKED_KEY, PACKED_COUNTS
 from kempnerforge.storage.files import is_dir, names_in, size_of
 from kempnerforge.storage.location import join
 

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.token_flags import (
+from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.data.tokens.token_flags import (
     FLAGS_SHA_KEY,
     MASKED_KEY,
     FlagsFileWriter,
@@ -28,7 +29,6 @@ from kempnerforge.data.token_flags import (
     flags_meta_problem,
     remove_stale_flags,
 )
-from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.storage.files import (
     is_dir,
     open_for_writing,

@@ -34,7 +34,8 @@ class HeadLoss(NamedTuple):
     """Cross-entropy plus z-loss summed over supervised tokens: 0-d fp32, differentiable."""
     token_losses: torch.Tensor
     """The same objective per position, shaped like the labels, 0 where the label is
-    ignored; detached (for metrics only)."""
+    ignored; detached (for metrics only) unless asked for with their graph
+    (logits_head_loss's ``per_token_grad``)."""
 
 
 def z_loss_terms(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -60,10 +61,14 @@ def token_losses(
     return per_token
 
 
-def logits_head_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float) -> HeadLoss:
-    """HeadLoss from whole logits: one per-token cross-entropy whose sum is the loss."""
+def logits_head_loss(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float, per_token_grad: bool = False
+) -> HeadLoss:
+    """HeadLoss from whole logits: one per-token cross-entropy whose sum is the loss; with
+    ``per_token_grad`` the per-token losses keep their graph too (an objective that weighs
+    them), else they are detached."""
     per_token = token_losses(logits, labels, z_loss_weight)
-    return HeadLoss(per_token.sum(), per_token.detach())
+    return HeadLoss(per_token.sum(), per_token if per_token_grad else per_token.detach())
 
 
 def linear_cross_entropy(
@@ -102,7 +107,7 @@ def chunked_head_loss(
 ) -> HeadLoss:
     """The loss of ``hidden @ weight.T`` against ``labels``, chunk by chunk, with
     ``chunk_loss`` computing each chunk's losses and logit gradients (this module's on the
-    whole vocabulary; model/vocab_parallel_loss.py's on a vocabulary shard). Without
+    whole vocabulary; model/heads/vocab_parallel_loss.py's on a vocabulary shard). Without
     autograd needs, no graph and no gradients, and the head runs on the positions whose
     label is not IGNORE_INDEX only (the same on every tensor-parallel rank, whose labels
     are the same)."""

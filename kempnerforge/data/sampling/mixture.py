@@ -12,8 +12,8 @@ from torch.utils.data import Dataset
 
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.dataset import MemoryMappedDataset
-from kempnerforge.data.mixture_order import MixtureOrder
-from kempnerforge.data.sampler import ORDER_VERSION, BaseEpochSampler, check_order_version
+from kempnerforge.data.sampling.mixture_order import MixtureOrder
+from kempnerforge.data.sampling.sampler import ORDER_VERSION, BaseEpochSampler, check_order_version
 
 logger = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """The fused head + cross-entropy in every layout: head_loss picks the single-rank chunked loss
-(model/head_loss.py) or, for a head split over the vocabulary (tensor parallelism), the
+(model/heads/head_loss.py) or, for a head split over the vocabulary (tensor parallelism), the
 vocabulary-parallel one here: each rank computes only its vocabulary shard's logits, one
 token chunk at a time, and the log-sum-exp and the target logit are reduced over the
 tensor-parallel group."""
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from kempnerforge.model.head_loss import (
+from kempnerforge.model.heads.head_loss import (
     IGNORE_INDEX,
     HeadLoss,
     HeadLossSpec,

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.experts import GroupedExperts
+from kempnerforge.model.attention import SequenceSplit, active_split
 from kempnerforge.model.mlp import SwiGLU
-from kempnerforge.model.sequence_split import SequenceSplit, active_split
-from kempnerforge.model.token_exchange import combine_tokens, dispatch_tokens
+from kempnerforge.model.moe.experts import GroupedExperts
+from kempnerforge.model.moe.token_exchange import combine_tokens, dispatch_tokens
 
 
 @dataclass

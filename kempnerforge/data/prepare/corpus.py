@@ -19,25 +19,23 @@ from typing import Any
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.chat import Conversation
-from kempnerforge.data.chat_pack import ConversationPacker, Packing
-from kempnerforge.data.chat_sources import read_conversations
-from kempnerforge.data.chat_template import ChatTemplate
-from kempnerforge.data.output_dir import check_output_dir
-from kempnerforge.data.shards import (
-    Shard,
-    check_shard_output,
-    check_unsharded_output,
-)
-from kempnerforge.data.sources import (
+from kempnerforge.data.chat import ChatTemplate, Conversation, ConversationPacker, Packing
+from kempnerforge.data.prepare.chat_sources import read_conversations
+from kempnerforge.data.prepare.sources import (
     check_text_suffixes,
     discover_input_files,
     is_hf_dataset_dir,
     read_documents,
 )
-from kempnerforge.data.token_file import TokenFileWriter
-from kempnerforge.data.tokenize_workers import ChunkEncoder
+from kempnerforge.data.prepare.tokenize_workers import ChunkEncoder
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.data.tokens import (
+    Shard,
+    TokenFileWriter,
+    check_output_dir,
+    check_shard_output,
+    check_unsharded_output,
+)
 from kempnerforge.storage.location import is_url
 
 logger = get_logger(__name__)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kempnerforge.data.permutation import KeyedPermutation, derive_key, subkey
+from kempnerforge.data.sampling.permutation import KeyedPermutation, derive_key, subkey
 
 CHUNK_LEN = 1024
 """Positions per chunk. Every chunk holds each source's share of its positions, placed by

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kempnerforge.data.token_file import TokenFileWriter
-from kempnerforge.data.token_flags import is_masked
+from kempnerforge.data.tokens import TokenFileWriter, is_masked
 
 MAX_OPEN_WINDOWS = 8
 """Windows kept open for first-fit packing. A conversation that does not fit the window being

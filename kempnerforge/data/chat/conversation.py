@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat_template import BYTE_SPECIAL_TOKENS, ChatTemplate
+from kempnerforge.data.chat.template import BYTE_SPECIAL_TOKENS, ChatTemplate
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")

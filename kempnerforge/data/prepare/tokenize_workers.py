@@ -20,8 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat import Conversation, encode_conversations
-from kempnerforge.data.chat_template import ChatTemplate
+from kempnerforge.data.chat import ChatTemplate, Conversation, encode_conversations
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, encode_to_arrays
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.moe import MoEFeedForward, Router, RouterStats, StepTotals, moe_layers
+from kempnerforge.model.moe.layer import MoEFeedForward, Router, RouterStats, StepTotals, moe_layers
 
 
 def add_router_losses(loss: torch.Tensor, model: nn.Module, cfg: ModelConfig) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch.utils.data import Sampler
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.permutation import KeyedPermutation, derive_key
+from kempnerforge.data.sampling.permutation import KeyedPermutation, derive_key
 
 logger = get_logger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.data.chat import Conversation, conversation_of
-from kempnerforge.data.sources import (
+from kempnerforge.data.prepare.sources import (
     decode_utf8,
     import_pyarrow,
     input_kind,

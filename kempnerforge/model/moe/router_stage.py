@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.moe import RouterStats, moe_layers
-from kempnerforge.model.router_step import add_router_losses, add_to_step_totals
+from kempnerforge.model.moe.layer import RouterStats, moe_layers
+from kempnerforge.model.moe.router_step import add_router_losses, add_to_step_totals
 
 _PENDING_ATTR = "_kempnerforge_router_forwards"
 """A stage's list of its forwards' router statistics, one list of layers per forward."""

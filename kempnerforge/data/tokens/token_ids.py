@@ -19,7 +19,7 @@ import numpy as np
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.token_file import (
+from kempnerforge.data.tokens.token_file import (
     DTYPES,
     MAX_ID_KEY,
     META_FILE,

@@ -17,13 +17,13 @@ from kempnerforge.config.vlm import (
     VLMConfig,
     resolve_vision,
 )
-from kempnerforge.model.adapter import ImageAdapter, build_adapter
+from kempnerforge.model.attention import SequenceSplit, active_split, held_span
 from kempnerforge.model.contract import DecoderStack, FamilyModel
-from kempnerforge.model.cross_attention import GatedCrossAttentionBlock
-from kempnerforge.model.head_loss import HeadLoss, HeadLossSpec
-from kempnerforge.model.sequence_split import SequenceSplit, active_split, held_span
+from kempnerforge.model.heads import HeadLoss, HeadLossSpec
 from kempnerforge.model.transformer import Transformer, flops_per_token
-from kempnerforge.model.vision import VisionEncoder, build_vision_encoder
+from kempnerforge.model.vision.adapter import ImageAdapter, build_adapter
+from kempnerforge.model.vision.cross_attention import GatedCrossAttentionBlock
+from kempnerforge.model.vision.encoder import VisionEncoder, build_vision_encoder
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 """(decoder layer index, residual stream) -> residual stream, run after that layer."""

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.rope import apply_rope
-from kempnerforge.model.sequence_split import (
+from kempnerforge.model.attention.rope import apply_rope
+from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
     active_split,
     heads_to_sequence,
@@ -65,7 +65,7 @@ class Attention(nn.Module):
         """Output projection into the residual stream; its init is depth-scaled."""
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: x is this rank's slice of each sequence, and the
-        heads are exchanged for the whole sequence around attention (model/sequence_split.py)."""
+        heads are exchanged for the whole sequence around attention (sequence_split.py)."""
 
     def forward(
         self,

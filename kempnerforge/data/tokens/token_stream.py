@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kempnerforge.data.store_tokens import StoreReads, StoreTokens
+from kempnerforge.data.tokens.store_tokens import StoreReads, StoreTokens
 from kempnerforge.storage.location import is_store_url, local_path
 from kempnerforge.storage.ranges import RangeReader, prefetch
 

@@ -3,7 +3,7 @@
 generate_greedy re-runs a window of the sequence per token through the model's own
 forward, so it works on any model (sharded, vision-language with a custom forward); the
 end-of-run sample uses it. generate decodes a whole Transformer on one device with a key/
-value cache (model/kv_cache.py) and samples with temperature, top-k and top-p from its
+value cache (model/generation/kv_cache.py) and samples with temperature, top-k and top-p from its
 own seeded generator. Neither changes the routers' training statistics of an MoE model.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterator
 import torch
 from torch import nn
 
-from kempnerforge.model.kv_cache import KVCache, check_whole_model, forward_cached
+from kempnerforge.model.generation.kv_cache import KVCache, check_whole_model, forward_cached
 from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.transformer import Transformer
 

@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.model.attention import Attention
+from kempnerforge.model.attention import Attention, apply_rope
 from kempnerforge.model.moe import MoEFeedForward
-from kempnerforge.model.rope import apply_rope
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 
 

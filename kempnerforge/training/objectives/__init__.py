@@ -1,0 +1,18 @@
+"""Training objectives: what a step minimises over its micro-batches and what it counts them
+by, one value per objective, chosen by train.loss_fn. The step bodies read the objective
+through this seam, so a new objective (a preference loss, a policy-gradient loss) is a new
+file registered here, not a branch in a step body."""
+
+from __future__ import annotations
+
+from kempnerforge.training.objectives import cross_entropy as _cross_entropy  # registers it
+from kempnerforge.training.objectives.objective import (
+    OBJECTIVES,
+    Batch,
+    Objective,
+    label_count,
+    objective_of,
+)
+
+__all__ = ["OBJECTIVES", "Batch", "Objective", "label_count", "objective_of"]
+del _cross_entropy

@@ -1,0 +1,57 @@
+"""Objective: the loss a step minimises over one micro-batch and the units it is normalised by.
+
+A step body runs its family's forward (the per-token losses against the batch's labels,
+model/heads) and hands them with the batch to the job's objective, which returns the
+micro-batch's summed loss; the step divides the sums of every micro-batch and rank by the
+step's count of the objective's units, so each unit weighs the same however micro-batches
+and ranks split them (training/accumulate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kempnerforge.config.registry import Registry
+from kempnerforge.config.train import TrainConfig
+from kempnerforge.model.heads import IGNORE_INDEX, HeadLoss
+
+Batch = dict[str, torch.Tensor]
+
+
+def label_count(batch: Batch) -> int:
+    """Supervised tokens of a batch (labels that are not IGNORE_INDEX), read on the host."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One objective: registered under its train.loss_fn name in OBJECTIVES."""
+
+    name: str
+    loss: Callable[[HeadLoss, Batch], torch.Tensor]
+    """A micro-batch's summed loss (0-d, differentiable) from the family forward's
+    per-token losses (differentiable only with ``per_token_grad``) and the batch (on the
+    device), which carries whatever else the objective reads beside input ids and labels."""
+    count: Callable[[Batch], int] = label_count
+    """The units the micro-batch's loss sums over, counted on the host before the forward:
+    supervised tokens for a token objective."""
+    per_token_grad: bool = False
+    """Whether ``loss`` differentiates through head.token_losses (a per-sequence or
+    per-token weighting of the losses) rather than using head.loss_sum alone: the step
+    then computes them from whole logits, whatever train.loss_chunk_tokens says, since the
+    chunked head keeps only the gradient of their plain sum."""
+    logits_loss: bool = False
+    """Whether session.loss_fn(logits, labels) computes this objective from whole logits (the
+    token objective's, which a user may replace); other objectives get per-token losses."""
+
+
+OBJECTIVES: Registry[Objective] = Registry("train.loss_fn")
+"""Objectives by train.loss_fn name."""
+
+
+def objective_of(train: TrainConfig) -> Objective:
+    """The job's objective; a ConfigError naming train.loss_fn lists the registered ones."""
+    return OBJECTIVES.get(train.loss_fn)
