@@ -91,25 +91,10 @@ def generate(
     forward. One host sync per new token.
     """
     check_sampling(temperature, top_k, top_p)
-    if not prompt_ids:
-        raise ValueError("generate needs a non-empty prompt")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 0")
-    limit = model.cfg.max_seq_len
-    if len(prompt_ids) + max_new_tokens > limit:
-        room = limit - len(prompt_ids)
-        fits = f"at most {room} new tokens fit" if room > 0 else "no new token fits"
-        raise ValueError(
-            f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds "
-            f"model.max_seq_len = {limit}: {fits}"
-        )
+    check_length(prompt_ids, max_new_tokens, model.cfg.max_seq_len)
     if max_new_tokens == 0:
         return []
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator = seeded_generator(seed)
     device = next(model.parameters()).device
     cache = None
     if use_cache:
@@ -139,6 +124,32 @@ def generate(
             if stop_when is not None and stop_when(new_tokens):
                 break
     return new_tokens
+
+
+def check_length(prompt_ids: list[int], max_new_tokens: int, limit: int) -> None:
+    """Refuse an empty prompt, a negative count, or a prompt and new tokens that do not fit in
+    ``limit`` (model.max_seq_len) together; the ValueError says how many new tokens fit."""
+    if not prompt_ids:
+        raise ValueError("generate needs a non-empty prompt")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 0")
+    if len(prompt_ids) + max_new_tokens > limit:
+        room = limit - len(prompt_ids)
+        fits = f"at most {room} new tokens fit" if room > 0 else "no new token fits"
+        raise ValueError(
+            f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds "
+            f"model.max_seq_len = {limit}: {fits}"
+        )
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, or with a fresh seed when it is None."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
