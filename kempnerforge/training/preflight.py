@@ -15,6 +15,7 @@ import torch
 
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.optim.optimizer import OPTIMIZERS
@@ -36,18 +37,18 @@ def preflight(config: JobConfig) -> None:
     check_stores(config)
     OPTIMIZERS.get(config.optimizer.name)
     SCHEDULES.get(config.scheduler.name)
-    _warn_unused_chunking(config)
+    _check_objective(config.train)
     for path in config.train.hooks:
         hook_class(path)
     check_float8(config)
     check_sequence_split(config, torch.__version__)
 
 
-def _warn_unused_chunking(config: JobConfig) -> None:
+def _check_objective(train: TrainConfig) -> None:
     """Refuse an unknown train.loss_fn; say once when its objective cannot use the chunked
     head that train.loss_chunk_tokens asks for."""
-    objective = objective_of(config.train)
-    chunk_tokens = config.train.loss_chunk_tokens
+    objective = objective_of(train)
+    chunk_tokens = train.loss_chunk_tokens
     if objective.per_token_grad and chunk_tokens > 0:
         logger.warning(
             "train.loss_chunk_tokens = %d is not used: train.loss_fn = %r weighs per-token "
