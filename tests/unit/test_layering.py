@@ -116,16 +116,6 @@ def test_a_wing_is_entered_through_its_face():
     assert not violations, "\n".join(violations)
 
 
-ROOT_MODULES_AT_MOST = {"data": 12, "model": 12, "training": 23}
-"""Modules at a folder's root (its __init__ included); past this, leaves go into wings."""
-
-
-def test_folders_keep_their_leaves_in_wings():
-    for folder, limit in ROOT_MODULES_AT_MOST.items():
-        modules = sorted(p.name for p in (PACKAGE / folder).glob("*.py"))
-        assert len(modules) <= limit, f"{folder}/ holds {len(modules)} modules: {modules}"
-
-
 def test_each_wing_has_a_face_that_says_what_it_holds():
     for wing in _wings():
         init = PACKAGE.joinpath(*wing[1:], "__init__.py")
