@@ -56,7 +56,8 @@ class EvalTaskConfig:
     eval.interval. The task runs in training only when the interval that applies is > 0."""
     fewshot_path: str = ""
     """multiple_choice only: a JSONL of solved examples in the task's format; the first
-    num_fewshot of them, each its context and its gold choice, precede every example."""
+    num_fewshot of them of an example's subject (those without one for an example without
+    one), each its context and its gold choice, precede the example's context."""
     num_fewshot: int = 0
     """How many of fewshot_path's examples precede every example; 0 to 1000."""
 

@@ -18,6 +18,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.evaluation.document_start import DocumentStart
 from kempnerforge.evaluation.scoring import whole_model_losses
 from kempnerforge.evaluation.task_files import read_choice_examples, read_documents
 from kempnerforge.evaluation.tasks import evaluate_task, load_task
@@ -34,7 +35,7 @@ def _write_jsonl(path, records) -> str:
 
 
 def _score(model, task: EvalTaskConfig, seq_len: int, rows: int = 4) -> dict[str, float]:
-    loaded = load_task(task, BYTES, bos_per_document=True, seq_len=seq_len)
+    loaded = load_task(task, BYTES, DocumentStart.of(BYTES, bos=True), seq_len)
     cpu = torch.device("cpu")
     losses = whole_model_losses(model, cpu, loss_chunk_tokens=0)
     return evaluate_task(
