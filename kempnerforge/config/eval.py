@@ -45,7 +45,8 @@ class EvalTaskConfig:
     """Name of the task in metric keys (eval/<name>/acc); letters, digits, '_' and '-'."""
     path: str = ""
     """The task's file. multiple_choice: JSONL, one example a line, {"context", "choices",
-    "gold"} (`kempnerforge convert-task` writes it from HellaSwag, ARC, PIQA and MMLU);
+    "gold"}, optionally "subject" and "description" (`kempnerforge convert-task` writes it
+    from HellaSwag, ARC, PIQA and MMLU);
     bits_per_byte: JSONL of {"text"} documents, or a plain text file as one document."""
     kind: str = "multiple_choice"
     """'multiple_choice' (metrics acc and acc_norm) or 'bits_per_byte' (metric bpb)."""
