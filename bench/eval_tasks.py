@@ -56,6 +56,7 @@ from kempnerforge.config.eval import EvalTaskConfig
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.evaluation.document_start import DocumentStart
 from kempnerforge.evaluation.scoring import slot_sums, whole_model_losses
 from kempnerforge.evaluation.task_files import ChoiceExample, read_choice_examples
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_task
@@ -264,10 +265,11 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
     document_path = write_documents(directory, rng, vocabulary)
     model = load_model(args.model, args.seq)
     tokenizer = ByteTokenizer()
+    start = DocumentStart.of(tokenizer, bos=True)  # the naive loop's [BOS] + context
 
     began = time.perf_counter()
     choice_config = EvalTaskConfig(name="choices", path=choice_path)
-    choices = load_task(choice_config, tokenizer, bos_per_document=True, seq_len=args.seq)
+    choices = load_task(choice_config, tokenizer, start, args.seq)
     load_s = time.perf_counter() - began
     packed = packed_logliks(model, choices, args.batch)
     packed_s, metrics = median_seconds(lambda: score_task(model, choices, args.batch), args.repeats)
@@ -281,7 +283,7 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
 
     document_config = EvalTaskConfig(name="documents", path=document_path, kind="bits_per_byte")
     began = time.perf_counter()
-    documents = load_task(document_config, tokenizer, bos_per_document=True, seq_len=args.seq)
+    documents = load_task(document_config, tokenizer, start, args.seq)
     bpb_load_s = time.perf_counter() - began
     score_task(model, documents, args.batch)
     bpb_s, bpb_metrics = median_seconds(

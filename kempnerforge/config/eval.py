@@ -45,7 +45,8 @@ class EvalTaskConfig:
     """Name of the task in metric keys (eval/<name>/acc); letters, digits, '_' and '-'."""
     path: str = ""
     """The task's file. multiple_choice: JSONL, one example a line, {"context", "choices",
-    "gold"} (`kempnerforge convert-task` writes it from HellaSwag, ARC, PIQA and MMLU);
+    "gold"}, optionally "subject" and "description" (`kempnerforge convert-task` writes it
+    from HellaSwag, ARC, PIQA and MMLU);
     bits_per_byte: JSONL of {"text"} documents, or a plain text file as one document."""
     kind: str = "multiple_choice"
     """'multiple_choice' (metrics acc and acc_norm) or 'bits_per_byte' (metric bpb)."""
@@ -56,7 +57,8 @@ class EvalTaskConfig:
     eval.interval. The task runs in training only when the interval that applies is > 0."""
     fewshot_path: str = ""
     """multiple_choice only: a JSONL of solved examples in the task's format; the first
-    num_fewshot of them, each its context and its gold choice, precede every example."""
+    num_fewshot of them of an example's subject (those without one for an example without
+    one), each its context and its gold choice, precede the example's context."""
     num_fewshot: int = 0
     """How many of fewshot_path's examples precede every example; 0 to 1000."""
 

@@ -27,12 +27,16 @@ T = TypeVar("T")
 
 
 class Example(TypedDict):
-    """One multiple-choice example: the model scores ``context + choice`` for each choice."""
+    """One multiple-choice example: the model scores ``description + context + choice`` for
+    each choice (few-shot examples of the same ``subject`` go between description and
+    context)."""
 
     context: str
     choices: list[str]
     gold: int
     id: NotRequired[str]
+    subject: NotRequired[str]
+    description: NotRequired[str]
 
 
 class ConvertError(DataError, ValueError):
@@ -270,8 +274,10 @@ MMLU_LETTERS = ("A", "B", "C", "D")
 
 def convert_mmlu(paths: Sequence[StrPath]) -> list[Example]:
     """MMLU's released CSV files (data/test/SUBJECT_test.csv, also dev/ and val/), or
-    folders of them (every .csv, sorted), as examples: the harnesses' zero-shot prompt with
-    the subject, the question and the lettered options, and the choices " A" to " D"."""
+    folders of them (every .csv, sorted), as examples in lm-evaluation-harness's mmlu
+    prompt: the subject's header as the description (once before any few-shot examples),
+    the question and the lettered options as the context, the choices " A" to " D", and
+    the subject, whose dev examples are the few-shot examples."""
     return [example for path in _mmlu_files(paths) for example in _mmlu_examples(path)]
 
 
@@ -304,10 +310,6 @@ def mmlu_subject(path: Path) -> str:
 
 def _mmlu_examples(path: Path) -> list[Example]:
     subject = mmlu_subject(path)
-    lead = (
-        "The following are multiple choice questions (with answers) about "
-        f"{subject.replace('_', ' ')}.\n\n"
-    )
     # newline="": quoted fields hold line breaks, which the csv module must see as written.
     reader = csv.reader(io.StringIO(_read_text(path), newline=""))
     examples: list[Example] = []
@@ -315,7 +317,7 @@ def _mmlu_examples(path: Path) -> list[Example]:
         for number, row in enumerate(reader, 1):
             if row:
                 where = f"{path}, row {number}"
-                examples.append(_mmlu_example(row, lead, f"{subject}/{number}", where))
+                examples.append(_mmlu_example(row, subject, number, where))
     except csv.Error as error:
         raise ConvertError(
             f"{path}, line {reader.line_num}: not valid CSV ({error}); give MMLU's file as released"
@@ -323,7 +325,7 @@ def _mmlu_examples(path: Path) -> list[Example]:
     return _non_empty(examples, path)
 
 
-def _mmlu_example(row: list[str], lead: str, example_id: str, where: str) -> Example:
+def _mmlu_example(row: list[str], subject: str, number: int, where: str) -> Example:
     if len(row) != 6:
         raise ConvertError(
             f"{where}: {len(row)} columns, expected 6 (question, A, B, C, D, answer letter); "
@@ -339,10 +341,15 @@ def _mmlu_example(row: list[str], lead: str, example_id: str, where: str) -> Exa
     )
     return {
         # The question is stripped, as the harnesses' template does.
-        "context": f"{lead}{question.strip()}\n{lettered}Answer:",
+        "context": f"{question.strip()}\n{lettered}Answer:",
         "choices": [" " + letter for letter in MMLU_LETTERS],
         "gold": MMLU_LETTERS.index(answer.strip()),
-        "id": example_id,
+        "id": f"{subject}/{number}",
+        "subject": subject,
+        "description": (
+            "The following are multiple choice questions (with answers) about "
+            f"{subject.replace('_', ' ')}.\n\n"
+        ),
     }
 
 

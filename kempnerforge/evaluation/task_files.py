@@ -1,8 +1,10 @@
 """Reading a task's local file: multiple-choice examples, or documents for bits per byte.
 
 The formats (docs/evaluation.md): a multiple-choice task is JSONL, one example a line,
-``{"context": str, "choices": [str, ...], "gold": int}`` (an ``id`` may ride along); a
-bits-per-byte task is JSONL of ``{"text": str}`` documents, or any other file read as one
+``{"context": str, "choices": [str, ...], "gold": int}``, optionally with a ``subject`` (its
+few-shot examples are those of its subject, its accuracy is also reported per subject) and
+a ``description`` (text before its few-shot examples and its context); an ``id`` may ride
+along. A bits-per-byte task is JSONL of ``{"text": str}`` documents, or any other file read as one
 UTF-8 document. A malformed file is a DataError naming the file, the line and what to fix.
 Task files are small (thousands of examples): every rank reads the whole file.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,14 @@ DOCUMENTS_FIX = 'write one object a line: {"text": ...}'
 
 @dataclass(frozen=True)
 class ChoiceExample:
-    """One multiple-choice question: each choice is appended to the context as written."""
+    """One multiple-choice question: each choice is appended to the prompt as written, the
+    prompt being the description, the few-shot examples (with_prompts) and the context."""
 
     context: str
     choices: tuple[str, ...]
     gold: int
+    subject: str | None = None
+    description: str = ""
 
 
 def read_choice_examples(path: str, limit: int = 0) -> list[ChoiceExample]:
@@ -60,11 +65,38 @@ def read_documents(path: str, limit: int = 0) -> list[str]:
     return documents
 
 
-def with_shots(examples: list[ChoiceExample], shots: list[ChoiceExample]) -> list[ChoiceExample]:
-    """Every example with the solved ``shots`` before its context: each shot's context and
-    gold choice, then a blank line."""
-    prefix = "".join(f"{s.context}{s.choices[s.gold]}\n\n" for s in shots)
-    return [ChoiceExample(prefix + e.context, e.choices, e.gold) for e in examples]
+def with_prompts(
+    examples: list[ChoiceExample], shots: list[ChoiceExample], num_shots: int, shots_path: str
+) -> list[ChoiceExample]:
+    """Every example with its prompt in its context: its description, then the first
+    ``num_shots`` of ``shots`` (read from ``shots_path``) of its subject (for an example
+    without a subject, the shots without one), each the shot's context, its gold choice and
+    a blank line, then its own context. A DataError names a subject with too few shots."""
+    by_subject: dict[str | None, list[ChoiceExample]] = {}
+    for shot in shots:
+        by_subject.setdefault(shot.subject, []).append(shot)
+    prefixes: dict[str | None, str] = {}
+    prompted = []
+    for example in examples:
+        if example.subject not in prefixes:
+            chosen = by_subject.get(example.subject, [])[:num_shots]
+            if len(chosen) < num_shots:
+                raise DataError(_too_few_shots(shots_path, example.subject, len(chosen), num_shots))
+            prefixes[example.subject] = "".join(
+                f"{s.context}{s.choices[s.gold]}\n\n" for s in chosen
+            )
+        context = example.description + prefixes[example.subject] + example.context
+        prompted.append(replace(example, context=context, description=""))
+    return prompted
+
+
+def _too_few_shots(path: str, subject: str | None, found: int, wanted: int) -> str:
+    which = f'of subject "{subject}"' if subject is not None else "without a subject"
+    return (
+        f"{path}: {found} solved example(s) {which}, num_fewshot = {wanted} needs {wanted}; "
+        "give the solved examples of every subject of the task (for MMLU, convert its data/dev "
+        "folder) or lower num_fewshot"
+    )
 
 
 def read_text(path: str | Path, what: str, error: type[DataError] = DataError) -> str:
@@ -127,4 +159,9 @@ def _choice_example(record: dict[str, Any], where: str) -> ChoiceExample:
             f'{where}: expected "gold", the index of the right choice in 0..{len(choices) - 1};'
             f" got {gold!r:.80}"
         )
-    return ChoiceExample(context, tuple(choices), gold)
+    subject, description = record.get("subject"), record.get("description", "")
+    if subject is not None and (not isinstance(subject, str) or not subject):
+        raise DataError(f'{where}: expected "subject", a non-empty string; got {subject!r:.80}')
+    if not isinstance(description, str):
+        raise DataError(f'{where}: expected "description", a string; got {description!r:.80}')
+    return ChoiceExample(context, tuple(choices), gold, subject, description)

@@ -7,13 +7,15 @@ run, so an evaluation is only forwards. Scoring (evaluation/scoring.py) sums eac
 request's log-likelihood over the data-parallel ranks; the metrics follow from those sums
 on every rank alike:
 
-- multiple_choice: each choice's log-likelihood given the context; ``acc`` counts the
+- multiple_choice: each choice's log-likelihood given the prompt (the example's
+  description, its subject's few-shot examples and its context); ``acc`` counts the
   examples whose gold choice is the likeliest, ``acc_norm`` those whose gold choice has the
   highest log-likelihood per UTF-8 byte of the choice (longer choices are not penalised
-  for their length);
+  for their length); examples with a subject also give ``acc/<subject>``;
 - bits_per_byte: the documents' negative log-likelihood in bits over their UTF-8 bytes
-  (``bpb``), every token after the document's start token scored once; it compares models
-  whatever their tokenizers.
+  (``bpb``), every token after the document's start (evaluation/document_start.py) scored
+  once, in overlapping windows (rolling_requests); it compares models whatever their
+  tokenizers.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ import torch.distributed as dist
 
 from kempnerforge.config.eval import EvalTaskConfig
 from kempnerforge.data.tokenizer import Tokenizer
+from kempnerforge.evaluation.document_start import DocumentStart
 from kempnerforge.evaluation.scoring import TokenLosses, slot_sums
-from kempnerforge.evaluation.task_files import read_choice_examples, read_documents, with_shots
+from kempnerforge.evaluation.task_files import (
+    ChoiceExample,
+    read_choice_examples,
+    read_documents,
+    with_prompts,
+)
 from kempnerforge.evaluation.windows import Request, Windows, pack_requests, rolling_requests
 
 logger = logging.getLogger(__name__)
@@ -42,7 +50,9 @@ class LoadedTask:
 
     multiple_choice: slot e * choices + c is example e's choice c (``choices`` the most any
     example has; a missing choice's slot scores nothing); ``gold`` (examples,),
-    ``choice_bytes`` (examples, choices), 0 where an example has fewer choices.
+    ``choice_bytes`` (examples, choices), 0 where an example has fewer choices;
+    ``subject_index`` (examples,) the position of each example's subject in ``subjects``,
+    -1 for none (None when no example has one).
     bits_per_byte: slot d is document d; ``document_bytes`` (documents,)."""
 
     config: EvalTaskConfig
@@ -52,6 +62,8 @@ class LoadedTask:
     choices: int = 0
     gold: torch.Tensor | None = None
     choice_bytes: torch.Tensor | None = None
+    subjects: list[str] = field(default_factory=list)
+    subject_index: torch.Tensor | None = None
     document_bytes: int = 0
 
     @property
@@ -62,16 +74,17 @@ class LoadedTask:
 def load_task(
     task: EvalTaskConfig,
     tokenizer: Tokenizer,
-    bos_per_document: bool,
+    start: DocumentStart,
     seq_len: int,
     packed: bool = True,
 ) -> LoadedTask:
-    """Read, render, tokenize and pack one task; logs how many requests lost context.
-    ``packed`` False puts one request a row (for a model that takes no document ids)."""
+    """Read, render, tokenize and pack one task, each text after ``start``; logs how many
+    requests lost context. ``packed`` False puts one request a row (for a model that takes
+    no document ids)."""
     requests, loaded = (
-        _load_documents(task, tokenizer, bos_per_document, seq_len)
+        _load_documents(task, tokenizer, start, seq_len)
         if task.kind == "bits_per_byte"
-        else _load_choices(task, tokenizer, bos_per_document)
+        else _load_choices(task, tokenizer, start)
     )
     loaded.windows = pack_requests(requests, seq_len, tokenizer.eos_id, packed=packed)
     if loaded.windows.truncated:
@@ -85,36 +98,37 @@ def load_task(
 def load_tasks(
     tasks: list[EvalTaskConfig],
     tokenizer: Tokenizer,
-    bos_per_document: bool,
+    start: DocumentStart,
     seq_len: int,
     packed: bool = True,
 ) -> list[LoadedTask]:
-    return [load_task(t, tokenizer, bos_per_document, seq_len, packed) for t in tasks]
+    return [load_task(t, tokenizer, start, seq_len, packed) for t in tasks]
 
 
-def _start_id(tokenizer: Tokenizer, bos_per_document: bool) -> int:
-    """The token a document starts after: BOS when the training documents began with one,
-    else EOS (what ended the document before)."""
-    return tokenizer.bos_id if bos_per_document else tokenizer.eos_id
+def prompted_examples(task: EvalTaskConfig) -> list[ChoiceExample]:
+    """A multiple-choice task's examples, each context the whole prompt scored before its
+    choices: the example's description, its subject's few-shot examples, its context."""
+    examples = read_choice_examples(task.path, task.limit)
+    shots = read_choice_examples(task.fewshot_path) if task.num_fewshot else []
+    return with_prompts(examples, shots, task.num_fewshot, task.fewshot_path)
 
 
 def _load_choices(
-    task: EvalTaskConfig, tokenizer: Tokenizer, bos_per_document: bool
+    task: EvalTaskConfig, tokenizer: Tokenizer, start: DocumentStart
 ) -> tuple[list[Request], LoadedTask]:
-    examples = read_choice_examples(task.path, task.limit)
-    if task.num_fewshot:
-        shots = read_choice_examples(task.fewshot_path, task.num_fewshot)
-        examples = with_shots(examples, shots)
+    examples = prompted_examples(task)
     choices = max(len(e.choices) for e in examples)
-    start = _start_id(tokenizer, bos_per_document)
     requests: list[Request] = []
     choice_bytes = torch.zeros(len(examples), choices, dtype=torch.float64)
     for e, example in enumerate(examples):
-        context = [start, *tokenizer.encode(example.context)]
+        context = start.tokens(tokenizer.encode(example.context))
         for c, choice in enumerate(example.choices):
             ids = tokenizer.encode(choice)
             requests.append(Request(context + ids, len(context), e * choices + c))
             choice_bytes[e, c] = len(choice.encode("utf-8"))
+    subjects = sorted({e.subject for e in examples if e.subject is not None})
+    position = {name: i for i, name in enumerate(subjects)}
+    index = [-1 if e.subject is None else position[e.subject] for e in examples]
     return requests, LoadedTask(
         config=task,
         slots=len(examples) * choices,
@@ -122,17 +136,18 @@ def _load_choices(
         choices=choices,
         gold=torch.tensor([e.gold for e in examples]),
         choice_bytes=choice_bytes,
+        subjects=subjects,
+        subject_index=torch.tensor(index) if subjects else None,
     )
 
 
 def _load_documents(
-    task: EvalTaskConfig, tokenizer: Tokenizer, bos_per_document: bool, seq_len: int
+    task: EvalTaskConfig, tokenizer: Tokenizer, start: DocumentStart, seq_len: int
 ) -> tuple[list[Request], LoadedTask]:
     documents = read_documents(task.path, task.limit)
-    start = _start_id(tokenizer, bos_per_document)
     requests: list[Request] = []
     for d, text in enumerate(documents):
-        tokens = [start, *tokenizer.encode(text)]
+        tokens = start.tokens(tokenizer.encode(text))
         if len(tokens) > 1:
             requests.extend(rolling_requests(tokens, seq_len, d))
     return requests, LoadedTask(
@@ -158,9 +173,13 @@ def task_metrics(task: LoadedTask, sums: torch.Tensor) -> dict[str, float]:
     absent = task.choice_bytes == 0  # examples with fewer choices than the most
     loglik = loglik.masked_fill(absent, -math.inf)
     per_byte = (loglik / task.choice_bytes.clamp(min=1)).masked_fill(absent, -math.inf)
-    acc = (loglik.argmax(dim=1) == task.gold).double().mean().item()
+    correct = (loglik.argmax(dim=1) == task.gold).double()
     acc_norm = (per_byte.argmax(dim=1) == task.gold).double().mean().item()
-    return {f"{key}/acc": acc, f"{key}/acc_norm": acc_norm}
+    metrics = {f"{key}/acc": correct.mean().item(), f"{key}/acc_norm": acc_norm}
+    for i, subject in enumerate(task.subjects):
+        assert task.subject_index is not None
+        metrics[f"{key}/acc/{subject}"] = correct[task.subject_index == i].mean().item()
+    return metrics
 
 
 def evaluate_task(

@@ -21,7 +21,11 @@ from typing import Any, Self
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import get_model, register_model
-from lm_eval.utils import simple_parse_args_string
+from lm_eval.utils import (
+    get_rolling_token_windows,
+    make_disjoint_window,
+    simple_parse_args_string,
+)
 
 from kempnerforge.core.logging import get_logger
 from kempnerforge.interop.lm_eval_requests import (
@@ -106,9 +110,10 @@ class KempnerForgeLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
-        """The whole text's log-likelihood per (text,), in the bits_per_byte windows."""
+        """The whole text's log-likelihood per (text,), in the harness's disjoint windows
+        (harness_windows), as its other models read it."""
         texts = [str(r.args[0]) for r in requests]
-        results = rolling_loglikelihoods(self.lm, texts)
+        results = rolling_loglikelihoods(self.lm, texts, harness_windows)
         for text, result in zip(texts, results, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), result)
         return results
@@ -135,6 +140,19 @@ class KempnerForgeLM(LM):
             logger.warning("kempnerforge decodes greedily: do_sample and temperature are ignored")
             self._greedy_warned = True
         return until, int(limit)
+
+
+def harness_windows(
+    tokens: list[int], prefix: int, seq_len: int
+) -> list[tuple[list[int], list[int]]]:
+    """The (context, continuation) pairs the harness's models score a whole text in: its
+    rolling windows of seq_len tokens after ``prefix``, made disjoint (each continuation is
+    the next tokens, its context only the token before them but in the last window), as
+    its Hugging Face model calls them."""
+    rolling = get_rolling_token_windows(
+        token_list=tokens, prefix_token=prefix, max_seq_len=seq_len, context_len=1
+    )
+    return [make_disjoint_window(window) for window in rolling]
 
 
 def batch_rows(batch_size: int | str | None) -> int:

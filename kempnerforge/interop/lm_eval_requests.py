@@ -2,11 +2,14 @@
 the way the native task scorer reads text (evaluation/tasks.py); lm_eval.py wraps these in
 the harness's model class.
 
-A scored text is ``[start_id, *encode(context)] + encode(continuation)``, start_id being
-BOS when the training documents began with one and EOS otherwise, as the native tasks
-build it. The requests are packed into document-masked windows of train.seq_len
-(evaluation/windows.py), so a window costs one forward whatever the requests' lengths,
-and a request packed as the native scorer packs it is read the same way.
+A scored text is ``start.tokens(encode(context)) + encode(continuation)``, the start
+being what the training documents started with (evaluation/document_start.py), as the
+native tasks build it. The requests are packed into document-masked windows of
+train.seq_len (evaluation/windows.py), so a window costs one forward whatever the
+requests' lengths, and a request packed as the native scorer packs it is read the same
+way. A whole text (loglikelihood_rolling) is read in the windows the harness's contract
+gives (``RollingWindows``, lm_eval.py hands over the harness's own), not the native
+bits_per_byte task's overlapping ones.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.evaluation.windows import Request, Windows, pack_requests, rolling_requests
+from kempnerforge.evaluation.document_start import DocumentStart, training_start
+from kempnerforge.evaluation.windows import Request, Windows, pack_requests
 from kempnerforge.model.generation import eval_mode, generate
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.families import family_of
@@ -30,6 +34,10 @@ PACK_POSITIONS = 1024 * 2048
 """Token positions packed at once: windows are built for this many and scored before the
 next are packed, so a large evaluation never holds all its windows (~64 MB at a time)."""
 
+RollingWindows = Callable[[list[int], int, int], list[tuple[list[int], list[int]]]]
+"""(tokens, prefix token, window length) -> (context, continuation) pairs whose
+continuations are the tokens, each once, in order, a pair fitting one window."""
+
 
 @dataclass(frozen=True)
 class TextModel:
@@ -37,8 +45,8 @@ class TextModel:
 
     model: Transformer
     tokenizer: Tokenizer
-    start_id: int
-    """The token a document starts after: BOS or EOS, as the training data had it."""
+    start: DocumentStart
+    """What a text starts with: as the training documents started."""
     seq_len: int
     """Positions of a scoring window (train.seq_len, the native scorer's windows)."""
     device: torch.device
@@ -55,8 +63,8 @@ def load_text_model(
 
     Opened as `generate` opens it: a text model continuing text in one process (a
     vision-language model is refused), the run's parallel layout unchecked since no
-    training data is read. The data pipeline is built for its tokenizer and whether the
-    documents start with BOS, as the `eval` command's --tasks does.
+    training data is read. The data pipeline is built for its tokenizer, and texts start
+    as the training documents did (logged), as the `eval` command's --tasks does.
     """
     job = open_for_inference(
         "generate",
@@ -73,7 +81,7 @@ def load_text_model(
     return TextModel(
         model=model,
         tokenizer=tokenizer,
-        start_id=tokenizer.bos_id if data.bos_per_document else tokenizer.eos_id,
+        start=training_start(tokenizer, job.config.data, data),
         seq_len=job.config.train.seq_len,
         device=job.runtime.device,
         batch_rows=batch_rows,
@@ -98,21 +106,26 @@ def loglikelihoods(lm: TextModel, pairs: Sequence[tuple[str, str]]) -> list[tupl
     """
     requests = []
     for slot, (context, continuation) in enumerate(pairs):
-        prefix = [lm.start_id, *lm.tokenizer.encode(context)]
+        prefix = lm.start.tokens(lm.tokenizer.encode(context))
         tokens = prefix + lm.tokenizer.encode(continuation)
         requests.append(Request(tokens, len(prefix), slot))
     logprob, misses = score_requests(lm, requests, len(pairs))
     return [(float(lp), bool(m == 0)) for lp, m in zip(logprob, misses, strict=True)]
 
 
-def rolling_loglikelihoods(lm: TextModel, texts: Sequence[str]) -> list[float]:
-    """Each text's log-likelihood in nats, every token after its start token scored once,
-    in the windows the native bits_per_byte task reads (rolling_requests)."""
+def rolling_loglikelihoods(
+    lm: TextModel, texts: Sequence[str], windows: RollingWindows
+) -> list[float]:
+    """Each text's log-likelihood in nats, every token after the first of
+    ``lm.start.tokens(encode(text))`` scored once, in the (context, continuation) pairs
+    ``windows`` cuts them into, the first token their prefix, windows of lm.seq_len."""
     requests = []
     for slot, text in enumerate(texts):
-        tokens = [lm.start_id, *lm.tokenizer.encode(text)]
-        if len(tokens) > 1:  # an empty text has nothing to score (the native task skips it)
-            requests.extend(rolling_requests(tokens, lm.seq_len, slot))
+        tokens = lm.start.tokens(lm.tokenizer.encode(text))
+        if len(tokens) < 2:  # an empty text has nothing to score (the native task skips it)
+            continue
+        for context, continuation in windows(tokens[1:], tokens[0], lm.seq_len):
+            requests.append(Request(context + continuation, len(context), slot))
     logprob, _ = score_requests(lm, requests, len(texts))
     return [float(lp) for lp in logprob]
 
@@ -173,7 +186,7 @@ def generate_until(lm: TextModel, context: str, until: Sequence[str], max_gen_to
     """The greedy continuation of ``context`` up to the first of the ``until`` strings (not
     included), or of max_gen_toks tokens, or to the end-of-document token.
 
-    The prompt is ``[start_id, *encode(context)]``, cut from the left to the
+    The prompt is ``start.tokens(encode(context))``, cut from the left to the
     model.max_seq_len - max_gen_toks tokens the continuation leaves; decoding uses the
     KV cache (model.generate) and stops as soon as a stop string appears. A ValueError
     when max_gen_toks leaves no room for a prompt.
@@ -185,7 +198,7 @@ def generate_until(lm: TextModel, context: str, until: Sequence[str], max_gen_to
             f"= {lm.model.cfg.max_seq_len}; ask for fewer new tokens (model_args max_gen_toks "
             "or the task's generation_kwargs)"
         )
-    prompt = [lm.start_id, *lm.tokenizer.encode(context)][-room:]
+    prompt = lm.start.tokens(lm.tokenizer.encode(context))[-room:]
     stops = [s for s in until if s]
 
     def stop_when(new_ids: list[int]) -> bool:

@@ -15,6 +15,7 @@ from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.evaluation.document_start import training_start
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_tasks
 from kempnerforge.model.heads import HeadLossSpec
 from kempnerforge.training.families import family_of
@@ -139,12 +140,14 @@ def evaluate_model(
 
 def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
     """The job's `[[eval.tasks]]`, read and packed into windows of train.seq_len with the
-    data's tokenizer, documents starting as the training documents did; one request a row
-    in a layout whose model takes no document ids (pipeline stages)."""
+    data's tokenizer, texts starting as the training documents did (training_start); one
+    request a row in a layout whose model takes no document ids (pipeline stages)."""
+    if not config.eval.tasks:
+        return []
     return load_tasks(
         config.eval.tasks,
         data.tokenizer,
-        data.bos_per_document,
+        training_start(data.tokenizer, config.data, data),
         config.train.seq_len,
         packed=layout_of(config).packs_documents,
     )

@@ -16,6 +16,7 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.distributed.runtime import init_runtime
+from kempnerforge.evaluation.document_start import DocumentStart
 from kempnerforge.evaluation.scoring import whole_model_losses
 from kempnerforge.evaluation.tasks import evaluate_task, load_tasks
 from kempnerforge.training.eval import evaluate_tasks
@@ -73,7 +74,7 @@ def _metrics_both_ways(
     )
     runtime = init_runtime(config.distributed, "cpu")
     model = build_parallel(config, runtime)
-    tasks = load_tasks(task_configs, BYTES, True, SEQ_LEN)
+    tasks = load_tasks(task_configs, BYTES, DocumentStart.of(BYTES, bos=True), SEQ_LEN)
     data = DataPipeline(dataset=None, sampler=None, dataloader=None, tokenizer=BYTES)
     data = sliced_for_context_parallel(data, runtime)
     got = evaluate_tasks(model, data, config, runtime, tasks)

@@ -64,7 +64,7 @@ def test_the_harness_command_line_scores_a_checkpoint_as_the_native_scorer(
 
     lm = KempnerForgeLM(checkpoint=str(run), batch_size=4).lm
     task = EvalTaskConfig(name="facts", path=str(data))
-    loaded = load_task(task, lm.tokenizer, lm.start_id == lm.tokenizer.bos_id, lm.seq_len)
+    loaded = load_task(task, lm.tokenizer, lm.start, lm.seq_len)
     sums = slot_sums(
         lm.model,
         loaded.windows,

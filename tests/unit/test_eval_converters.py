@@ -259,28 +259,38 @@ def _mmlu_folder(tmp_path):
 
 
 def test_mmlu_reads_a_folder_sorted_with_quoted_commas_and_line_breaks(tmp_path):
+    """Each row its question and options as the context, its subject's header as the
+    description (the prompt zero-shot: description + context) and its subject."""
     letters = [" A", " B", " C", " D"]
+    astronomy = {"subject": "astronomy", "description": f"{MMLU_LEAD}astronomy.\n\n"}
+    physics = {
+        "subject": "high_school_physics",
+        "description": f"{MMLU_LEAD}high school physics.\n\n",
+    }
     assert convert_mmlu([_mmlu_folder(tmp_path)]) == [
         {
-            "context": f"{MMLU_LEAD}astronomy.\n\nWhich planet is closest to the Sun?\n"
+            "context": "Which planet is closest to the Sun?\n"
             "A. Venus\nB. Mercury\nC. Earth\nD. Mars\nAnswer:",
             "choices": letters,
             "gold": 1,
             "id": "astronomy/1",
+            **astronomy,
         },
         {
-            "context": f"{MMLU_LEAD}high school physics.\n\nA ball, dropped from rest, falls "
-            "for 2 s. Roughly how far does it fall?\nA. 5 m\nB. 10 m\nC. 20 m\nD. 40 m\nAnswer:",
+            "context": "A ball, dropped from rest, falls for 2 s. Roughly how far does it fall?"
+            "\nA. 5 m\nB. 10 m\nC. 20 m\nD. 40 m\nAnswer:",
             "choices": letters,
             "gold": 2,
             "id": "high_school_physics/1",
+            **physics,
         },
         {
-            "context": f"{MMLU_LEAD}high school physics.\n\nWhich quantity is a vector?\n"
+            "context": "Which quantity is a vector?\n"
             "Pick one.\nA. speed\nB. mass\nC. velocity\nD. energy, kinetic\nAnswer:",
             "choices": letters,
             "gold": 2,
             "id": "high_school_physics/2",
+            **physics,
         },
     ]
 

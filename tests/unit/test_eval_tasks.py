@@ -18,9 +18,10 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.data.dataset import IGNORE_INDEX
 from kempnerforge.data.tokenizer import ByteTokenizer
+from kempnerforge.evaluation.document_start import DocumentStart
 from kempnerforge.evaluation.scoring import whole_model_losses
 from kempnerforge.evaluation.task_files import read_choice_examples, read_documents
-from kempnerforge.evaluation.tasks import evaluate_task, load_task
+from kempnerforge.evaluation.tasks import evaluate_task, load_task, prompted_examples
 from kempnerforge.evaluation.windows import Request, pack_requests, rolling_requests
 from kempnerforge.model.transformer import build_model
 from tests.support.tolerance import assert_layout_close
@@ -34,7 +35,7 @@ def _write_jsonl(path, records) -> str:
 
 
 def _score(model, task: EvalTaskConfig, seq_len: int, rows: int = 4) -> dict[str, float]:
-    loaded = load_task(task, BYTES, bos_per_document=True, seq_len=seq_len)
+    loaded = load_task(task, BYTES, DocumentStart.of(BYTES, bos=True), seq_len)
     cpu = torch.device("cpu")
     losses = whole_model_losses(model, cpu, loss_chunk_tokens=0)
     return evaluate_task(
@@ -53,6 +54,8 @@ def _score(model, task: EvalTaskConfig, seq_len: int, rows: int = 4) -> dict[str
         ('{"context": "c", "choices": ["a"], "gold": 0}', "2 or more non-empty strings"),
         ('{"context": "c", "choices": ["a", "b"], "gold": 2}', "index of the right choice"),
         ('{"context": "c", "choices": ["a", "b"], "gold": true}', "index of the right choice"),
+        ('{"context": "c", "choices": ["a", "b"], "gold": 0, "subject": ""}', '"subject", a non'),
+        ('{"context": "c", "choices": ["a", "b"], "gold": 0, "description": 1}', '"description"'),
     ],
 )
 def test_a_malformed_example_names_its_file_and_line(tmp_path, line, problem):
@@ -73,6 +76,46 @@ def test_limit_reads_the_first_examples_and_a_text_file_is_one_document(tmp_path
     assert read_documents(docs, limit=1) == ["x"]
     with pytest.raises(DataError, match="missing.txt: no such file"):
         read_documents(str(tmp_path / "missing.txt"))
+
+
+def test_few_shot_examples_are_those_of_the_examples_subject(tmp_path):
+    """The description once, then the first k solved examples of the example's own subject
+    (those without one for an example without one), then its context; a subject with
+    fewer than k is refused naming the file and the subject."""
+
+    def example(context: str, subject: str | None, gold: int = 0) -> dict:
+        record = {"context": context, "choices": [" A", " B"], "gold": gold}
+        return record if subject is None else {**record, "subject": subject}
+
+    shots = [
+        example("a1", "alg"),
+        example("b1", "bio", 1),
+        example("a2", "alg", 1),
+        example("n1", None),
+        example("b2", "bio"),
+        example("a3", "alg"),
+    ]
+    tests = [
+        {**example("qa", "alg"), "description": "Algebra.\n\n"},
+        example("qb", "bio"),
+        example("qn", None),
+    ]
+    shots_path = _write_jsonl(tmp_path / "shots.jsonl", shots)
+    task = EvalTaskConfig(
+        name="t", path=_write_jsonl(tmp_path / "t.jsonl", tests), fewshot_path=shots_path
+    )
+    task.num_fewshot = 1
+    assert [e.context for e in prompted_examples(task)] == [
+        "Algebra.\n\na1 A\n\nqa",
+        "b1 B\n\nqb",
+        "n1 A\n\nqn",
+    ]
+    task.num_fewshot = 2
+    with pytest.raises(DataError, match=r"shots.jsonl: 1 solved example\(s\) without a subject"):
+        prompted_examples(task)
+    task.num_fewshot, task.path = 3, _write_jsonl(tmp_path / "u.jsonl", tests[1:2])
+    with pytest.raises(DataError, match='shots.jsonl: 2 solved example.*of subject "bio", num'):
+        prompted_examples(task)
 
 
 def test_task_tables_are_checked_when_the_config_loads():

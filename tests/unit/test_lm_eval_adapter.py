@@ -1,12 +1,12 @@
 """The lm-evaluation-harness adapter over a saved checkpoint: its log-likelihoods are the
 native task scorer's, a harness task over a local file runs offline through the harness's
-own evaluator to the native accuracy, rolling log-likelihoods are the native bits per
-byte's sums, and generation stops at the stop string. Nothing is downloaded."""
+own evaluator to the native accuracy, a text within one window has the native bits per
+byte's sum, and generation stops at the stop string. Nothing is downloaded. (Against the
+harness's own Hugging Face model: test_lm_eval_harness.py.)"""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -58,12 +58,13 @@ def _save(config: JobConfig, model: torch.nn.Module, step: int) -> None:
     )
 
 
-def _learn(model: torch.nn.Module, sentences: list[str], start_id: int) -> None:
-    """Train ``model`` on the sentences, each after the token a document starts after."""
+def _learn(model: torch.nn.Module, sentences: list[str]) -> None:
+    """Train ``model`` on the sentences, each a document read from its own first token (as
+    training reads documents without BOS under document masking)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
     for _ in range(TRAIN_STEPS):
-        batch = [[start_id, *BYTES.encode(rng.choice(sentences))] for _ in range(16)]
+        batch = [BYTES.encode(rng.choice(sentences)) for _ in range(16)]
         width = max(map(len, batch))
         ids = torch.tensor([row + [BYTES.pad_id] * (width - len(row)) for row in batch])
         labels = ids[:, 1:].masked_fill(ids[:, 1:] == BYTES.pad_id, IGNORE_INDEX)
@@ -76,7 +77,8 @@ def _learn(model: torch.nn.Module, sentences: list[str], start_id: int) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, token_dirs) -> tuple[Path, list[dict]]:
     """A run directory whose step_1 holds a byte-level model that learnt 16 facts (its
-    data starts documents without BOS, so after EOS), and the facts' questions."""
+    data has no BOS and training masks documents, so a document starts with its own first
+    token), and the facts' questions."""
     run_dir = tmp_path_factory.mktemp("lm_eval") / "run"
     overrides = ["--model.dim=64", "--model.n_heads=4", "--train.seq_len=64"]
     config = load_config(None, tiny_run(run_dir, token_dirs, *overrides))
@@ -86,7 +88,7 @@ def run(tmp_path_factory, token_dirs) -> tuple[Path, list[dict]]:
     try:
         torch.manual_seed(0)
         model = build_model(config.model)
-        _learn(model, sentences, BYTES.eos_id)
+        _learn(model, sentences)
         run_dir.mkdir(parents=True)
         save_config(config, str(run_dir / "config.toml"))
         _save(config, model, 1)
@@ -119,7 +121,7 @@ def _requests(*args: tuple) -> list[SimpleNamespace]:
 def _native(adapter: KempnerForgeLM, task: EvalTaskConfig) -> tuple[LoadedTask, torch.Tensor]:
     """The native task loaded for the adapter's model, and its slot sums (nll, tokens)."""
     lm = adapter.lm
-    loaded = load_task(task, lm.tokenizer, lm.start_id == lm.tokenizer.bos_id, lm.seq_len)
+    loaded = load_task(task, lm.tokenizer, lm.start, lm.seq_len)
     sums = slot_sums(
         lm.model,
         loaded.windows,
@@ -157,9 +159,12 @@ def write_task_yaml(directory: Path, name: str, data: str) -> None:
     )
 
 
-def test_the_adapter_reads_the_checkpoints_data_conventions(adapter):
-    lm = adapter.lm
-    assert lm.start_id == BYTES.eos_id  # the prepared data has no BOS per document
+def test_the_adapter_reads_the_checkpoints_data_conventions(run, log):
+    lm = KempnerForgeLM(checkpoint=str(run[0]), batch_size=4).lm
+    # The prepared data has no BOS per document and training masks documents: a text
+    # starts with its own first token (an empty one with EOS), and the log says so.
+    assert lm.start.ids == () and lm.start.tokens([]) == [BYTES.eos_id]
+    assert "evaluation reads each text after its own first token, which is not scored" in log.text
     assert lm.seq_len == 64 and lm.batch_rows == 4 and lm.device == torch.device("cpu")
     assert not lm.model.training
 
@@ -210,7 +215,7 @@ def test_is_greedy_says_whether_every_continuation_token_is_the_argmax(adapter, 
     got = adapter.loglikelihood(_requests(*pairs, ("Nobody lives in", "")))
     lm = adapter.lm
     for (context, choice), (_, greedy) in zip(pairs, got, strict=False):
-        prefix = [lm.start_id, *BYTES.encode(context)]
+        prefix = lm.start.tokens(BYTES.encode(context))
         ids = torch.tensor([prefix + BYTES.encode(choice)])
         with torch.no_grad():
             argmax = lm.model(ids[:, :-1])[0, len(prefix) - 1 :].argmax(-1)
@@ -249,22 +254,21 @@ def test_a_harness_task_over_a_local_file_gets_the_native_accuracy(adapter, run,
     assert 0.5 <= native["eval/facts/acc"] < 1, "the learnt half right, the rest guessed"
 
 
-def test_rolling_loglikelihood_is_the_native_bits_per_byte_sum(adapter, tmp_path):
-    """Documents longer than a window (64 positions) are read in the native rolling
-    windows: each document's sum is its native slot's (up to the head's rounding:
-    _assert_head_close), and the bits per byte follow from them."""
-    texts = ["Ba lives in Ko. " * 10, "short", ""]
+def test_rolling_loglikelihood_of_a_text_within_one_window_is_the_native_sum(adapter, tmp_path):
+    """A text that fits one window (64 positions) is one request both ways: the harness's
+    first rolling window and the native bits_per_byte task's. Each sum is its native slot's
+    (up to the head's rounding: _assert_head_close); longer texts part, the harness reading
+    disjoint windows and the native task overlapping ones (test_lm_eval_harness.py)."""
+    texts = ["Ba lives in Ko. " * 4, "short", ""]  # 64 bytes: 63 positions
     records = [{"text": t} for t in texts]
     path = _jsonl(tmp_path / "docs.jsonl", records)
     task = EvalTaskConfig(name="docs", path=path, kind="bits_per_byte")
     native = _native(adapter, task)
     got = adapter.loglikelihood_rolling(_requests(*[(t,) for t in texts]))
     _assert_head_close(adapter, got, native)
-    assert got[2] == 0.0  # nothing after the start token
-    assert native[1][:, 1].tolist() == [len(t) for t in texts]  # every byte scored once
-    bpb = -sum(got) / math.log(2) / native[0].document_bytes
-    metrics = task_metrics(native[0], native[1])
-    assert bpb == pytest.approx(metrics["eval/docs/bpb"], rel=1e-5)
+    assert got[2] == 0.0  # nothing to score
+    # Every byte but the first, which opens the text (no BOS, document masking).
+    assert native[1][:, 1].tolist() == [len(t) - 1 if t else 0 for t in texts]
 
 
 def test_generation_stops_at_the_stop_string(adapter, run):

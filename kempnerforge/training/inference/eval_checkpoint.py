@@ -18,6 +18,7 @@ from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.evaluation.document_start import training_start
 from kempnerforge.evaluation.tasks import LoadedTask, load_tasks
 from kempnerforge.training.eval import eval_global_batch, evaluate_model, evaluate_tasks
 from kempnerforge.training.families import family_of
@@ -129,7 +130,8 @@ def load_checkpoint_tasks(
     before the model is loaded, so a wrong name or a bad task file costs no load."""
     config = job.config
     tasks = select_tasks(config.eval.tasks, names)
-    return load_tasks(tasks, data.tokenizer, data.bos_per_document, config.train.seq_len)
+    start = training_start(data.tokenizer, config.data, data)
+    return load_tasks(tasks, data.tokenizer, start, config.train.seq_len)
 
 
 def evaluate_checkpoint_tasks(
