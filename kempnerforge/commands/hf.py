@@ -32,8 +32,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         choices=EXPORT_FORMATS,
         default="hf",
-        help="hf: a Hugging Face transformers folder (LlamaForCausalLM for a dense model; "
-        "MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM for an MoE model)",
+        help="hf: a Hugging Face transformers folder, of the first supported class that "
+        "computes the model exactly (docs/interop.md lists them; the command prints it)",
     )
     add_config_argument(parser)
 
@@ -43,8 +43,8 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="a Hugging Face model folder with config.json and safetensors weights "
-        "(Llama, Mixtral, Qwen2-MoE or GLM-4-MoE)",
+        help="a Hugging Face model folder with config.json and safetensors weights, of a "
+        "supported model_type (docs/interop.md lists them; another is refused by name)",
     )
     parser.add_argument(
         "--out",

@@ -1,6 +1,7 @@
-"""One entry point per direction, whatever the model: a dense model is a Llama, an MoE
-model the class hf_moe picks for its router. The command line and the training build call
-these, not the per-architecture modules."""
+"""One entry point per direction, whatever the model: each asks the registered architectures
+(interop/architectures/), export for the first that represents the model exactly, import for
+the one the folder's model_type names. The command line and the training build call these,
+not the architectures."""
 
 from __future__ import annotations
 
@@ -14,28 +15,33 @@ from torch import nn
 from kempnerforge.config.loader import build_dataclass
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError, read_hf_config
-from kempnerforge.interop.hf_llama import (
-    LLAMA_ARCHITECTURE,
-    LLAMA_MODEL_TYPE,
-    export_llama,
-    import_llama,
-    load_llama_into,
+from kempnerforge.interop.architectures import ARCHITECTURES, Architecture, HFConfig, HFTensors
+from kempnerforge.interop.hf_files import (
+    copy_tokenizer,
+    read_hf_config,
+    read_safetensors,
+    special_token_ids,
+    write_generation_config,
+    write_hf_folder,
 )
-from kempnerforge.interop.hf_model_checks import check_known_fields, differing_field
-from kempnerforge.interop.hf_moe import export_moe, import_moe, load_moe_into
-from kempnerforge.interop.hf_moe_config import ARCHITECTURES, moe_model_type
+from kempnerforge.interop.hf_model_checks import (
+    check_built_from,
+    check_known_fields,
+    check_same_model,
+    check_text_model,
+    differing_field,
+)
+from kempnerforge.interop.hf_state import copy_into, plain_state
 
-SUPPORTED_MODEL_TYPES = (LLAMA_MODEL_TYPE, *ARCHITECTURES)
+SUPPORTED_MODEL_TYPES = ARCHITECTURES.model_types
+"""The model_types import and export know, in registration order (a live view)."""
 
 
 def hf_architecture(model_cfg: ModelConfig) -> str:
     """The Hugging Face class ``model_cfg`` is exported as; a ConfigError names the field
     no available class can represent. Cheap: call it before loading any weights."""
     check_known_fields(model_cfg)
-    if not model_cfg.is_moe:
-        return LLAMA_ARCHITECTURE
-    return ARCHITECTURES[moe_model_type(model_cfg)]
+    return ARCHITECTURES.for_config(model_cfg).hf_class
 
 
 def check_exportable(
@@ -77,37 +83,61 @@ def export_hf(
     model_cfg: ModelConfig,
     out_dir: str | os.PathLike[str],
     tokenizer_path: str | None = None,
+    model_type: str | None = None,
 ) -> Path:
-    """Write ``model`` as a Hugging Face folder (config.json, model.safetensors, tokenizer
-    files when data.tokenizer is a Hugging Face one); return the folder."""
-    if model_cfg.is_moe:
-        return export_moe(model, model_cfg, out_dir, tokenizer_path)
-    return export_llama(model, model_cfg, out_dir, tokenizer_path)
+    """Write ``model`` as a Hugging Face folder (config.json, model.safetensors in fp32,
+    tokenizer files when data.tokenizer is a Hugging Face one); return the folder.
+
+    ``tokenizer_path`` is data.tokenizer: 'byte' puts the byte tokenizer's bos/eos/pad ids
+    in config.json and writes no tokenizer; a tokenizer.json (or its directory) is copied.
+    The class is the first registered one that represents the model exactly, or the one
+    ``model_type`` names; a ConfigError names the field it cannot represent.
+    """
+    transformer = check_text_model(model)
+    check_known_fields(model_cfg)
+    check_built_from(transformer, model_cfg)
+    architecture = _architecture_for(model_cfg, model_type)
+    tensors = architecture.to_hf(plain_state(transformer), model_cfg)
+    config = architecture.write_config(model_cfg, special_token_ids(tokenizer_path))
+    folder = write_hf_folder(out_dir, config, tensors)
+    copy_tokenizer(tokenizer_path, folder)
+    write_generation_config(tokenizer_path, folder)
+    return folder
 
 
-def _model_type(hf_dir: str | os.PathLike[str]) -> str:
-    model_type = read_hf_config(hf_dir).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HFFolderError(
-            Path(hf_dir) / CONFIG_JSON,
-            f"model_type = {model_type!r}: expected one of {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(the architectures kempnerforge computes exactly)",
-        )
-    return model_type
+def _architecture_for(model_cfg: ModelConfig, model_type: str | None) -> Architecture:
+    if model_type is None:
+        return ARCHITECTURES.for_config(model_cfg)
+    architecture = ARCHITECTURES.named(model_type)
+    architecture.check_represents(model_cfg)
+    return architecture
 
 
-def import_hf(hf_dir: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, our state dict, fp32) of a Llama, Mixtral, Qwen2-MoE or GLM-4-MoE
-    folder; an HFFolderError names the key or tensor that does not fit."""
-    if _model_type(hf_dir) == LLAMA_MODEL_TYPE:
-        return import_llama(hf_dir)
-    return import_moe(hf_dir)
+def import_hf(
+    hf_dir: str | os.PathLike[str], model_type: str | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, our state dict, fp32) of a Hugging Face folder of a registered
+    architecture (the one ``model_type`` names, when given); an HFFolderError names the
+    key or tensor that does not fit. Reads config.json and safetensors only."""
+    hf = HFConfig(read_hf_config(hf_dir), hf_dir)
+    if model_type is None:
+        architecture = ARCHITECTURES.of_folder(hf)
+    else:
+        architecture = ARCHITECTURES.named(model_type)
+    cfg = architecture.read_config(hf)
+    source = HFTensors(read_safetensors(hf_dir), hf_dir)
+    return cfg, architecture.from_hf(source, hf, cfg)
 
 
-def load_hf_into(model: nn.Module, hf_dir: str | os.PathLike[str]) -> ModelConfig:
+def load_hf_into(
+    model: nn.Module, hf_dir: str | os.PathLike[str], model_type: str | None = None
+) -> ModelConfig:
     """Load a Hugging Face folder's weights into our freshly built ``model`` (the training
-    build's initialisation from a published model). The folder's model must be the one
-    model.cfg describes; a differing field is a ConfigError naming it."""
-    if _model_type(hf_dir) == LLAMA_MODEL_TYPE:
-        return load_llama_into(model, hf_dir)
-    return load_moe_into(model, hf_dir)
+    build's initialisation from a published model); return the folder's ModelConfig. The
+    folder's model must be the one model.cfg describes; a differing field is a ConfigError
+    naming it and the folder's value."""
+    transformer = check_text_model(model, whole=False)
+    found, state = import_hf(hf_dir, model_type)
+    check_same_model(transformer.cfg, found, hf_dir)
+    copy_into(transformer, state, str(hf_dir))
+    return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -71,13 +72,9 @@ def check_text_model(model: nn.Module, *, whole: bool = True) -> Transformer:
     return model
 
 
-def check_known_fields(cfg: ModelConfig) -> None:
-    """Refuse a ModelConfig field this exporter does not know, unless it has its default.
-
-    A feature added to the model later (a new norm, a bias) then stops the export with a
-    ConfigError naming it, instead of being silently dropped from the written model.
-    """
-    known = set(ARCH_FIELDS) | set(TRAINING_FIELDS)
+def first_unknown_field(cfg: ModelConfig, known: Collection[str]) -> tuple[str, Any, Any] | None:
+    """(name, value, default) of the first ModelConfig field not in ``known`` that is set
+    away from its default; None when there is none."""
     for field in dataclasses.fields(cfg):
         if field.name in known or not field.init:
             continue
@@ -88,12 +85,25 @@ def check_known_fields(cfg: ModelConfig) -> None:
         )
         value = getattr(cfg, field.name)
         if value != default:
-            raise ConfigError(
-                f"model.{field.name}",
-                value,
-                f"its default {default!r} for a Hugging Face export",
-                "the exporter has no Hugging Face counterpart for this setting",
-            )
+            return field.name, value, default
+    return None
+
+
+def check_known_fields(cfg: ModelConfig) -> None:
+    """Refuse a ModelConfig field this exporter does not know, unless it has its default.
+
+    A feature added to the model later (a new norm, a bias) then stops the export with a
+    ConfigError naming it, instead of being silently dropped from the written model.
+    """
+    unknown = first_unknown_field(cfg, set(ARCH_FIELDS) | set(TRAINING_FIELDS))
+    if unknown is not None:
+        name, value, default = unknown
+        raise ConfigError(
+            f"model.{name}",
+            value,
+            f"its default {default!r} for a Hugging Face export",
+            "the exporter has no Hugging Face counterpart for this setting",
+        )
 
 
 def check_built_from(model: Transformer, cfg: ModelConfig) -> None:

@@ -18,7 +18,6 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.hf import export_hf, hf_architecture, import_hf, load_hf_into
 from kempnerforge.interop.hf_files import HFFolderError
-from kempnerforge.interop.hf_llama import export_llama, import_llama, load_llama_into
 from kempnerforge.model.moe.layer import Router
 from kempnerforge.model.transformer import Transformer
 from tests.support.tolerance import reorder_atol, transformer_terms
@@ -26,7 +25,7 @@ from tests.support.tolerance import reorder_atol, transformer_terms
 transformers = pytest.importorskip("transformers")
 
 # transformers builds the zero-width shared experts of an exported Qwen2-MoE / GLM-4-MoE
-# model (see hf_moe) and warns that it has nothing to initialise in them.
+# model (see interop/architectures) and warns that it has nothing to initialise in them.
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors:UserWarning")
 
 
@@ -132,7 +131,7 @@ DENSE = {
 def test_llama_export_gives_transformers_our_logits(tmp_path, name):
     cfg = DENSE[name]
     model = random_model(cfg)
-    folder = export_llama(model, cfg, tmp_path / "hf", tokenizer_path="byte")
+    folder = export_hf(model, cfg, tmp_path / "hf", tokenizer_path="byte", model_type="llama")
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["intermediate_size"] == cfg.hidden_dim
@@ -146,8 +145,8 @@ def test_llama_export_gives_transformers_our_logits(tmp_path, name):
 def test_llama_round_trip_is_bitwise(tmp_path, name):
     cfg = DENSE[name]
     model = random_model(cfg)
-    export_llama(model, cfg, tmp_path / "hf")
-    found, state = import_llama(tmp_path / "hf")
+    export_hf(model, cfg, tmp_path / "hf", model_type="llama")
+    found, state = import_hf(tmp_path / "hf", model_type="llama")
     assert_state_dicts_bitwise_equal(state, model.state_dict())
     assert (found.dim, found.kv_heads, found.hidden_dim) == (cfg.dim, cfg.kv_heads, cfg.hidden_dim)
     assert (found.rope_theta, found.norm_eps) == (cfg.rope_theta, cfg.norm_eps)
@@ -157,9 +156,9 @@ def test_llama_round_trip_is_bitwise(tmp_path, name):
 def test_load_llama_into_a_fresh_model_reproduces_it(tmp_path):
     cfg = DENSE["gqa"]
     model = random_model(cfg, seed=3)
-    export_llama(model, cfg, tmp_path / "hf")
+    export_hf(model, cfg, tmp_path / "hf", model_type="llama")
     fresh = random_model(cfg, seed=4)
-    load_llama_into(fresh, tmp_path / "hf")
+    load_hf_into(fresh, tmp_path / "hf", model_type="llama")
     assert_state_dicts_bitwise_equal(fresh.state_dict(), model.state_dict())
     ids = random_ids(cfg)
     assert torch.equal(our_logits(fresh, ids), our_logits(model, ids))
@@ -182,10 +181,10 @@ def test_a_model_exported_by_transformers_loads_into_ours(tmp_path):
 
 def test_load_into_refuses_a_model_of_another_config(tmp_path):
     cfg = DENSE["untied"]
-    export_llama(random_model(cfg), cfg, tmp_path / "hf")
+    export_hf(random_model(cfg), cfg, tmp_path / "hf", model_type="llama")
     other = Transformer(dataclasses.replace(cfg, rope_theta=20000.0))
     with pytest.raises(ConfigError) as info:
-        load_llama_into(other, tmp_path / "hf")
+        load_hf_into(other, tmp_path / "hf", model_type="llama")
     assert info.value.field == "model.rope_theta"
     assert "10000.0" in str(info.value)
 
@@ -384,7 +383,7 @@ def test_export_refuses_moe_no_class_represents(tmp_path, fields, field):
 def test_llama_export_refuses_an_moe_model(tmp_path):
     cfg, _ = MOE["softmax-top2-mixtral"]
     with pytest.raises(ConfigError) as info:
-        export_llama(random_model(cfg), cfg, tmp_path / "hf")
+        export_hf(random_model(cfg), cfg, tmp_path / "hf", model_type="llama")
     assert info.value.field == "model.num_experts"
 
 
@@ -394,7 +393,7 @@ def test_llama_export_refuses_an_moe_model(tmp_path):
 @pytest.fixture
 def llama_folder(tmp_path) -> Path:
     cfg = DENSE["gqa"]
-    return export_llama(random_model(cfg), cfg, tmp_path / "hf")
+    return export_hf(random_model(cfg), cfg, tmp_path / "hf", model_type="llama")
 
 
 def rewrite_weights(folder: Path, change) -> None:
@@ -419,7 +418,7 @@ def test_import_llama_refuses_an_moe_folder(tmp_path):
     cfg, _ = MOE["softmax-top2-mixtral"]
     export_hf(random_model(cfg), cfg, tmp_path / "hf")
     with pytest.raises(HFFolderError, match="model_type = 'mixtral'"):
-        import_llama(tmp_path / "hf")
+        import_hf(tmp_path / "hf", model_type="llama")
 
 
 def test_import_names_a_missing_tensor(llama_folder):

@@ -7,7 +7,7 @@ import re
 from kempnerforge.cli import main
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.interop.hf_llama import export_llama
+from kempnerforge.interop.hf import export_hf
 from kempnerforge.model.transformer import Transformer
 
 
@@ -15,7 +15,7 @@ def test_printed_include_works_from_a_config_in_another_folder(tmp_path, monkeyp
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=259, max_seq_len=64)
     model = Transformer(cfg)
     model.init_weights(0)
-    export_llama(model, cfg, tmp_path / "hf")
+    export_hf(model, cfg, tmp_path / "hf", model_type="llama")
     monkeypatch.chdir(tmp_path)
     assert main(["import-hf", "--model", "hf", "--out", "imported/tiny"]) == 0
     include = re.search(r"include = \[.*?\]", capsys.readouterr().out)

@@ -1,5 +1,5 @@
-"""config.json both ways for every layout here: the keys they share, written from a
-ModelConfig, and HFConfig's checked reads of a folder's config.json back into one."""
+"""The config.json keys every architecture here shares, both ways: written from a ModelConfig,
+and read back through HFConfig, whose checked reads name the key and the file at fault."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def special_ids_json(ids: dict[str, int]) -> dict[str, int | None]:
 
 
 def common_config_json(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[str, Any]:
-    """The config.json keys every layout here shares, from our config.
+    """The config.json keys every architecture here shares, from our config.
 
     RoPE is written both ways: ``rope_parameters`` (transformers 5) and ``rope_theta``
     (earlier releases); ``dtype`` and ``torch_dtype`` likewise name fp32.
@@ -144,7 +144,7 @@ def rope_theta(hf: HFConfig, partial_default: float = 1.0, theta_default: Any = 
 def common_model_fields(
     hf: HFConfig, *, llama_defaults: bool, partial_default: float = 1.0
 ) -> dict[str, Any]:
-    """ModelConfig fields from the keys every layout shares; refuses what we cannot build.
+    """ModelConfig fields from the keys every architecture shares; refuses what we cannot build.
 
     With ``llama_defaults`` an absent key takes Llama's long-standing default (key/value
     heads = heads, eps 1e-6, RoPE base 10000); otherwise the keys that decide the function

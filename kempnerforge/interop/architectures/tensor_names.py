@@ -1,8 +1,9 @@
-"""The tensor names every Hugging Face decoder layout here shares with ours, and HFTensors,
-which hands a folder's tensors out by those names with their shapes checked.
+"""The tensor names every architecture here shares with ours, and HFTensors, which hands a
+folder's tensors out by name with their shapes checked.
 
 Llama, Mixtral, Qwen2-MoE and GLM-4-MoE compute the same attention block as our Transformer,
-so their embedding, attention, norm and head tensors map one to one:
+so their embedding, attention, norm and head tensors (and a dense layer's feed-forward) map
+one to one:
 
 - RoPE: both rotate the two halves of each head (channel i with channel i + head_dim / 2)
   with inverse frequencies theta ** (-2i / head_dim), so q and k need no permutation;
@@ -60,6 +61,18 @@ def dense_ffn_pairs(index: int) -> list[tuple[str, str]]:
     return swiglu_pairs(f"layers.{index}.feed_forward", f"model.layers.{index}.mlp")
 
 
+def shared_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) of every tensor copied under Llama's names: the embedding, final
+    norm and head, each layer's attention and norms, and the feed-forward of each dense
+    layer (every layer of a dense model; an MoE layer's tensors are its architecture's)."""
+    pairs = outer_pairs(cfg.tie_embeddings)
+    for index in range(cfg.n_layers):
+        pairs += block_pairs(index)
+        if not cfg.is_moe_layer(index):
+            pairs += dense_ffn_pairs(index)
+    return pairs
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """Our state dict's tensor shapes for ``cfg``, from a model built on the meta device."""
     with torch.device("meta"):
@@ -71,7 +84,7 @@ class HFTensors:
     """The tensors of one folder, handed out by name with their shape checked.
 
     Every tensor taken is remembered, so ``check_all_used`` can refuse a folder that holds
-    weights this layout would silently ignore (a bias, an extra layer).
+    weights its architecture would silently ignore (a bias, an extra layer).
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], folder: str | os.PathLike[str]) -> None:
@@ -102,15 +115,15 @@ class HFTensors:
         if name in self.tensors:
             self.used.add(name)
 
-    def check_all_used(self, ignore_prefixes: tuple[str, ...] = ()) -> None:
-        """Refuse tensors no mapping took, except RoPE tables some folders carry and names
-        starting with ``ignore_prefixes`` (layers past the decoder, for instance)."""
+    def ignore_prefixes(self, prefixes: tuple[str, ...]) -> None:
+        """Mark every tensor whose name starts with one of ``prefixes`` as known but not
+        needed (layers past the decoder, for instance)."""
+        self.used.update(n for n in self.tensors if prefixes and n.startswith(prefixes))
+
+    def check_all_used(self) -> None:
+        """Refuse tensors no mapping took, except RoPE tables some folders carry."""
         left = sorted(
-            n
-            for n in self.tensors
-            if n not in self.used
-            and not n.endswith("rotary_emb.inv_freq")
-            and not n.startswith(ignore_prefixes)
+            n for n in self.tensors if n not in self.used and not n.endswith("rotary_emb.inv_freq")
         )
         if left:
             raise HFFolderError(
