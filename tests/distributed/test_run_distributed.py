@@ -36,3 +36,19 @@ def test_every_rank_sees_the_callers_environment_of_this_call(monkeypatch):
         assert record["group"] == (rank, 2) and record["threads"] == 1
     # Four processes, none reused.
     assert len({r["pid"] for r in first + second} | {os.getpid()}) == 5
+
+
+def _crash_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # a read of address 0: SIGSEGV in native code
+    dist.barrier()
+
+
+def test_a_rank_that_crashes_in_native_code_fails_with_its_stacks():
+    with pytest.raises(RuntimeError) as raised:
+        run_distributed(_crash_on_rank_one, 2, timeout_s=60)
+    message = str(raised.value)
+    assert "SIGSEGV" in message and "Segmentation fault" in message
+    assert "_crash_on_rank_one" in message  # the Python frame that was running

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -51,7 +52,7 @@ def run_distributed(
             start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=0.2):  # raises ProcessRaisedException on a failure
+        while not _joined(context, workdir):  # raises ProcessRaisedException on a failure
             if time.monotonic() > deadline:
                 for process in context.processes:
                     if process.is_alive():
@@ -71,6 +72,27 @@ def run_distributed(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _joined(context: Any, workdir: str) -> bool:
+    """context.join(0.2), but a rank killed by a signal (a crash in a native library such as
+    gloo) fails with the Python stacks of its threads at that moment, which faulthandler
+    wrote into the rank's crash file, instead of the bare signal name."""
+    try:
+        return context.join(timeout=0.2)
+    except mp.ProcessExitedException as exc:
+        stacks = _crash_report(workdir, exc.error_index)
+        if not stacks:
+            raise
+        raise RuntimeError(f"{exc}\nits threads when it died:\n{stacks}") from exc
+
+
+def _crash_report(workdir: str, rank: int) -> str:
+    try:
+        with open(os.path.join(workdir, f"crash_{rank}.txt")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -80,6 +102,10 @@ def _worker(
     timeout_s: float,
     environ: dict[str, str],
 ) -> None:
+    # A fatal signal (SIGSEGV, SIGABRT, SIGBUS) writes every thread's stack where the caller
+    # reads it (_crash_report); the file stays open for the process's life.
+    crash_file = open(os.path.join(workdir, f"crash_{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.enable(crash_file, all_threads=True)
     # The fork server's environment is that of the first call: take the caller's.
     os.environ.clear()
     os.environ.update(environ)
