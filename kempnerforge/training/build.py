@@ -88,7 +88,7 @@ def build_rank_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     decides).
     """
     with torch.device("meta"):
-        rank_model = layout_of(config).build_on_meta(config, runtime)
+        rank_model = layout_of(config.distributed).build_on_meta(config, runtime)
     if config.train.float8:
         # Before parallelize_model: checkpointing, compile and FSDP wrap the FP8 modules.
         apply_float8(rank_model.model, runtime.device, compiled=config.train.compile)
@@ -119,7 +119,7 @@ def build_model_on_mesh(
     frozen = freeze_for_step(model, family_of(config).freeze_schedule(config), 0)
     if frozen:
         logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
-    return model, layout_of(config).build_schedule(rank_model, runtime, config, loss_fn)
+    return model, layout_of(config.distributed).build_schedule(rank_model, runtime, config, loss_fn)
 
 
 def _log_model(summary: ModelSummary) -> None:
@@ -178,7 +178,7 @@ def build_session(
     model, pipeline = build_model_on_mesh(config, runtime, loss_fn)
     summary = family_of(config).summarize(config, model)
     _log_model(summary)
-    _warn_what_the_layout_skips(layout_of(config), config.eval, tc)
+    _warn_what_the_layout_skips(layout_of(config.distributed), config.eval, tc)
     _log_cpu_threads(config.data.num_workers, runtime.device)
     optimizer = build_optimizer(model, config.optimizer)  # after sharding: it sees DTensors
     scheduler = build_scheduler(optimizer, config.scheduler, tc.max_steps)

@@ -19,7 +19,7 @@ from kempnerforge.evaluation.document_start import training_start
 from kempnerforge.evaluation.tasks import LoadedTask, evaluate_task, load_tasks
 from kempnerforge.model.heads import HeadLossSpec
 from kempnerforge.training.families import family_of
-from kempnerforge.training.forward import training_autocast
+from kempnerforge.training.forward import BatchLoss, training_autocast
 from kempnerforge.training.layout import layout_of
 
 # exp() of a diverged loss overflows a float; report perplexity as inf past this.
@@ -54,7 +54,9 @@ def evaluate(
     return evaluate_model(
         model,
         data,
-        config,
+        family_of(config).batch_loss(config),
+        config.eval,
+        config.train,
         runtime.device,
         group=runtime.group("dp_cp"),
         global_batch=eval_global_batch(config.eval, config.train, runtime.dp_size),
@@ -66,7 +68,9 @@ def evaluate(
 def evaluate_model(
     model: torch.nn.Module,
     data: DataPipeline,
-    config: JobConfig,
+    batch_loss: BatchLoss,
+    ec: EvalConfig,
+    tc: TrainConfig,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     *,
@@ -91,7 +95,7 @@ def evaluate_model(
     ``batch_slice``, if given, turns each host batch into the part this rank evaluates
     (its context-parallel slice).
     """
-    names = [s.name for s in config.eval.sets]
+    names = [s.name for s in ec.sets]
     if names and list(data.eval_datasets) != names:
         raise RuntimeError(
             f"eval.sets names {names} but the data pipeline holds {list(data.eval_datasets)}: "
@@ -99,8 +103,7 @@ def evaluate_model(
         )
     if not data.eval_datasets:
         return {}
-    batch_loss = family_of(config).batch_loss(config)
-    spec = HeadLossSpec(config.train.loss_chunk_tokens, z_loss_weight=0.0)
+    spec = HeadLossSpec(tc.loss_chunk_tokens, z_loss_weight=0.0)
     was_training = model.training
     model.eval()
     per_set: dict[str, float] = {}
@@ -108,14 +111,12 @@ def evaluate_model(
     try:
         for name in data.eval_datasets:
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, tokens
-            batches = data.eval_batches(
-                config.eval.steps, global_batch, name, max_rows=config.train.batch_size
-            )
+            batches = data.eval_batches(ec.steps, global_batch, name, max_rows=tc.batch_size)
             for cpu_batch in batches:
                 if batch_slice is not None:
                     cpu_batch = batch_slice(cpu_batch)
                 batch = {k: v.to(device) for k, v in cpu_batch.items()}
-                with training_autocast(config.train, device):
+                with training_autocast(tc, device):
                     loss = batch_loss(model, batch, cpu_batch, spec)
                 sums[0] += loss.double()
                 sums[1] += int((cpu_batch["labels"] != IGNORE_INDEX).sum())
@@ -133,7 +134,7 @@ def evaluate_model(
         model.train(was_training)
     loss = total_loss / max(total_tokens, 1)
     metrics = {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": total_tokens}
-    if config.eval.sets:
+    if ec.sets:
         metrics.update(per_set)
     return metrics
 
@@ -149,17 +150,19 @@ def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
         data.tokenizer,
         training_start(data.tokenizer, config.data, data),
         config.train.seq_len,
-        packed=layout_of(config).packs_documents,
+        packed=layout_of(config.distributed).packs_documents,
     )
 
 
-def tasks_due(config: JobConfig, tasks: list[LoadedTask], step: int) -> list[LoadedTask]:
-    """The tasks to score after optimizer step ``step``: at their interval, and after the
-    last step."""
+def tasks_due(
+    ec: EvalConfig, max_steps: int, tasks: list[LoadedTask], step: int
+) -> list[LoadedTask]:
+    """The tasks to score after optimizer step ``step``: at their interval (eval.interval or
+    the task's own), and after the last step (train.max_steps)."""
     due = []
     for task in tasks:
-        interval = config.eval.task_interval(task.config)
-        if interval and (step % interval == 0 or step == config.train.max_steps):
+        interval = ec.task_interval(task.config)
+        if interval and (step % interval == 0 or step == max_steps):
             due.append(task)
     return due
 
@@ -181,7 +184,7 @@ def evaluate_tasks(
     train.batch_size rows."""
     tc = config.train
     global_batch = global_batch or eval_global_batch(config.eval, tc, runtime.dp_size)
-    scoring = layout_of(config).task_scoring(model, pipeline, data, tc, runtime)
+    scoring = layout_of(config.distributed).task_scoring(model, pipeline, data, tc, runtime)
     metrics: dict[str, float] = {}
     with training_autocast(tc, runtime.device):
         for task in tasks:

@@ -188,6 +188,6 @@ PIPELINE_STAGES = ModelLayout(
 )
 
 
-def layout_of(config: JobConfig) -> ModelLayout:
-    """The layout of this job: pipeline stages when distributed.pp > 1."""
-    return PIPELINE_STAGES if config.distributed.pp > 1 else WHOLE_MODEL
+def layout_of(dc: DistributedConfig) -> ModelLayout:
+    """The layout of a job with [distributed] ``dc``: pipeline stages when distributed.pp > 1."""
+    return PIPELINE_STAGES if dc.pp > 1 else WHOLE_MODEL

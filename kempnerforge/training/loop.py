@@ -80,7 +80,7 @@ def select_step_fn(config: JobConfig) -> Callable[[TrainingSession, int], StepRe
     A pipeline layout brings its own step body (pipeline_step); otherwise the model family
     names its own (vlm_step, text_step).
     """
-    return layout_of(config).step or family_of(config).step
+    return layout_of(config.distributed).step or family_of(config).step
 
 
 def checkpoint_extra(config: JobConfig, step: int, phases: PhaseState) -> dict:
@@ -318,8 +318,8 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
     stages' schedule."""
     config = session.config
     heldout = config.eval.enabled and step % config.eval.interval == 0
-    heldout = heldout and layout_of(config).forward_refusal is None
-    tasks = tasks_due(config, session.data.eval_tasks, step)
+    heldout = heldout and layout_of(config.distributed).forward_refusal is None
+    tasks = tasks_due(config.eval, config.train.max_steps, session.data.eval_tasks, step)
     if not heldout and not tasks:
         return
     with watch(EVAL, step), optimizer_eval_mode(session.optimizer):

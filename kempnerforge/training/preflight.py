@@ -76,7 +76,7 @@ def check_sequence_split(config: JobConfig, torch_version: str) -> None:
     parallelism (tensor parallelism without pipeline stages) on a torch older than
     UNEVEN_SEQUENCE_TORCH, whose first step would fail inside the attention projections."""
     tp, seq_len = config.distributed.tp, config.train.seq_len
-    if tp == 1 or layout_of(config) is PIPELINE_STAGES or seq_len % tp == 0:
+    if tp == 1 or layout_of(config.distributed) is PIPELINE_STAGES or seq_len % tp == 0:
         return
     if torch_release(torch_version) >= UNEVEN_SEQUENCE_TORCH:
         return

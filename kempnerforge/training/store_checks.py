@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import uuid
 
+from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.config.data import DataConfig
+from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.storage.files import probe, remove, write_bytes
 from kempnerforge.storage.location import is_store_url, join
@@ -20,28 +24,27 @@ LOCAL_ONLY_WHY = (
 )
 
 
-def data_urls(config: JobConfig) -> list[tuple[str, str]]:
+def data_urls(data: DataConfig, ec: EvalConfig) -> list[tuple[str, str]]:
     """(config field, URL) of every data path the job reads from an object store."""
-    data = config.data
     named = [("data.path", data.path), ("data.eval_path", data.eval_path)]
     named += [(f"data.datasets[{i}].path", s.path) for i, s in enumerate(data.datasets)]
-    named += [(f"eval.sets[{i}].path", s.path) for i, s in enumerate(config.eval.sets)]
+    named += [(f"eval.sets[{i}].path", s.path) for i, s in enumerate(ec.sets)]
     return [(field, path) for field, path in named if path and is_store_url(path)]
 
 
-def check_local_dirs(config: JobConfig) -> None:
+def check_local_dirs(train: TrainConfig) -> None:
     """Refuse train.run_dir naming an object store: it would be created as a local
     directory named after the scheme ('s3:'), silently."""
-    value = config.train.run_dir
+    value = train.run_dir
     if value and is_store_url(value):
         raise ConfigError("train.run_dir", value, LOCAL_ONLY, LOCAL_ONLY_WHY)
 
 
-def check_checkpoint_store(config: JobConfig) -> None:
+def check_checkpoint_store(checkpoint: CheckpointConfig) -> None:
     """With checkpoint.dir a store URL: write and delete one probe object under it, so a
     missing bucket or credentials that may not write stop the launch now, not at the first
     save; ConfigError naming checkpoint.dir and carrying the store's own error."""
-    url = config.checkpoint.dir
+    url = checkpoint.dir
     if not (url and is_store_url(url)):
         return
     probe_url = join(url, f".write-probe-{uuid.uuid4().hex}")
@@ -58,9 +61,9 @@ def check_stores(config: JobConfig) -> None:
     """Ask each store the job reads for the listing of its path, once per path, with the
     stores' bounded timeouts; the first that fails is a ConfigError naming its field and
     carrying the store's own error."""
-    check_local_dirs(config)
-    check_checkpoint_store(config)
-    for field, url in data_urls(config):
+    check_local_dirs(config.train)
+    check_checkpoint_store(config.checkpoint)
+    for field, url in data_urls(config.data, config.eval):
         try:
             probe(url)
         except StoreError as exc:

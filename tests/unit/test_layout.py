@@ -27,8 +27,8 @@ def _config(*overrides: str) -> JobConfig:
 
 
 def test_layout_of_is_pipeline_stages_only_with_pp_above_one():
-    assert layout_of(_config()) is WHOLE_MODEL
-    assert layout_of(_config(*PIPELINED)) is PIPELINE_STAGES
+    assert layout_of(_config().distributed) is WHOLE_MODEL
+    assert layout_of(_config(*PIPELINED).distributed) is PIPELINE_STAGES
 
 
 def test_only_the_pipeline_layout_has_a_step_body_and_lacks_a_whole_model_forward():
@@ -59,7 +59,7 @@ def test_the_pipeline_layout_keeps_only_this_ranks_stage():
 
 
 def _warn(config: JobConfig) -> None:
-    build._warn_what_the_layout_skips(layout_of(config), config.eval, config.train)
+    build._warn_what_the_layout_skips(layout_of(config.distributed), config.eval, config.train)
 
 
 def test_the_build_says_once_what_a_pipelined_run_skips(caplog):

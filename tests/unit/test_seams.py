@@ -44,7 +44,7 @@ def test_family_and_pipeline_are_branched_on_only_at_their_seams():
     found = _family_branches(SCANNED)
     assert len(found) <= MAX_SEAM_LINES, (
         f"{len(found)} lines branch on the model family or on pipeline parallelism (at most "
-        f"{MAX_SEAM_LINES}); ask family_of(config) or layout_of(config) instead:\n"
+        f"{MAX_SEAM_LINES}); ask family_of(config) or layout_of(config.distributed) instead:\n"
         + "\n".join(found)
     )
 
@@ -67,7 +67,10 @@ def test_the_pattern_finds_the_branches_it_is_meant_to():
         "if isinstance(model, VisionLanguageModel):",
         "if config.vlm is None:",
     ]
-    missed = ["return layout_of(config).step or family_of(config).step", "assert x.vlm is not None"]
+    missed = [
+        "return layout_of(config.distributed).step or family_of(config).step",
+        "assert x.vlm is not None",
+    ]
     assert all(_BRANCH.search(s) or _TERNARY.search(s) for s in caught)
     assert not any(_BRANCH.search(s) or _TERNARY.search(s) for s in missed)
 

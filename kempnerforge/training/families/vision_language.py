@@ -26,10 +26,11 @@ from kempnerforge.training.session import StepResult
 from kempnerforge.training.steps import vlm_step
 
 
-def vlm_section(config: JobConfig) -> VLMConfig:
-    """The job's [vlm] table; family_of picks this family only for a job that has one."""
-    assert config.vlm is not None, "a vision-language job has a [vlm] table"
-    return config.vlm
+def vlm_section(vlm: VLMConfig | None) -> VLMConfig:
+    """The job's [vlm] table (JobConfig.vlm); family_of picks this family only for a job
+    that has one."""
+    assert vlm is not None, "a vision-language job has a [vlm] table"
+    return vlm
 
 
 def build_image_text_data(
@@ -37,7 +38,7 @@ def build_image_text_data(
 ) -> DataPipeline:
     """Image-text pairs of vlm.data and vlm.eval_data (or synthetic ones); batches are
     sliced for context parallelism after the joint decoder's image tokens."""
-    vlm, tc, spec = vlm_section(config), config.train, config.vision_spec()
+    vlm, tc, spec = vlm_section(config.vlm), config.train, config.vision_spec()
     data = build_image_text_pipeline(
         config.data,
         vlm,
@@ -130,12 +131,12 @@ VISION_LANGUAGE = ModelFamily(
     step=vlm_step,
     batch_loss=lambda config: vlm_batch_loss,
     sample=lambda model, data, config, device: caption_sample(
-        model, data, config.train, vlm_section(config), device
+        model, data, config.train, vlm_section(config.vlm), device
     ),
-    summarize=lambda config, model: summarize_vision_language_model(vlm_section(config), model),
+    summarize=lambda config, model: summarize_vision_language_model(vlm_section(config.vlm), model),
     tokens_per_step=text_tokens_of,
-    freeze_schedule=lambda config: vlm_freeze_schedule(vlm_section(config)),
-    checkpoint_extra=lambda config, step: vlm_checkpoint_extra(vlm_section(config), step),
+    freeze_schedule=lambda config: vlm_freeze_schedule(vlm_section(config.vlm)),
+    checkpoint_extra=lambda config, step: vlm_checkpoint_extra(vlm_section(config.vlm), step),
     no_eval_data=NO_IMAGE_TEXT_EVAL_DATA,
     # A pretrained tower's encoder fills its own buffers (position ids) as it initialises;
     # the load then overwrites every weight.

@@ -72,7 +72,11 @@ def evaluate_checkpoint(
     over the windows the run's own eval used; the report `kempnerforge eval` writes."""
     config = job.config
     batch = eval_batch_of_checkpoint(config.eval, config.train, job.checkpoint, job.recorded_config)
-    metrics = evaluate_model(model, data, job.config, job.runtime.device, global_batch=batch)
+    config = job.config
+    batch_loss = family_of(config).batch_loss(config)
+    metrics = evaluate_model(
+        model, data, batch_loss, config.eval, config.train, job.runtime.device, global_batch=batch
+    )
     return {
         "checkpoint": str(job.checkpoint),
         "step": job.step,

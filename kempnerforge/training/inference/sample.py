@@ -21,7 +21,7 @@ def sample_text(session: TrainingSession) -> str | None:
     forward on one rank (ModelLayout.forward_refusal), so there is no sample.
     """
     config = session.config
-    if layout_of(config).forward_refusal is not None:
+    if layout_of(config.distributed).forward_refusal is not None:
         return None
     # Context-parallel ranks decode whole windows side by side: a growing window does not
     # split evenly, and every rank must run the same forwards for FSDP's gathers anyway.
