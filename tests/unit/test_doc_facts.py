@@ -68,6 +68,22 @@ def test_every_path_the_docs_name_exists(path):
     assert not missing, f"{_name(path)} names paths that do not exist: {missing}"
 
 
+def test_every_path_the_code_names_exists():
+    """Docstrings, comments and messages of the package, bench/ and examples/ (a preset a
+    benchmark loads, the docs page an error points to)."""
+    missing = {}
+    for folder in ("kempnerforge", "bench", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            absent = [
+                p
+                for p in named_paths(path.read_text())
+                if not (REPO / p).exists() and not p.startswith(ignored_roots())
+            ]
+            if absent:
+                missing[_name(path)] = absent
+    assert not missing, f"paths that do not exist: {missing}"
+
+
 def test_a_missing_path_is_found():
     text = "see `configs/model/7b.toml` and configs/train/debug.toml, runs/x, examples/s"
     assert named_paths(text) == {"configs/model/7b.toml", "configs/train/debug.toml"}
