@@ -120,8 +120,15 @@ header's exact count with its short form, ``Parameters: 3,542,784 (3.5M)`` (``of
 SCALE = {None: 1, "K": 10**3, "M": 10**6, "B": 10**9}
 MODEL_PATH = re.compile(r"((?:configs/(?:model|train)|bench/models)/[\w-]+\.toml)")
 PRESET_NAME = re.compile(
-    r"(?i)\b(?:the\s+)?`?(" + "|".join(map(re.escape, PRESETS)) + r")`?\s+(preset|model|decoder)"
+    r"(?i)\b(?:the\s+)?`?(" + "|".join(map(re.escape, PRESETS)) + r")`?\s+(?:preset|model|decoder)"
 )
+"""A preset named in words: "the debug preset", "`125m` preset", "the dense debug model"."""
+
+
+def _model_named(match: re.Match[str]) -> str:
+    """The config a MODEL_PATH or PRESET_NAME match names."""
+    name = match.group(1)
+    return name if "/" in name else f"configs/model/{name.lower()}.toml"
 
 
 @dataclass(frozen=True)
@@ -140,11 +147,8 @@ class WrittenCount:
 def _counts_of(where: str, unit_text: str, implied: str | None) -> list[WrittenCount]:
     """The counts of one paragraph or table row, each with the nearest model it names."""
     refs = [] if implied is None else [(-1, implied)]  # a config's own, before its text
-    refs += [(m.start(), m.group(1)) for m in MODEL_PATH.finditer(unit_text)]
-    refs += [
-        (m.start(), f"configs/model/{m.group(1).lower()}.toml")
-        for m in PRESET_NAME.finditer(unit_text)
-    ]
+    matches = [*MODEL_PATH.finditer(unit_text), *PRESET_NAME.finditer(unit_text)]
+    refs += [(m.start(), _model_named(m)) for m in matches]
     found = []
     for m in COUNT.finditer(unit_text):
         number, scale, _, active_word, exact, short, short_scale, are_active = m.groups()
@@ -209,9 +213,7 @@ def _table_counts(path: pathlib.Path, text: str) -> list[WrittenCount]:
             column = next((i for i, c in enumerate(heads) if c.startswith("parameters")), None)
             continue
         ref = MODEL_PATH.search(cells[0]) or PRESET_NAME.search(cells[0])
-        model = ref.group(1) if ref and "/" in ref.group(1) else None
-        if ref and model is None:
-            model = f"configs/model/{ref.group(1).lower()}.toml"
+        model = None if ref is None else _model_named(ref)
         cell = re.fullmatch(NUMBER + r"(?:\s*\(" + NUMBER + r"\))?", cells[column])
         if cell is None:
             continue
@@ -263,9 +265,14 @@ def test_a_wrong_count_is_caught():
     assert abs(total - count.value) > count.unit / 2
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_a_preset_named_after_a_published_shape_carries_its_size(preset):
-    header = (REPO / "configs" / "model" / f"{preset}.toml").read_text().splitlines()[0]
-    published = re.search(r"Llama-[\d.]+-(\d+)B", header)
-    if published:
-        assert preset == f"{published.group(1)}b", f"configs/model/{preset}.toml: {header}"
+def test_a_preset_named_after_a_published_shape_carries_its_size():
+    """A preset whose header names the published model it copies (the Llama-3-8B shape) is
+    named by that model's size, so `--preset 8b` is the 8B shape."""
+    named = {}
+    for preset in PRESETS:
+        header = (REPO / "configs" / "model" / f"{preset}.toml").read_text().splitlines()[0]
+        published = re.search(r"Llama-[\d.]+-(\d+)B", header)
+        if published:
+            named[preset] = f"{published.group(1)}b"
+    assert len(named) >= 3, named
+    assert all(preset == size for preset, size in named.items()), named
