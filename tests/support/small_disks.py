@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -46,9 +47,12 @@ def _unshare() -> tuple[list[str] | None, str]:
 def require_small_disks() -> None:
     """Skip (fail under KEMPNERFORGE_REQUIRE_TMPFS=1) where no tmpfs can be mounted."""
     prefix, why = _unshare()
-    if prefix is not None:
-        return
-    reason = f"cannot mount a small tmpfs here: {why}"
+    if prefix is None:
+        no_small_disks(f"cannot mount a small tmpfs here: {why}")
+
+
+def no_small_disks(reason: str) -> NoReturn:
+    """Skip a full-disk test, naming why; fail instead under KEMPNERFORGE_REQUIRE_TMPFS=1."""
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(reason)
     pytest.skip(reason)
