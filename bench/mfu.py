@@ -11,7 +11,7 @@ Prints one JSON line.
 
     python bench/mfu.py --preset debug --seq-len 256 --batch-size 8
     python bench/mfu.py --preset 1b --seq-len 2048 --batch-size 4 --compile --ac selective
-    torchrun --standalone --nproc_per_node=8 bench/mfu.py --preset 7b --fused-optimizer
+    torchrun --standalone --nproc_per_node=8 bench/mfu.py --preset 8b --fused-optimizer
     python bench/mfu.py --preset 1b --seq-len 4096 --batch-size 4 --compile --train.float8=true
 
 A config the job refuses (train.float8 on a CPU, say) is one line on stderr and exit 2.

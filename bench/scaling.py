@@ -1,6 +1,6 @@
 """What one rank of a 1,024-rank job pays, computed from the code's own counters.
 
-For the 7b (8.0B) and 70b (70.6B) presets on 1,024 ranks, HSDP x TP (dp_replicate 16 x
+For the 8b (8.0B) and 70b (70.6B) presets on 1,024 ranks, HSDP x TP (dp_replicate 16 x
 dp_shard 8 x tp 8) and with pipeline stages (pp 4 x dp_replicate 4 x dp_shard 8 x tp 8),
 prints a Markdown table of one rank's start-up, resume, host memory and per-step
 figures, each with where it comes from:
@@ -42,7 +42,7 @@ WORLD = 1024
 SEQ_LEN = 4096
 LAYOUTS = {"HSDP x TP": (1, 16, 8, 8), "PP x HSDP x TP": (4, 4, 8, 8)}
 """Name -> (pp, dp_replicate, dp_shard, tp)."""
-PRESETS = {"8B": "configs/model/7b.toml", "70B": "configs/model/70b.toml"}
+PRESETS = {"8B": "configs/model/8b.toml", "70B": "configs/model/70b.toml"}
 TINY = [
     "--model.dim=64",
     "--model.n_heads=8",

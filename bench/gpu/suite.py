@@ -54,7 +54,7 @@ class Shape:
 
 GPU_SHAPES = {
     "1b": Shape("1b", 4096, 4, 3, 10),
-    "8b": Shape("7b", 4096, 1, 2, 4),  # configs/model/7b.toml is the Llama-3-8B shape
+    "8b": Shape("8b", 4096, 1, 2, 4),  # configs/model/8b.toml: the Llama-3-8B shape
 }
 DRY_SHAPES = {
     "1b": Shape("debug", 64, 2, 1, 2, ("--model.n_layers=2",)),

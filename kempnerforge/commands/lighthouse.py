@@ -83,11 +83,12 @@ def run_lighthouse(args: argparse.Namespace, overrides: list[str]) -> int:
             "the installed package (the lighthouse is torchft's)",
             "install the ft extra: pip install 'kempnerforge[ft]'",
         )
+    why = "--join-timeout-ms; no --join-timeout-from run directory"
     if args.join_timeout_from:
         args.join_timeout_ms, why = join_timeout_from_run(
             args.join_timeout_from, args.join_timeout_ms
         )
-        print(f"lighthouse: join timeout {args.join_timeout_ms} ms ({why})", flush=True)
+    print(f"lighthouse: join timeout {args.join_timeout_ms} ms ({why})", flush=True)
     server = _start_server(args)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

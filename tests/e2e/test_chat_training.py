@@ -101,6 +101,51 @@ def test_a_prepared_chat_corpus_holds_whole_conversations_in_every_window(chat_d
     assert conversations_seen == 300
 
 
+def _supervised_per_window(dataset: MemoryMappedDataset) -> list[int]:
+    return [int((dataset[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(dataset))]
+
+
+def _epoch_supervised_tokens(run_dir: pathlib.Path, corpus: str, batch_size: int, *extra):
+    """supervised_tokens summed over the steps of one epoch, each step logged."""
+    num_windows = len(MemoryMappedDataset(corpus, SEQ_LEN))
+    steps = num_windows // batch_size  # whole batches only: the rest waits for no epoch
+    overrides = tiny_run(
+        run_dir,
+        (corpus, ""),
+        *CHAT_RUN,
+        f"--train.batch_size={batch_size}",
+        f"--train.max_steps={steps}",
+        "--metrics.log_interval=1",
+        *extra,
+    )
+    train_steps(overrides)
+    rows = [r for r in read_rows(run_dir) if "loss" in r and "event" not in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    return sum(r["supervised_tokens"] for r in rows)
+
+
+def test_an_epochs_supervised_tokens_are_the_assistant_tokens_of_the_windows_it_reads(
+    chat_dirs, tmp_path
+):
+    """docs/training.md: summed over an epoch, supervised_tokens is meta.json's
+    assistant_tokens when the global batch divides the windows; otherwise the epoch leaves
+    out the windows of its last, partial batch, and their assistant tokens with them."""
+    small = write_chat_corpus(tmp_path / "small", conversations(22, seed=2))
+    dataset = MemoryMappedDataset(small, SEQ_LEN)
+    per_window = _supervised_per_window(dataset)
+    assistant = json.loads((pathlib.Path(small) / "meta.json").read_text())["assistant_tokens"]
+    # Every assistant token is a label exactly once: in its window, never across one.
+    assert sum(per_window) == assistant
+    num_windows = len(per_window)
+    divisor = next(b for b in range(2, num_windows + 1) if num_windows % b == 0)
+    assert _epoch_supervised_tokens(tmp_path / "whole", small, divisor) == assistant
+    # In order (data.shuffle = false), the windows left out are the last ones.
+    partial = next(b for b in range(2, num_windows) if num_windows % b)
+    read = num_windows // partial * partial
+    got = _epoch_supervised_tokens(tmp_path / "part", small, partial, "--data.shuffle=false")
+    assert got == sum(per_window[:read]) < assistant
+
+
 def phased_config(path: pathlib.Path, text: str, chat: str, switch_at: int) -> str:
     """Text alone until ``switch_at``, then the chat corpus alone, at a lower LR."""
     path.write_text(

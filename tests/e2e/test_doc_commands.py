@@ -4,7 +4,9 @@ marker runs and exits 0, in its file's order, with tiny model overrides.
 README.md's "Using it" block is tests/e2e/test_readme.py's. The lines run in one working
 directory holding what `make train` leaves (runs/debug, trained here for its 400 steps by
 the tiny model), since the docs start from there; a `train` line of a config in configs/
-gets the tiny model, short evals and 4 steps appended. Run time: about 2 minutes on 2
+gets the tiny model, short evals and 4 steps appended. Lines naming s3:// URLs run against
+the tests' S3 server (moto's, on a loopback port), their buckets created empty first. Run
+time: about 2 minutes on 2
 loaded cores, most of it the built-in corpus's first preparation and the 400 steps.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -103,11 +106,39 @@ RUNS = to_run()
 
 def test_some_lines_of_the_guides_are_run():
     assert {"docs/quickstart.md", "docs/hooks.md", "docs/data.md"} <= set(RUNS)
+    assert any(STORE_URL.search(c.text) for c in RUNS["docs/data.md"])
+
+
+STORE_URL = re.compile(r"\bs3://([a-z0-9][a-z0-9.-]+)")
+"""A store URL of a command line, its bucket captured."""
+
+
+def store_environment(request, commands: list[DocCommand], root: pathlib.Path) -> dict[str, str]:
+    """For lines naming s3:// URLs: the test S3 server's environment (moto, on a loopback
+    port) with every bucket they name created empty; nothing otherwise."""
+    buckets = {b for c in commands for b in STORE_URL.findall(c.text)}
+    if not buckets:
+        return {}
+    server = request.getfixturevalue("_s3_server")
+    store_env = server.environment(str(root))
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=store_env["AWS_ENDPOINT_URL"],
+        region_name=store_env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=store_env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=store_env["AWS_SECRET_ACCESS_KEY"],
+    )
+    for bucket in sorted(buckets):
+        client.create_bucket(Bucket=bucket)
+    return store_env
 
 
 @pytest.mark.parametrize("file", sorted(RUNS))
-def test_the_unmarked_command_lines_of_each_doc_run(file, workdir):
+def test_the_unmarked_command_lines_of_each_doc_run(file, workdir, request):
     root, env = workdir
+    env = {**env, **store_environment(request, RUNS[file], root)}
     for command in RUNS[file]:
         done = subprocess.run(
             argv_of(command), cwd=root, env=env, capture_output=True, text=True, timeout=900

@@ -6,6 +6,8 @@ run_distributed hands to every rank.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import resource
 import signal
@@ -144,3 +146,69 @@ class NaNOutputOnce(TrainingHook):
             return output._make(poisoned) if hasattr(output, "_make") else type(output)(poisoned)
 
         handle = ctx.model.register_forward_hook(poison)
+
+
+FILL_ENV = "KF_TEST_FILL"
+"""What FillDisk fills: entries ``STEP:DIR[:inodes][:pad=FILE]``, separated by spaces."""
+
+
+class FillDisk(TrainingHook):
+    """After the steps $KF_TEST_FILL names, fill the file system of each entry's DIR: one
+    file grown until the OS answers ENOSPC, for an ``inodes`` entry also empty files until
+    no inode is left (a new directory then fails too), and for a ``pad=FILE`` entry first
+    the free end of FILE's last block (FILE relative to DIR: a run's metrics.jsonl), with
+    a padding row, so that the very next append to FILE fails. The disk stays full: every
+    later write there that needs a new block (or inode) fails with a real ENOSPC.
+
+    on_step_end runs after the step's metrics row and before the loop saves that step.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, str, list[str]]] = []
+        for entry in os.environ.get(FILL_ENV, "").split():
+            step, directory, *options = entry.split(":")
+            self.entries.append((int(step), directory, options))
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        for step, directory, options in self.entries:
+            if step != ctx.step:
+                continue
+            for option in options:
+                if option.startswith("pad="):
+                    pad_last_block(os.path.join(directory, option[len("pad=") :]), ctx.step)
+            fill_file_system(directory, inodes="inodes" in options)
+
+
+def pad_last_block(path: str, step: int) -> None:
+    """Append one JSON row to ``path`` that ends exactly at a block boundary (tmpfs gives
+    a file whole pages), so the file's next append needs a new block."""
+    block = os.statvfs(path).f_bsize
+    head = json.dumps({"event": "test_padding", "step": step, "pad": ""})[:-2]
+    free = -os.path.getsize(path) % block
+    width = free - len(head) - 3  # the row's closing '"}' and its newline
+    if width < 0:
+        width += block
+    with open(path, "a") as f:
+        f.write(head + "x" * width + '"}\n')
+
+
+def fill_file_system(directory: str, *, inodes: bool) -> None:
+    """Take every free block (and with ``inodes`` every free inode) of ``directory``'s file
+    system, with files named ``filler*`` there."""
+    chunk = b"\0" * 4096
+    with open(os.path.join(directory, "filler"), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+    count = 0
+    while inodes:
+        try:
+            os.close(os.open(os.path.join(directory, f"filler-{count}"), os.O_CREAT | os.O_WRONLY))
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            break
+        count += 1

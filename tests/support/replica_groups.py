@@ -73,8 +73,11 @@ def start_lighthouse(port: int, join_timeout_ms: int = 200) -> subprocess.Popen:
         stderr=subprocess.DEVNULL,
         text=True,
     )  # fmt: skip
-    line = process.stdout.readline() if process.stdout else ""
-    assert line.startswith("lighthouse: "), line
+    # Its join timeout first, then its address once it serves.
+    for _ in range(2):
+        line = process.stdout.readline() if process.stdout else ""
+        assert line.startswith("lighthouse: "), line
+    assert line.startswith("lighthouse: http"), line
     return process
 
 

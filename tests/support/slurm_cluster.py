@@ -24,9 +24,16 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue")
 PACKAGES = "slurm-wlm and munge (as root: apt-get install slurm-wlm munge)"
 DRAINED_NODE = "ghost"
-"""A second node of the partition, drained and at an address nobody answers (TEST-NET-1):
-a job that excludes this machine's node is accepted and waits, as it would for the other
-nodes of a real cluster, instead of being refused."""
+"""A second node of the partition, drained: a job that excludes this machine's node is
+accepted and waits, as it would for the other nodes of a real cluster, instead of being
+refused."""
+DRAINED_ADDR = "127.0.0.2"
+"""Where slurmctld looks for DRAINED_NODE: a loopback address (all of 127.0.0.0/8 is this
+machine's on Linux) and a port of its own where nothing listens, so its pings are refused
+at once and no packet leaves the machine."""
+LOOPBACK = "127.0.0.1"
+"""The address of this machine's node and of its slurmctld: the daemons talk over loopback
+whatever the host name resolves to."""
 
 
 def missing() -> str | None:
@@ -119,16 +126,26 @@ class SlurmCluster:
                 time.sleep(0.1)
 
 
-def _free_ports(count: int) -> list[int]:
+def _free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     sockets, ports = [], []
     for _ in range(count):
         s = socket.socket()
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         sockets.append(s)
         ports.append(s.getsockname()[1])
     for s in sockets:
         s.close()
     return ports
+
+
+def _cluster_ports() -> list[int]:
+    """slurmctld's and slurmd's ports, free on loopback, and DRAINED_NODE's, free on its
+    address and unlike both (slurmd listens on every address)."""
+    daemons = _free_ports(2)
+    while True:
+        [drained] = _free_ports(1, DRAINED_ADDR)
+        if drained not in daemons:
+            return [*daemons, drained]
 
 
 def _memory_mb() -> int:
@@ -139,10 +156,12 @@ def _memory_mb() -> int:
 
 
 def slurm_conf(root: Path, node: str, ports: list[int]) -> str:
+    """slurm.conf of the cluster: ``ports`` are slurmctld's, slurmd's and the one
+    DRAINED_NODE is looked for at (nothing listens there)."""
     return "\n".join(
         [
             "ClusterName=kftest",
-            f"SlurmctldHost={node}",
+            f"SlurmctldHost={node}({LOOPBACK})",
             f"SlurmctldPort={ports[0]}",
             f"SlurmdPort={ports[1]}",
             "SlurmUser=root",
@@ -165,8 +184,10 @@ def slurm_conf(root: Path, node: str, ports: list[int]) -> str:
             "MpiDefault=none",
             "JobCompType=jobcomp/none",
             "AccountingStorageType=accounting_storage/none",
-            f"NodeName={node} CPUs={os.cpu_count()} RealMemory={_memory_mb()} State=UNKNOWN",
-            f"NodeName={DRAINED_NODE} NodeAddr=192.0.2.1 CPUs=1 RealMemory=100 State=DRAIN",
+            f"NodeName={node} NodeAddr={LOOPBACK} CPUs={os.cpu_count()} "
+            f"RealMemory={_memory_mb()} State=UNKNOWN",
+            f"NodeName={DRAINED_NODE} NodeHostname={DRAINED_NODE} NodeAddr={DRAINED_ADDR} "
+            f"Port={ports[2]} CPUs=1 RealMemory=100 State=DRAIN",
             f"PartitionName=debug Nodes={node},{DRAINED_NODE} Default=YES MaxTime=INFINITE "
             "State=UP",
             "",
@@ -188,7 +209,7 @@ def start_cluster(root: Path, timeout_s: float = 30.0) -> SlurmCluster:
     key.chmod(0o600)
     node = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
-    conf.write_text(slurm_conf(root, node, _free_ports(2)))
+    conf.write_text(slurm_conf(root, node, _cluster_ports()))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     cluster = SlurmCluster(root, node, env)
     subprocess.run(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from kempnerforge.checkpoint.failures import bytes_free, diagnose
+from tests.support.small_disks import on_small_disks, require_small_disks
 
 REPO = Path(__file__).parents[2]
 
@@ -71,17 +71,14 @@ SAVE_ON_A_SMALL_DISK = textwrap.dedent(
 
 
 def _on_a_small_file_system(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
-    """Save into a 512 KB tmpfs mounted in a user and mount namespace of its own."""
+    """Save into a 512 KB tmpfs mounted in a mount namespace of its own."""
     mount = tmp_path / "small"
     mount.mkdir()
     script = tmp_path / "save.py"
     script.write_text(SAVE_ON_A_SMALL_DISK)
-    command = (
-        f"mount -t tmpfs -o size=512k tmpfs {mount} || exit 97; "
-        f"exec {sys.executable} {script} {mount / 'ckpt'} {mode}"
-    )
+    command = [sys.executable, str(script), str(mount / "ckpt"), mode]
     return subprocess.run(
-        ["unshare", "-rm", "sh", "-c", command],
+        on_small_disks({mount: "size=512k"}, command),
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
@@ -89,12 +86,10 @@ def _on_a_small_file_system(tmp_path: Path, mode: str) -> subprocess.CompletedPr
     )
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_a_save_on_a_full_file_system_names_the_full_disk(tmp_path, mode):
+    require_small_disks()
     done = _on_a_small_file_system(tmp_path, mode)
-    if done.returncode == 97 or "unshare:" in done.stderr:
-        pytest.skip(f"no unprivileged tmpfs mount here: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr
     directory = tmp_path / "small" / "ckpt"
     what = "the background write of" if mode == "async" else "writing"

@@ -12,7 +12,7 @@ from kempnerforge.config.loader import config_to_dict, load_config
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.training.resume_guard import check_config_changes, global_batch
 
-FT = ["--fault_tolerance.enabled=true", "--fault_tolerance.lighthouse=http://lh:29510"]
+FT = ["--fault_tolerance.enabled=true", "--fault_tolerance.lighthouse=http://localhost:29510"]
 needs_torchft = pytest.mark.skipif(
     importlib.util.find_spec("torchft") is None,
     reason="validating enabled replica groups needs torchft (the ft extra)",

@@ -302,7 +302,7 @@ def test_preset_loads_and_matches_its_header_param_count(path: Path) -> None:
 
 def test_all_presets_are_present() -> None:
     names = {p.stem for p in PRESET_DIR.glob("*.toml")}
-    assert names >= {"debug", "125m", "1b", "7b", "13b", "70b"}
+    assert names >= {"debug", "125m", "1b", "8b", "13b", "70b"}
 
 
 def test_a_document_mask_is_needed_only_where_a_row_holds_two_documents() -> None:
