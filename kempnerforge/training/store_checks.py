@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import uuid
 
+from kempnerforge.checkpoint.store import TIMEOUT_FIELD
+from kempnerforge.checkpoint.store_saves import DEADLINES_PER_SAVE
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.resilience.hang import CHECKPOINT, FLOOR_S
+from kempnerforge.storage.deadlines import Deadline
 from kempnerforge.storage.files import probe, remove, write_bytes
 from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.storage.stores import StoreError
@@ -38,20 +42,33 @@ def check_local_dirs(config: JobConfig) -> None:
 
 
 def check_checkpoint_store(config: JobConfig) -> None:
-    """With checkpoint.dir a store URL: write and delete one probe object under it, so a
-    missing bucket or credentials that may not write stop the launch now, not at the first
-    save; ConfigError naming checkpoint.dir and carrying the store's own error."""
+    """With checkpoint.dir a store URL: write and delete one probe object under it, both
+    within checkpoint.store_timeout_s, so a missing bucket, credentials that may not write
+    or a store that does not answer stop the launch now, not at the first save; ConfigError
+    naming checkpoint.dir and carrying the store's own error."""
     url = config.checkpoint.dir
     if not (url and is_store_url(url)):
         return
     probe_url = join(url, f".write-probe-{uuid.uuid4().hex}")
+    deadline = Deadline(config.checkpoint.store_timeout_s, TIMEOUT_FIELD)
     try:
-        write_bytes(probe_url, b"")
-        remove(probe_url)
+        write_bytes(probe_url, b"", deadline=deadline)
+        remove(probe_url, deadline=deadline)
     except StoreError as exc:
         raise ConfigError(
             "checkpoint.dir", url, "a store location this job may write and delete in", str(exc)
         ) from None
+
+
+def store_save_limits(config: JobConfig) -> dict[str, float]:
+    """The hang watchdog's floor for a checkpoint when checkpoint.dir is a store: the
+    store's own deadlines of one save (store_saves.DEADLINES_PER_SAVE times
+    checkpoint.store_timeout_s) beyond the watchdog's least limit, so a stalled store fails
+    the save (a checkpoint_failed event) instead of ending the run as a hang; none else."""
+    if not is_store_url(config.checkpoint_dir):
+        return {}
+    store_s = DEADLINES_PER_SAVE * config.checkpoint.store_timeout_s
+    return {CHECKPOINT: FLOOR_S + store_s}
 
 
 def check_stores(config: JobConfig) -> None:
