@@ -19,9 +19,7 @@ newest checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +39,11 @@ from kempnerforge.checkpoint.resume import (
     saved_keys,
 )
 from kempnerforge.checkpoint.saver import CheckpointSaver
-from kempnerforge.checkpoint.store import CheckpointStore, CheckpointStoreError, store_failed
+from kempnerforge.checkpoint.store import CheckpointStoreError, new_store, store_failed
 from kempnerforge.checkpoint.store_reads import (
+    StagedStores,
     fetch_share,
     split_store_url,
-    staging_for,
     store_candidates,
 )
 from kempnerforge.checkpoint.store_saves import default_staging
@@ -98,7 +96,7 @@ class CheckpointManager(CheckpointSaver):
         store = None
         staging = staging_dir or cfg.staging_dir
         if is_store_url(directory):
-            store = self._new_store(directory, cfg)
+            store = new_store(directory, cfg)
             directory = staging or default_staging(directory)
         root = Path(local_path(directory))
         super().__init__(
@@ -115,40 +113,15 @@ class CheckpointManager(CheckpointSaver):
         self.store = store
         self._verified: set[Path] = set()
         """Checkpoints a verdict of this run found complete: a load of one checks no more."""
-        self._staging = Path(local_path(staging)) if staging else None
-        self._stores: dict[Path, CheckpointStore] = {} if store is None else {root: store}
-        """Each store whose checkpoints this manager reads, by the local directory its
-        checkpoints are staged in (a staged checkpoint's parent)."""
-
-    @staticmethod
-    def _new_store(url: str, cfg: CheckpointConfig) -> CheckpointStore:
-        timeout_s, connections = cfg.store_timeout_s, cfg.store_connections
-        return CheckpointStore(url, timeout_s=timeout_s, connections=connections)
+        self.stores = StagedStores(cfg, Path(local_path(staging)) if staging else None)
+        """The stores whose checkpoints this manager reads, and where each is staged."""
+        if store is not None:
+            self.stores.add(store, root)
 
     def location_of(self, path: str | os.PathLike[str]) -> str:
         """Where checkpoint `path` (or a file of it) lives: its URL when it is the staged
         copy of a checkpoint in a store, else `path` itself. What reports and events name."""
-        text = str(path)
-        for staging, store in self._stores.items():
-            if text == str(staging):
-                return store.url
-            if text.startswith(f"{staging}{os.sep}"):
-                return f"{store.url}/{text[len(str(staging)) + 1 :]}"
-        return text
-
-    @contextlib.contextmanager
-    def _by_url(self) -> Iterator[None]:
-        """Name checkpoints by their URLs, not their staged copies, in a CheckpointError
-        raised in the block."""
-        try:
-            yield
-        except CheckpointError as error:
-            if self._stores:
-                error.path = self.location_of(error.path)
-                for staging, store in self._stores.items():
-                    error.problem = error.problem.replace(str(staging), store.url)
-                error.args = (f"{error.path}: {error.problem}",)
-            raise
+        return self.stores.location_of(path)
 
     @property
     def pending_step(self) -> int | None:
@@ -229,7 +202,7 @@ class CheckpointManager(CheckpointSaver):
         says nothing about the checkpoint.
         """
         root = Path(path)
-        store = self._stores.get(root.parent)
+        store = self.stores.of(root)
         report: tuple[str, list[str]] | None = None
         try:
             if store is not None:
@@ -260,6 +233,9 @@ class CheckpointManager(CheckpointSaver):
         every rank; None for 'none'. Collective. A store that fails raises
         CheckpointStoreError on every rank."""
 
+        if is_store_url(choice):  # every rank stages that store's checkpoints alike
+            self.stores.staged(split_store_url(choice)[0])
+
         def listing() -> Candidates | CheckpointError | None:
             try:
                 return self._list(choice)
@@ -276,7 +252,7 @@ class CheckpointManager(CheckpointSaver):
             return None
         if is_store_url(choice):
             prefix, name = split_store_url(choice)
-            staging, store = self._store_of(prefix)
+            staging, store = self.stores.staged(prefix)
             return store_candidates(store, staging, name, required=True)
         name = choice.strip("/")
         if self.store is not None and (choice == "auto" or STEP_DIR.fullmatch(name)):
@@ -284,19 +260,8 @@ class CheckpointManager(CheckpointSaver):
             return store_candidates(self.store, self.directory, named, required=False)
         return list_candidates(self.directory, choice)
 
-    def _store_of(self, url: str) -> tuple[Path, CheckpointStore]:
-        """The staging directory and store of the checkpoints under `url`: this run's own
-        store, or another one staged in a folder of its own."""
-        for staging, store in self._stores.items():
-            if store.url == url.rstrip("/"):
-                return staging, store
-        base = self._staging or Path(default_staging(url))
-        staging = staging_for(url, base) if self._staging else base
-        self._stores[staging] = self._new_store(url, self.cfg)
-        return staging, self._stores[staging]
-
     def _choose(self, choice: str) -> str | None:
-        with self._by_url():
+        with self.stores.by_url():
             candidates = self.candidates(choice)
             if candidates is None:
                 return None
@@ -307,7 +272,7 @@ class CheckpointManager(CheckpointSaver):
         checkpoint a verdict of this run already found complete is not checked again)."""
         if root in self._verified:
             return
-        with self._by_url():
+        with self.stores.by_url():
             problems = self.verify(root)
             if problems:
                 raise incomplete(root, problems)
@@ -320,7 +285,7 @@ class CheckpointManager(CheckpointSaver):
         """
         root = Path(path)
         self._require_complete(root)
-        with self._by_url():
+        with self.stores.by_url():
             state = self._coord.on_every_rank(
                 lambda: read_train_state(root, self.rank, self.world_size, quiet=True)
             )
@@ -337,7 +302,7 @@ class CheckpointManager(CheckpointSaver):
         """
         root = Path(path)
         self._require_complete(root)
-        with self._by_url():
+        with self.stores.by_url():
             return self._coord.on_every_rank(
                 lambda: read_train_state(root, self.rank, self.world_size)
             )
@@ -371,7 +336,7 @@ class CheckpointManager(CheckpointSaver):
         complete. Collective.
         """
         self.finish_pending()
-        with self._by_url():
+        with self.stores.by_url():
             return self._load(Path(path), model, optimizer, scheduler)
 
     def _load(
@@ -410,7 +375,7 @@ class CheckpointManager(CheckpointSaver):
         self.finish_pending()
         root = Path(path)
         self._require_complete(root)
-        with self._by_url():
+        with self.stores.by_url():
             self._load_weights(root, model)
 
     def _load_weights(self, root: Path, model: torch.nn.Module) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kempnerforge.checkpoint.disk_format import LATEST, MARKER, STEP_DIR
+from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.storage.deadlines import Deadline, DeadlinePassed, run_parallel
@@ -53,12 +54,16 @@ class CheckpointStoreError(CheckpointError):
 def store_failed(url: str, error: StoreError, doing: str) -> CheckpointStoreError:
     """The CheckpointStoreError of `error`, raised while `doing` (reading the checkpoints
     of `url`, ...): what to do is to try again once the store answers."""
-    text = str(error).removeprefix(f"{url}: ")
     return CheckpointStoreError(
         url,
-        f"the store failed while {doing} ({text}); its checkpoints are untouched: run "
-        "again once the store answers",
+        f"the store failed while {doing} ({error}); no checkpoint was judged or changed: "
+        "run again once the store answers",
     )
+
+
+def new_store(url: str, cfg: CheckpointConfig) -> CheckpointStore:
+    """The CheckpointStore of `url` with the deadlines and connections of `cfg`."""
+    return CheckpointStore(url, timeout_s=cfg.store_timeout_s, connections=cfg.store_connections)
 
 
 class CheckpointStore:
@@ -344,8 +349,8 @@ class CheckpointStore:
         except DeadlinePassed as late:
             raise StoreTimeout(
                 f"{self.url}: {what} took longer than {deadline.describe()} ({late.unfinished} "
-                f"of {late.total} files unfinished); check the store's health, or raise the "
-                "timeout for a slow store"
+                f"of its {late.total} files unfinished); check the store's health, or raise "
+                "the timeout for a slow store"
             ) from None
 
 

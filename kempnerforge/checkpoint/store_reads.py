@@ -17,14 +17,19 @@ outage says nothing about the checkpoints, so none is skipped as broken.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from kempnerforge.checkpoint.choice import Candidate, Candidates
 from kempnerforge.checkpoint.disk_format import DCP_METADATA, LATEST, MARKER, STEP_DIR
 from kempnerforge.checkpoint.integrity import share_files
 from kempnerforge.checkpoint.reader import FETCHERS, Span
-from kempnerforge.checkpoint.store import CheckpointStore, store_failed
+from kempnerforge.checkpoint.store import CheckpointStore, new_store, store_failed
+from kempnerforge.checkpoint.store_saves import default_staging
+from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.storage.stores import StoreError
@@ -45,10 +50,58 @@ def split_store_url(url: str) -> tuple[str, str | None]:
     return (parent, None) if last == LATEST else (url, None)
 
 
-def staging_for(url: str, base: Path) -> Path:
-    """Where checkpoints of the store prefix `url` other than the run's own are staged,
-    inside `base`: a folder named after the URL, so two stores never share one."""
-    return base / f"from-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+class StagedStores:
+    """The stores whose checkpoints a manager reads, each by the local folder its
+    checkpoints are staged in (a staged checkpoint's parent): the run's own store in its
+    staging directory, another one (a resume_from URL) in a folder of its own there, or
+    of the system's temporary space without one (`staging`)."""
+
+    def __init__(self, cfg: CheckpointConfig, staging: Path | None) -> None:
+        self.cfg = cfg
+        self.staging = staging
+        self._by_folder: dict[Path, CheckpointStore] = {}
+
+    def add(self, store: CheckpointStore, folder: Path) -> None:
+        self._by_folder[folder] = store
+
+    def of(self, root: Path) -> CheckpointStore | None:
+        """The store the staged checkpoint `root` comes from; None for a local one."""
+        return self._by_folder.get(root.parent)
+
+    def staged(self, url: str) -> tuple[Path, CheckpointStore]:
+        """The staging folder and store of the checkpoints under `url` (added when new)."""
+        for folder, store in self._by_folder.items():
+            if store.url == url.rstrip("/"):
+                return folder, store
+        base = self.staging or Path(default_staging(url))
+        folder = base / f"from-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+        self.add(new_store(url, self.cfg), folder if self.staging else base)
+        return self.staged(url)
+
+    def location_of(self, path: str | os.PathLike[str]) -> str:
+        """Where `path` lives: its URL when it is (in) a staged copy of a store's
+        checkpoint, else `path` itself."""
+        text = str(path)
+        for folder, store in self._by_folder.items():
+            if text == str(folder):
+                return store.url
+            if text.startswith(f"{folder}{os.sep}"):
+                return f"{store.url}/{text[len(str(folder)) + 1 :]}"
+        return text
+
+    @contextlib.contextmanager
+    def by_url(self) -> Iterator[None]:
+        """Name checkpoints by their URLs, not their staged copies, in a CheckpointError
+        raised in the block."""
+        try:
+            yield
+        except CheckpointError as error:
+            if self._by_folder:
+                error.path = self.location_of(error.path)
+                for folder, store in self._by_folder.items():
+                    error.problem = error.problem.replace(str(folder), store.url)
+                error.args = (f"{error.path}: {error.problem}",)
+            raise
 
 
 def store_candidates(

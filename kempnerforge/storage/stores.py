@@ -125,10 +125,13 @@ def _open(protocol: str, url: str) -> Any:
         ) from None
     try:
         fs = cls(skip_instance_cache=True, **store_options(protocol))
+        if protocol in S3_PROTOCOLS:
+            fs.retries = ATTEMPTS  # s3fs's own retry loop, around the SDK's
+            # The client is made now (credentials found, its models loaded: up to a second
+            # of CPU), not inside the first call's deadline.
+            fs.connect()
     except Exception as exc:  # each client raises its own kinds for a bad environment
         raise store_error(url, exc) from None
-    if protocol in S3_PROTOCOLS:
-        fs.retries = ATTEMPTS  # s3fs's own retry loop, around the SDK's
     return fs
 
 

@@ -315,12 +315,15 @@ class _Outgoing:
 def _stall(conn: _Connection, *, watch_client: bool = False) -> None:
     """Hold a request or response until the proxy releases it; a client that hangs up
     meanwhile (its call abandoned) ends the connection, and nothing held is forwarded."""
-    while not conn.proxy._release.wait(0.05):
+    while True:
+        released = conn.proxy._release.wait(0.05)
         if conn.closed.is_set():
             raise _Hangup
-        if watch_client and _hung_up(conn):
+        if watch_client and _hung_up(conn):  # looked at once more when released
             conn.close()
             raise _Hangup
+        if released:
+            return
 
 
 def _hung_up(conn: _Connection) -> bool:

@@ -111,11 +111,11 @@ def open_for_inference(
     if config is not None:
         _check(config, command, source, validate)
     location = locate_checkpoint(checkpoint)
-    checkpointer = _checkpointer(location.directory, config)
     run_config = location.run_config
     if config is None and run_config is not None and run_config.is_file():
         config, source = load_config(str(run_config), overrides), str(run_config)
         _check(config, command, source, validate)
+    checkpointer = _checkpointer(location.directory, config)
 
     skipped: list[str] = []
     chosen = _chosen(checkpointer, location, skipped)
@@ -232,16 +232,17 @@ def _checkpoint_dir_of_run(run_dir: Path) -> str:
 
 def _checkpointer(directory: str, config: JobConfig | None) -> CheckpointManager:
     """The manager that reads the checkpoints of `directory`. Those of a store are staged
-    in a new temporary folder, under checkpoint.staging_dir when the config given sets
-    one, removed when the manager is gone (at the latest when the process ends); the
-    config's store_timeout_s and store_connections apply."""
+    in a new temporary folder, inside checkpoint.staging_dir when the config sets one
+    that exists here (else the system's temporary directory), removed when the manager is
+    gone (at the latest when the process ends); the config's store_timeout_s and
+    store_connections apply."""
     cfg = config.checkpoint if config is not None else CheckpointConfig()
     if not is_store_url(directory):
         return CheckpointManager(CheckpointConfig(), directory)
-    base = cfg.staging_dir or None
-    if base is not None:
-        os.makedirs(base, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix="kempnerforge-fetch-", dir=base)
+    try:
+        staging = tempfile.mkdtemp(prefix="kempnerforge-fetch-", dir=cfg.staging_dir or None)
+    except OSError:  # the training job's staging folder need not exist where this runs
+        staging = tempfile.mkdtemp(prefix="kempnerforge-fetch-")
     checkpointer = CheckpointManager(cfg, directory, staging_dir=staging)
     weakref.finalize(checkpointer, shutil.rmtree, staging, True)
     return checkpointer
