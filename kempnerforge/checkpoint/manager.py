@@ -232,7 +232,6 @@ class CheckpointManager(CheckpointSaver):
         a checkpoints prefix, its ``latest``) leaves to try, found by rank 0 and handed to
         every rank; None for 'none'. Collective. A store that fails raises
         CheckpointStoreError on every rank."""
-
         if is_store_url(choice):  # every rank stages that store's checkpoints alike
             self.stores.staged(split_store_url(choice)[0])
 
@@ -379,7 +378,6 @@ class CheckpointManager(CheckpointSaver):
             self._load_weights(root, model)
 
     def _load_weights(self, root: Path, model: torch.nn.Module) -> None:
-
         def keys() -> set[str]:
             require_marker(root)  # gone since the check: refused, as load() refuses it
             return saved_keys(root)

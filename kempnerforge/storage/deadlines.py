@@ -100,8 +100,9 @@ def call_by(deadline: Deadline, fs: Any, action: Callable[[Any], T]) -> T:
             outcome.append((False, exc))
         done.set()
 
+    left = deadline.check()  # no call starts past its deadline
     threading.Thread(target=run, name="kempnerforge-store-call", daemon=True).start()
-    if not done.wait(deadline.check()):
+    if not done.wait(left):
         raise DeadlinePassed(deadline)
     ok, value = outcome[0]
     if not ok:
