@@ -115,6 +115,22 @@ def s3(_s3_server, monkeypatch, tmp_path):
 
 
 @pytest.fixture
+def s3_proxy(s3, monkeypatch):
+    """The test S3 server behind a fault-injecting proxy (tests/support/store_proxy.py),
+    this process's AWS_ENDPOINT_URL pointing at the proxy; yields (proxy, server,
+    's3://bucket')."""
+    from kempnerforge.storage.stores import forget_filesystems
+    from tests.support.store_proxy import fault_proxy
+
+    server, bucket = s3
+    with fault_proxy(server.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        forget_filesystems()
+        yield proxy, server, bucket
+    forget_filesystems()
+
+
+@pytest.fixture
 def memory_root():
     """A fresh memory:// directory, removed afterwards (the memory store is per process)."""
     import uuid

@@ -102,7 +102,7 @@ def choose(candidates: Candidates, verdict: Verdict, *, quiet: bool = False) -> 
             if not candidate.named_by_latest and not quiet:
                 reason = f"skipped {'; '.join(skipped)}" if skipped else candidates.no_pointer
                 logger.warning(
-                    "resuming from %s, the newest complete checkpoint (%s)", candidate.path, reason
+                    "resuming from %s, the newest complete checkpoint (%s)", candidate.label, reason
                 )
             return str(candidate.path)
         skipped.append(f"{candidate.label} ({problems[0]})")

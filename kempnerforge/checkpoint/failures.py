@@ -55,7 +55,13 @@ class FailedSave(CheckpointError):
     """
 
     def __init__(
-        self, directory: Path, step: int, problem: str, *, reason: str, bytes_free: int | None
+        self,
+        directory: str | os.PathLike[str],
+        step: int,
+        problem: str,
+        *,
+        reason: str,
+        bytes_free: int | None,
     ) -> None:
         super().__init__(directory, problem)
         self.step = step

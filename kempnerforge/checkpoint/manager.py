@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from kempnerforge.checkpoint.choice import Candidates, choose, list_candidates
 from kempnerforge.checkpoint.coordination import Coordinator
+from kempnerforge.checkpoint.disk_format import STEP_DIR
 from kempnerforge.checkpoint.integrity import checkpoint_problems, share_problems
 from kempnerforge.checkpoint.publish import names_blocking_saves
 from kempnerforge.checkpoint.resume import (
@@ -38,12 +39,19 @@ from kempnerforge.checkpoint.resume import (
     saved_keys,
 )
 from kempnerforge.checkpoint.saver import CheckpointSaver
-from kempnerforge.checkpoint.store import CheckpointStore, default_staging
-from kempnerforge.checkpoint.store_reads import fetch_share, store_candidates
+from kempnerforge.checkpoint.store import CheckpointStoreError, new_store, store_failed
+from kempnerforge.checkpoint.store_reads import (
+    StagedStores,
+    fetch_share,
+    split_store_url,
+    store_candidates,
+)
+from kempnerforge.checkpoint.store_saves import default_staging
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError, incomplete
 from kempnerforge.core.logging import get_logger
 from kempnerforge.storage.location import is_store_url, local_path
+from kempnerforge.storage.stores import StoreError
 
 __all__ = ["CheckpointError", "CheckpointManager"]
 
@@ -59,8 +67,10 @@ class CheckpointManager(CheckpointSaver):
     ``side_group`` is a gloo group over the same ranks for the background writes of async
     mode (the runtime's side group); the manager creates no group of its own, except that
     one, once, at the first async save when it was given none. The directory must be one
-    shared filesystem path for all ranks. ``config_sha256`` is recorded in each marker
-    unless a save passes its own.
+    shared filesystem path for all ranks, or a store URL (then ``staging_dir``, else
+    checkpoint.staging_dir, is where saves and resumes stage their files); checkpoints
+    named by a URL of another store are staged there too. ``config_sha256`` is recorded in
+    each marker unless a save passes its own.
 
     Saving (save, poll, writing, record_write_vote, on_commit, failed_saves_in_a_row) is
     the CheckpointSaver this class extends; finding, checking and loading are here.
@@ -84,11 +94,10 @@ class CheckpointManager(CheckpointSaver):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         store = None
+        staging = staging_dir or cfg.staging_dir
         if is_store_url(directory):
-            store = CheckpointStore(
-                directory, timeout_s=cfg.store_timeout_s, connections=cfg.store_connections
-            )
-            directory = staging_dir or cfg.staging_dir or default_staging(directory)
+            store = new_store(directory, cfg)
+            directory = staging or default_staging(directory)
         root = Path(local_path(directory))
         super().__init__(
             cfg,
@@ -104,6 +113,15 @@ class CheckpointManager(CheckpointSaver):
         self.store = store
         self._verified: set[Path] = set()
         """Checkpoints a verdict of this run found complete: a load of one checks no more."""
+        self.stores = StagedStores(cfg, Path(local_path(staging)) if staging else None)
+        """The stores whose checkpoints this manager reads, and where each is staged."""
+        if store is not None:
+            self.stores.add(store, root)
+
+    def location_of(self, path: str | os.PathLike[str]) -> str:
+        """Where checkpoint `path` (or a file of it) lives: its URL when it is the staged
+        copy of a checkpoint in a store, else `path` itself. What reports and events name."""
+        return self.stores.location_of(path)
 
     @property
     def pending_step(self) -> int | None:
@@ -154,6 +172,8 @@ class CheckpointManager(CheckpointSaver):
         self.finish_pending()
         try:
             return self._choose("auto")
+        except CheckpointStoreError:
+            raise  # the store failed: nothing is known of its checkpoints
         except CheckpointError:
             return None  # only broken checkpoints: nothing to return to
 
@@ -174,45 +194,87 @@ class CheckpointManager(CheckpointSaver):
         One pass split over the ranks: each checks the shared files it needs (marker,
         .metadata) and the files it will read itself (its train state, its share of the
         DCP files: lengths, zip records and checksums, reading each whole file once), and
-        the verdicts are agreed in one all-reduce of an integer (the lowest failing rank
-        then sends its problem). So this reads the rank's share of the checkpoint once
-        more before a load; the OS page cache usually serves the load that follows.
+        the verdicts are agreed in one all-reduce of an integer (the failing rank then
+        sends its report). So this reads the rank's share of the checkpoint once more
+        before a load; the OS page cache usually serves the load that follows. A staged
+        copy of a checkpoint in a store is fetched first (each rank its share); a store
+        that fails on any rank raises CheckpointStoreError on every rank, since an outage
+        says nothing about the checkpoint.
         """
         root = Path(path)
+        store = self.stores.of(root)
+        report: tuple[str, list[str]] | None = None
         try:
-            if self.store is not None:
-                fetch_share(self.store, root, self.rank, self.world_size)
-            local = share_problems(root, self.rank, self.world_size)
+            if store is not None:
+                fetch_share(store, root, self.rank, self.world_size)
+            problems = share_problems(root, self.rank, self.world_size)
+            report = ("broken", problems) if problems else None
+        except StoreError as e:
+            report = ("store", [str(e)])
         except Exception as e:  # a rank that raised alone would leave the others waiting
-            local = [f"cannot be checked ({type(e).__name__}: {e})"]
-        failure = self._coord.first_failure(local)
-        if failure is not None:
+            report = ("broken", [f"cannot be checked ({type(e).__name__}: {e})"])
+        firsthand = report is not None and report[0] == "store"
+        agreed = self._coord.first_report(report, firsthand=firsthand)
+        if agreed is not None:
             self._verified.discard(root)
             self.known_complete.discard(root)
-            return failure[1]
+            kind, problems = agreed[1]
+            if kind == "store":
+                where = self.location_of(root)
+                raise store_failed(where, StoreError(problems[0]), "reading this checkpoint")
+            return problems
         self._verified.add(root)
         self.known_complete.add(root)
         return []
 
-    def _choose(self, choice: str) -> str | None:
-        def listing() -> Candidates | None:
-            if self.store is not None:
-                return store_candidates(self.store, self.directory, choice)
-            return list_candidates(self.directory, choice)
+    def candidates(self, choice: str) -> Candidates | None:
+        """What `choice` (checkpoint.resume_from's forms, or a store URL: a checkpoint,
+        a checkpoints prefix, its ``latest``) leaves to try, found by rank 0 and handed to
+        every rank; None for 'none'. Collective. A store that fails raises
+        CheckpointStoreError on every rank."""
+        if is_store_url(choice):  # every rank stages that store's checkpoints alike
+            self.stores.staged(split_store_url(choice)[0])
 
-        candidates: Candidates | None = self._coord.on_rank0(listing)
-        if candidates is None:
+        def listing() -> Candidates | CheckpointError | None:
+            try:
+                return self._list(choice)
+            except CheckpointError as error:  # raised below on every rank alike
+                return error
+
+        found = self._coord.on_rank0(listing)
+        if isinstance(found, CheckpointError):
+            raise found
+        return found
+
+    def _list(self, choice: str) -> Candidates | None:
+        if choice == "none":
             return None
-        return choose(candidates, self.verify, quiet=self.rank != 0)
+        if is_store_url(choice):
+            prefix, name = split_store_url(choice)
+            staging, store = self.stores.staged(prefix)
+            return store_candidates(store, staging, name, required=True)
+        name = choice.strip("/")
+        if self.store is not None and (choice == "auto" or STEP_DIR.fullmatch(name)):
+            named = None if choice == "auto" else name
+            return store_candidates(self.store, self.directory, named, required=False)
+        return list_candidates(self.directory, choice)
+
+    def _choose(self, choice: str) -> str | None:
+        with self.stores.by_url():
+            candidates = self.candidates(choice)
+            if candidates is None:
+                return None
+            return choose(candidates, self.verify, quiet=self.rank != 0)
 
     def _require_complete(self, root: Path) -> None:
         """Raise CheckpointError naming `root` and its problem unless it is complete (a
         checkpoint a verdict of this run already found complete is not checked again)."""
         if root in self._verified:
             return
-        problems = self.verify(root)
-        if problems:
-            raise incomplete(root, problems)
+        with self.stores.by_url():
+            problems = self.verify(root)
+            if problems:
+                raise incomplete(root, problems)
 
     def read_extra(self, path: str) -> dict[str, Any]:
         """The ``extra`` dict saved in checkpoint `path`, loading nothing else. Collective.
@@ -222,9 +284,10 @@ class CheckpointManager(CheckpointSaver):
         """
         root = Path(path)
         self._require_complete(root)
-        state = self._coord.on_every_rank(
-            lambda: read_train_state(root, self.rank, self.world_size, quiet=True)
-        )
+        with self.stores.by_url():
+            state = self._coord.on_every_rank(
+                lambda: read_train_state(root, self.rank, self.world_size, quiet=True)
+            )
         extra = state.get("extra")
         return extra if isinstance(extra, dict) else {}
 
@@ -238,7 +301,10 @@ class CheckpointManager(CheckpointSaver):
         """
         root = Path(path)
         self._require_complete(root)
-        return self._coord.on_every_rank(lambda: read_train_state(root, self.rank, self.world_size))
+        with self.stores.by_url():
+            return self._coord.on_every_rank(
+                lambda: read_train_state(root, self.rank, self.world_size)
+            )
 
     def is_complete(self, path: str | os.PathLike[str]) -> bool:
         """True when `path` holds a committed, intact checkpoint, every rank's share
@@ -269,7 +335,16 @@ class CheckpointManager(CheckpointSaver):
         complete. Collective.
         """
         self.finish_pending()
-        root = Path(path)
+        with self.stores.by_url():
+            return self._load(Path(path), model, optimizer, scheduler)
+
+    def _load(
+        self,
+        root: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+    ) -> dict[str, Any]:
         self._require_complete(root)
         state, saved = self._coord.on_every_rank(
             lambda: (read_train_state(root, self.rank, self.world_size), saved_keys(root))
@@ -284,7 +359,7 @@ class CheckpointManager(CheckpointSaver):
         if not state.get("optimizer_initialized", True):
             optimizer.state.clear()  # saved before the first step: see save
         if self.rank == 0:
-            logger.info("loaded checkpoint %s (step %d)", root, state["step"])
+            logger.info("loaded checkpoint %s (step %d)", self.location_of(root), state["step"])
         return state
 
     def load_weights(self, path: str, *, model: torch.nn.Module) -> None:
@@ -299,7 +374,10 @@ class CheckpointManager(CheckpointSaver):
         self.finish_pending()
         root = Path(path)
         self._require_complete(root)
+        with self.stores.by_url():
+            self._load_weights(root, model)
 
+    def _load_weights(self, root: Path, model: torch.nn.Module) -> None:
         def keys() -> set[str]:
             require_marker(root)  # gone since the check: refused, as load() refuses it
             return saved_keys(root)
@@ -312,4 +390,4 @@ class CheckpointManager(CheckpointSaver):
             no_dist=self._no_dist,
         )
         if self.rank == 0:
-            logger.info("loaded the model weights of checkpoint %s", root)
+            logger.info("loaded the model weights of checkpoint %s", self.location_of(root))

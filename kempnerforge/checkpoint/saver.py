@@ -61,8 +61,8 @@ from kempnerforge.checkpoint.publish import (
     remove_leftovers,
     settle,
 )
-from kempnerforge.checkpoint.store import (
-    CheckpointStore,
+from kempnerforge.checkpoint.store import CheckpointStore
+from kempnerforge.checkpoint.store_saves import (
     clear_local,
     commit_to_store,
     prepare_store_save,
@@ -364,12 +364,16 @@ class CheckpointSaver:
             reason = f"rank {rank}: {reason}"
         latest = self._latest()
         kept = f"'{LATEST}' still names {latest}" if latest else "no earlier checkpoint exists"
+        if self.store is not None and not latest:
+            kept = f"'{LATEST}' was not moved"  # unread: the store may be what failed
         what = "the background write of" if background else "writing"
+        where, target = self.directory, f"checkpoint step_{step} into {tmp}"
+        if self.store is not None:
+            where, target = self.store.url, f"checkpoint {self.location(f'step_{step}')}"
         raise FailedSave(
-            self.directory,
+            where,
             step,
-            f"{what} checkpoint step_{step} into {tmp} failed, so it was not committed "
-            f"({reason}); {kept}",
+            f"{what} {target} failed, so it was not committed ({reason}); {kept}",
             reason=reason,
             bytes_free=diagnosis.bytes_free,
         )
@@ -428,8 +432,9 @@ class CheckpointSaver:
         return None
 
     def _latest(self) -> str | None:
-        """What ``latest`` names, for a failure's report (None when a store cannot say)."""
-        return read_latest(self.directory) if self.store is None else self.store.latest()
+        """What ``latest`` names, for a failure's report; for a store, what it named when
+        this process last read or wrote it (no request to a store that may have failed)."""
+        return read_latest(self.directory) if self.store is None else self.store.known_latest
 
     def _counts_as_complete(self, path: Path) -> bool:
         """For retention: a checkpoint this run wrote or verified, or else one with a

@@ -8,7 +8,8 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE
 
 CHECKPOINT_HELP = (
     "the checkpoint: a step directory (runs/<name>/checkpoints/step_<N>), or the newest "
-    "complete one of the checkpoints directory, of its 'latest' file or of a run directory"
+    "complete one of the checkpoints directory, of its 'latest' file or of a run directory; "
+    "or the same in a store: s3://bucket/prefix/step_<N>, the prefix or its 'latest'"
 )
 
 

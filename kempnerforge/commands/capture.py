@@ -10,7 +10,6 @@ written anywhere else.
 from __future__ import annotations
 
 import argparse
-import os
 
 from kempnerforge.commands.arguments import add_checkpoint_argument, add_config_argument
 from kempnerforge.core.errors import ConfigError
@@ -58,7 +57,11 @@ def run_capture(args: argparse.Namespace, overrides: list[str]) -> int:
         resolve_modules,
         save_capture,
     )
-    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
+    from kempnerforge.training.inference.loading import (
+        load_for_inference,
+        open_for_inference,
+        output_path,
+    )
 
     configure_logging(0)
     job = open_for_inference(
@@ -69,8 +72,8 @@ def run_capture(args: argparse.Namespace, overrides: list[str]) -> int:
     modules = resolve_modules(model, args.layers)
     batch_size = args.batch_size or job.config.train.batch_size
     captured = capture(model, modules, dataset, args.batches, batch_size, job.runtime.device)
-    output = args.out or os.path.join(job.checkpoint, ACTIVATIONS_FILE)
-    save_capture(captured, output, checkpoint=job.checkpoint, layers=args.layers)
+    output = output_path(job, args.out, ACTIVATIONS_FILE)
+    save_capture(captured, output, checkpoint=job.source, layers=args.layers)
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in captured.items())
     print(f"wrote {output}: {shapes}")
     return 0

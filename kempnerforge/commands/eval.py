@@ -8,7 +8,6 @@ to the run directory except that JSON (by default beside the checkpoint's own fi
 from __future__ import annotations
 
 import argparse
-import os
 
 from kempnerforge.commands.arguments import add_checkpoint_argument
 
@@ -49,7 +48,11 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         format_table,
         write_report,
     )
-    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
+    from kempnerforge.training.inference.loading import (
+        load_for_inference,
+        open_for_inference,
+        output_path,
+    )
 
     if args.steps is not None:
         overrides = [*overrides, f"--eval.steps={args.steps}"]
@@ -61,7 +64,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     report = evaluate_checkpoint(job, load_for_inference(job), data)
     named = bool(job.config.eval.sets)
     print(format_table(report["metrics"], list(data.eval_datasets), named=named))
-    output = args.output or os.path.join(job.checkpoint, EVAL_JSON)
+    output = output_path(job, args.output, EVAL_JSON)
     write_report(report, output)
     print(f"step {job.step}; wrote {output}")
     return 0
@@ -76,13 +79,13 @@ def _run_tasks(job, args: argparse.Namespace) -> int:
         load_checkpoint_tasks,
         write_report,
     )
-    from kempnerforge.training.inference.loading import load_for_inference
+    from kempnerforge.training.inference.loading import load_for_inference, output_path
 
     data = family_of(job.config).build_data(job.config, job.runtime, False)
     tasks = load_checkpoint_tasks(job, data, args.tasks)  # before the model: mistakes are cheap
     report = evaluate_checkpoint_tasks(job, load_for_inference(job), data, tasks)
     print(format_task_table(report["metrics"], report["tasks"]))
-    output = args.output or os.path.join(job.checkpoint, EVAL_JSON)
+    output = output_path(job, args.output, EVAL_JSON)
     write_report(report, output)
     print(f"step {job.step}; wrote {output}")
     return 0

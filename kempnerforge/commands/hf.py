@@ -75,11 +75,11 @@ def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
         device="cpu",
     )
     config = job.config
-    architecture = check_exportable(config.model, job.recorded_config, job.checkpoint)
+    architecture = check_exportable(config.model, job.recorded_config, job.source)
     model = load_for_inference(job)
     with staged(out) as staging:
         export_hf(model, config.model, staging, config.data.tokenizer)
-    print(f"wrote {out} ({architecture}) from {job.checkpoint}, step {job.step}")
+    print(f"wrote {out} ({architecture}) from {job.source}, step {job.step}")
     print(f"config: {job.config_source}")
     return 0
 

@@ -172,6 +172,7 @@ def _build_and_train(
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.replicas.groups import checkpointer_kind
     from kempnerforge.training.resume_plan import plan_resume
+    from kempnerforge.training.store_checks import store_save_limits
     from kempnerforge.training.workspace import record_config
 
     logger = get_logger("kempnerforge.cli")
@@ -180,7 +181,7 @@ def _build_and_train(
     if plan is not None and plan.step == config.train.max_steps:
         if runtime.is_main:
             print(
-                f"nothing to train: {plan.path} is already at train.max_steps = "
+                f"nothing to train: {plan.where} is already at train.max_steps = "
                 f"{plan.step}; raise --train.max_steps to continue this run, or use "
                 "another --train.name to start a new one"
             )
@@ -199,7 +200,11 @@ def _build_and_train(
     if runtime.is_main:
         record_config(config, started)
     watchdog = HangWatchdog(
-        config.train.hang_timeout_s, config.run_dir, runtime.rank, on_exit=_record_exit_code
+        config.train.hang_timeout_s,
+        config.run_dir,
+        runtime.rank,
+        on_exit=_record_exit_code,
+        at_least=store_save_limits(config.checkpoint),
     )
     with watchdog, session.tracker:
         step, tokens_seen = _resume_and_train(session, plan)

@@ -21,18 +21,23 @@ class CheckpointConfig:
     written to staging_dir first and uploaded from there (docs/fault-tolerance.md)."""
     staging_dir: str = ""
     """With dir a store URL: the local directory each save is written to before its upload,
-    and resumes read their share into; empty means <train.run_dir>/checkpoint_staging.
-    Node-local disk is fastest; it holds at most one save and one resume at a time."""
+    and resumes read their share into (also a resume_from URL's checkpoint, in a folder of
+    its own); empty means <train.run_dir>/checkpoint_staging. Node-local disk is fastest;
+    it holds at most one save and one resume at a time."""
     store_timeout_s: float = 600.0
-    """With dir a store URL: seconds a rank's uploads of one save (or its reads of one
-    resume) may take before the save counts as failed (a checkpoint_failed event, 'latest'
-    unchanged) or the resume stops; above 0."""
+    """With dir (or resume_from) a store URL: seconds each store operation of a save or
+    resume may take, its retries included (the checks before a save, a rank's uploads, the
+    commit, a listing, a rank's fetch); past it a save counts as failed (a
+    checkpoint_failed event, 'latest' unchanged) and a resume stops naming the store; above
+    0. docs/fault-tolerance.md lists every operation's worst case."""
     store_connections: int = 8
     """With dir a store URL: files a rank uploads or downloads at once (large files also go
     in parts); at least 1."""
     resume_from: str = "auto"
     """Where a run without checkpoints of its own starts: 'auto' (nothing to load), 'none',
-    or a checkpoint path (absolute, or a name such as step_30 inside dir). Once the run has
+    a checkpoint path (absolute, or a name such as step_30 inside dir), or a store URL (a
+    checkpoint, s3://bucket/prefix/step_30; a checkpoints prefix or its latest: the newest
+    complete one there). Once the run has
     a complete checkpoint in dir it always resumes from its newest one (broken ones are
     skipped with a warning), whatever this says; 'none' always starts at step 0."""
     load_weights_only: bool = False

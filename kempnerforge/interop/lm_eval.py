@@ -53,7 +53,8 @@ class KempnerForgeLM(LM):
     Model args (``--model_args key=value,...``): ``config`` the run's TOML (default: the
     run directory's config.toml, else the one the checkpoint records), ``checkpoint`` a
     step_<N> directory, its checkpoints directory or the run directory (the newest
-    complete checkpoint), ``overrides`` config overrides as shell words, ``device``
+    complete checkpoint), or any of these in a store (s3://bucket/prefix/step_<N>, the
+    prefix or its latest), ``overrides`` config overrides as shell words, ``device``
     (default cpu), ``batch_size`` windows per forward (default 8; "auto" takes the
     default), ``max_gen_toks`` (default 256).
     """

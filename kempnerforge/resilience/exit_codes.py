@@ -15,7 +15,9 @@ FINISHED (0)
 FAILED (1)
     Unexpected error or a checkpoint problem (the message names the file). Resubmitting
     unchanged usually fails again; a crash mid-save still leaves `latest` on a complete
-    checkpoint, so a fixed job resumes from there.
+    checkpoint, so a fixed job resumes from there. A checkpoint store that failed or did
+    not answer within checkpoint.store_timeout_s at a resume says so, naming the store:
+    its checkpoints are untouched, so requeue once the store answers.
 CONFIG_ERROR (2)
     The config or a data file is wrong; the one-line message names the field or file.
     Fix the config; never requeue.

@@ -19,6 +19,10 @@ The limit of each kind of work (train.hang_timeout_s):
   larger of it and their derived limit, as they may take far longer than a step;
 - a negative value turns the watchdog off.
 
+A kind may be given a floor (``at_least``): a checkpoint into an object store may wait for
+the store up to its own deadlines (checkpoint.store_timeout_s each), and a store that
+stalls must fail the save, as documented, before the watchdog ends the run.
+
 Time spent inside a nested watch (an eval or a save inside a step) is not the outer
 step's: the outer limit starts again when the inner one ends.
 """
@@ -33,7 +37,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,8 +96,11 @@ class HangWatchdog:
         rank: int = 0,
         *,
         on_exit: Callable[[int], None] | None = None,
+        at_least: Mapping[str, float] | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self.at_least = dict(at_least or {})
+        """The lowest limit of each kind named, whatever the rules above give."""
         self.path = Path(run_dir) / HANGS_DIR / f"rank{rank}-{socket.gethostname()}.txt"
         self.rank = rank
         self.on_exit = on_exit
@@ -115,8 +122,8 @@ class HangWatchdog:
         seen, slowest = self._seen.get(kind, (0, 0.0))
         derived = max(FLOOR_S, FACTOR * slowest) if seen > _UNCOUNTED else START_S
         if self.timeout_s > 0:
-            return self.timeout_s if kind == STEP else max(self.timeout_s, derived)
-        return derived
+            derived = self.timeout_s if kind == STEP else max(self.timeout_s, derived)
+        return max(derived, self.at_least.get(kind, 0.0))
 
     @contextlib.contextmanager
     def watch(self, kind: str, step: int) -> Iterator[None]:

@@ -4,9 +4,13 @@ so the readers and writers of data/ have one code path for both."""
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kempnerforge.storage.deadlines import Deadline
 from kempnerforge.storage.location import base_name, is_store_url, local_path
 from kempnerforge.storage.stores import StoreError, store_call, store_error
 
@@ -112,8 +116,8 @@ def probe(url: str) -> None:
     store_call(url, listing)
 
 
-def remove(path: str) -> None:
-    """Delete the file or object at ``path`` if it exists."""
+def remove(path: str, *, deadline: Deadline | None = None) -> None:
+    """Delete the file or object at ``path`` if it exists (in a store, by ``deadline``)."""
     if not is_store_url(path):
         Path(local_path(path)).unlink(missing_ok=True)
         return
@@ -122,12 +126,25 @@ def remove(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(key)
 
-    store_call(path, delete)
+    store_call(path, delete, deadline=deadline)
 
 
-def write_bytes(url: str, data: bytes) -> None:
-    """Store ``data`` as the object ``url``; it appears whole or not at all."""
-    store_call(url, lambda fs, key: fs.pipe_file(key, data))
+def write_bytes(url: str, data: bytes, *, deadline: Deadline | None = None) -> None:
+    """Store ``data`` as the object ``url`` by ``deadline``; it appears whole or not at all."""
+    store_call(url, lambda fs, key: fs.pipe_file(key, data), deadline=deadline)
+
+
+def write_file(path: str, write: Callable[[str], None]) -> None:
+    """Have ``write(local path)`` write the file ``path``: a local path as it is; a store
+    URL through a temporary local file, then uploaded (the object appears whole or not at
+    all)."""
+    if not is_store_url(path):
+        write(local_path(path))
+        return
+    with tempfile.TemporaryDirectory(prefix="kempnerforge-out-") as tmp:
+        local = os.path.join(tmp, base_name(path))
+        write(local)
+        store_call(path, lambda fs, key: fs.put_file(local, key))
 
 
 def open_for_writing(url: str) -> Any:

@@ -1,4 +1,5 @@
-"""Opening a store's fsspec filesystem: one per protocol and process, with bounded time.
+"""Opening a store's fsspec filesystem (one per protocol and process) and calling it, each
+call ended by a deadline (deadlines.py).
 
 A filesystem holds connections and an event loop that do not survive a fork, so each process
 (every dataloader worker) opens its own on first use, and nothing here is pickled: objects
@@ -14,17 +15,25 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.storage.deadlines import Deadline, DeadlinePassed, call_by
 from kempnerforge.storage.location import scheme_of
 
 T = TypeVar("T")
 
+CALL_DEADLINE_S = 120.0
+"""Seconds any call to any store may take, its tries included, unless its caller sets
+another deadline (checkpoint.store_timeout_s for checkpoints): past it the call is
+cancelled (an asynchronous client) or abandoned (a synchronous one) and fails."""
+CALL_DEADLINE = "the store call limit"
+"""How an error names CALL_DEADLINE_S."""
 CONNECT_TIMEOUT_S = 5
-"""Seconds to open a connection: an unreachable endpoint fails in seconds, not minutes."""
+"""S3: seconds to open a connection, so an unreachable endpoint fails in seconds."""
 READ_TIMEOUT_S = 30
-"""Seconds a store may stay silent mid-request before the request counts as failed."""
+"""S3: seconds a store may stay silent mid-request before the request counts as failed."""
 ATTEMPTS = 3
-"""Tries per request (the SDK's and s3fs's retries alike): a store's brief hiccup is ridden
-out, a store that refuses or cannot be reached stops the run within a minute or so."""
+"""S3: tries per request by botocore, and tries of s3fs's own loop around them for the
+errors it retries (resets, timeouts, SlowDown): at most 9 sends of one request, all within
+the call's deadline."""
 S3_PROTOCOLS = ("s3", "s3a")
 INSTALL_HINTS = {
     **dict.fromkeys(S3_PROTOCOLS, "pip install 'kempnerforge[s3]'"),
@@ -41,6 +50,18 @@ class StoreError(DataError):
     A DataError, so the CLI prints its one line and exits with code 2; a config field that
     gave the URL is prefixed where the data is opened (DataPathError).
     """
+
+
+class StoreTimeout(StoreError):
+    """A store call ran past its deadline (the store stalled or is too slow)."""
+
+
+def store_timeout(url: str, deadline: Deadline) -> StoreTimeout:
+    """The StoreTimeout of a call to ``url`` that ran past ``deadline``."""
+    return StoreTimeout(
+        f"{url}: the store did not answer within {deadline.describe()} (it stalled or is "
+        "too slow); check the store's health, or raise the limit for a slow store"
+    )
 
 
 def store_error(url: str, exc: BaseException) -> StoreError:
@@ -104,20 +125,30 @@ def _open(protocol: str, url: str) -> Any:
         ) from None
     try:
         fs = cls(skip_instance_cache=True, **store_options(protocol))
+        if protocol in S3_PROTOCOLS:
+            fs.retries = ATTEMPTS  # s3fs's own retry loop, around the SDK's
+            # The client is made now (credentials found, its models loaded: up to a second
+            # of CPU), not inside the first call's deadline.
+            fs.connect()
     except Exception as exc:  # each client raises its own kinds for a bad environment
         raise store_error(url, exc) from None
-    if protocol in S3_PROTOCOLS:
-        fs.retries = ATTEMPTS  # s3fs's own retry loop, around the SDK's
     return fs
 
 
-def store_call(url: str, action: Callable[[Any, str], T]) -> T:
-    """``action(filesystem, path in the store)`` for ``url``; any failure of the store (each
-    client raises its own kinds: OSError, botocore's, aiohttp's) comes out as StoreError."""
+def store_call(url: str, action: Callable[[Any, str], T], *, deadline: Deadline | None = None) -> T:
+    """``action(filesystem, path in the store)`` for ``url``, ended by ``deadline`` (by
+    default CALL_DEADLINE_S from now; deadlines.call_by); any failure of the store (each
+    client raises its own kinds: OSError, botocore's, aiohttp's) comes out as StoreError,
+    a call past its deadline as StoreTimeout."""
     fs = filesystem(url)
+    deadline = deadline or Deadline(CALL_DEADLINE_S, CALL_DEADLINE)
     try:
-        return action(fs, fs._strip_protocol(url))
+        return call_by(deadline, fs, lambda bounded: action(bounded, fs._strip_protocol(url)))
     except StoreError:
         raise
     except Exception as exc:
+        from fsspec.exceptions import FSTimeoutError  # fsspec is imported by then
+
+        if isinstance(exc, DeadlinePassed | FSTimeoutError) or deadline.passed():
+            raise store_timeout(url, deadline) from None
         raise store_error(url, exc) from None

@@ -18,6 +18,7 @@ import torch
 
 from kempnerforge.checkpoint.disk_format import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.store import CheckpointStoreError
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
@@ -53,11 +54,18 @@ CONFIG_GROUP_KEYS = (
 @dataclass(frozen=True)
 class ResumePlan:
     """A checkpoint to load and how: FULL, WEIGHTS (model only, step 0) or FRESH_OPTIMIZER
-    (everything but the optimizer state); ``step`` is the checkpoint's."""
+    (everything but the optimizer state); ``step`` is the checkpoint's. ``path`` is what
+    the checkpointer loads (a store's checkpoint: its staged copy), ``where`` what reports
+    name (a store's checkpoint: its URL)."""
 
     path: str
     mode: str
     step: int
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.where:
+            object.__setattr__(self, "where", self.path)
 
 
 def plan_resume(config: JobConfig, checkpointer: CheckpointManager) -> ResumePlan | None:
@@ -102,22 +110,16 @@ def check_save_names(checkpointer: CheckpointManager, first_step: int, max_steps
 
 def _choose_plan(config: JobConfig, checkpointer: CheckpointManager) -> ResumePlan | None:
     cfg = config.checkpoint
-    own = checkpointer.newest_complete_path()
     if cfg.resume_from == "none":
-        if own is not None:
-            logger.warning(
-                "checkpoint.resume_from = 'none': starting at step 0 although %s holds "
-                "checkpoints (newest %s); this run's saves will replace them",
-                checkpointer.directory,
-                own,
-            )
+        _warn_unused(checkpointer)
         return None
+    own = checkpointer.newest_complete_path()
     if own is not None:
         if cfg.resume_from != "auto" or cfg.load_weights_only:
             logger.info(
                 "resuming from %s, the newest checkpoint of this run: a run's own checkpoints "
                 "win over checkpoint.resume_from = %r%s, which only name where a run starts",
-                own,
+                checkpointer.location_of(own),
                 cfg.resume_from,
                 " and checkpoint.load_weights_only" if cfg.load_weights_only else "",
             )
@@ -129,29 +131,47 @@ def _choose_plan(config: JobConfig, checkpointer: CheckpointManager) -> ResumePl
         path, mode = found, WEIGHTS if cfg.load_weights_only else FULL
     extra = checkpointer.read_extra(path)
     step = int(extra.get("step", 0))
+    where = checkpointer.location_of(path)
     if mode == WEIGHTS:
-        return ResumePlan(path, mode, step)
+        return ResumePlan(path, mode, step, where)
     marker = read_marker(Path(path)) or {}
     if check_config_changes(
         config,
         extra.get("config"),
-        path,
+        where,
         saved_world_size=int(marker.get("world_size", 1)),
         world_size=checkpointer.world_size,
     ):
         mode = FRESH_OPTIMIZER
     schedule = family_of(config).freeze_schedule(config)
-    check_saved_freeze(extra.get("vlm_freeze"), schedule, step, path)
+    check_saved_freeze(extra.get("vlm_freeze"), schedule, step, where)
     max_steps = config.train.max_steps
     if step > max_steps:
         raise ConfigError(
             "train.max_steps",
             max_steps,
-            f">= {step}, the step of the checkpoint {path} this run resumes",
+            f">= {step}, the step of the checkpoint {where} this run resumes",
             "nothing to train: raise --train.max_steps to continue this run, or use another "
             "train.name to start a new one",
         )
-    return ResumePlan(path, mode, step)
+    return ResumePlan(path, mode, step, where)
+
+
+def _warn_unused(checkpointer: CheckpointManager) -> None:
+    """checkpoint.resume_from = 'none': warn when the run's checkpoints will be replaced
+    (a store that cannot say is no reason not to start over)."""
+    try:
+        own = checkpointer.newest_complete_path()
+    except CheckpointStoreError as error:
+        logger.warning("checkpoint.resume_from = 'none': starting at step 0 (%s)", error)
+        return
+    if own is not None:
+        logger.warning(
+            "checkpoint.resume_from = 'none': starting at step 0 although %s holds "
+            "checkpoints (newest %s); this run's saves will replace them",
+            checkpointer.location_of(checkpointer.directory),
+            checkpointer.location_of(own),
+        )
 
 
 def _config_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -172,8 +192,8 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
     checkpointer, model = session.checkpointer, session.model
     if plan.mode == WEIGHTS:
         checkpointer.load_weights(plan.path, model=model)
-        session.tracker.log_event(0, "load_weights", path=plan.path)
-        logger.info("initialised the model from %s (weights only); starting at step 0", plan.path)
+        session.tracker.log_event(0, "load_weights", path=plan.where)
+        logger.info("initialised the model from %s (weights only); starting at step 0", plan.where)
         return 0, 0
     configured = _config_hyperparameters(session.optimizer)
     if plan.mode == FULL:
@@ -186,7 +206,7 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
         session.scheduler.last_epoch = int(state["step"])
         logger.warning(
             "resumed %s with a fresh %s optimizer state (checkpoint.reset_optimizer)",
-            plan.path,
+            plan.where,
             session.config.optimizer.name,
         )
     for group, values in zip(session.optimizer.param_groups, configured, strict=True):
@@ -195,14 +215,14 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
     try:
         step, tokens_seen = restore_train_state(session, state)
     except DataError as error:
-        raise DataError(f"{plan.path}: {error}") from None  # name the checkpoint
+        raise DataError(f"{plan.where}: {error}") from None  # name the checkpoint
     refresh_learning_rates(session)
     cfg = session.config
     session.profiler = build_profiler(
         cfg.profiling, cfg.run_dir, first_step=step, rank=session.runtime.rank
     )
-    session.tracker.log_event(step, "resume", path=plan.path, tokens_seen=tokens_seen)
-    logger.info("resumed from %s at step %d (%d tokens seen)", plan.path, step, tokens_seen)
+    session.tracker.log_event(step, "resume", path=plan.where, tokens_seen=tokens_seen)
+    logger.info("resumed from %s at step %d (%d tokens seen)", plan.where, step, tokens_seen)
     return step, tokens_seen
 
 

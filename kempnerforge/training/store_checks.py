@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import uuid
 
+from kempnerforge.checkpoint.store import TIMEOUT_FIELD
+from kempnerforge.checkpoint.store_saves import DEADLINES_PER_SAVE
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.resilience.hang import CHECKPOINT, FLOOR_S
+from kempnerforge.storage.deadlines import Deadline
 from kempnerforge.storage.files import probe, remove, write_bytes
 from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.storage.stores import StoreError
@@ -41,20 +45,33 @@ def check_local_dirs(train: TrainConfig) -> None:
 
 
 def check_checkpoint_store(checkpoint: CheckpointConfig) -> None:
-    """With checkpoint.dir a store URL: write and delete one probe object under it, so a
-    missing bucket or credentials that may not write stop the launch now, not at the first
-    save; ConfigError naming checkpoint.dir and carrying the store's own error."""
+    """With checkpoint.dir a store URL: write and delete one probe object under it, both
+    within checkpoint.store_timeout_s, so a missing bucket, credentials that may not write
+    or a store that does not answer stop the launch now, not at the first save; ConfigError
+    naming checkpoint.dir and carrying the store's own error."""
     url = checkpoint.dir
     if not (url and is_store_url(url)):
         return
     probe_url = join(url, f".write-probe-{uuid.uuid4().hex}")
+    deadline = Deadline(checkpoint.store_timeout_s, TIMEOUT_FIELD)
     try:
-        write_bytes(probe_url, b"")
-        remove(probe_url)
+        write_bytes(probe_url, b"", deadline=deadline)
+        remove(probe_url, deadline=deadline)
     except StoreError as exc:
         raise ConfigError(
             "checkpoint.dir", url, "a store location this job may write and delete in", str(exc)
         ) from None
+
+
+def store_save_limits(checkpoint: CheckpointConfig) -> dict[str, float]:
+    """The hang watchdog's floor for a checkpoint when checkpoint.dir is a store: the
+    store's own deadlines of one save (store_saves.DEADLINES_PER_SAVE times
+    checkpoint.store_timeout_s) beyond the watchdog's least limit, so a stalled store fails
+    the save (a checkpoint_failed event) instead of ending the run as a hang; none else."""
+    if not is_store_url(checkpoint.dir):  # an empty dir is the run's local default
+        return {}
+    store_s = DEADLINES_PER_SAVE * checkpoint.store_timeout_s
+    return {CHECKPOINT: FLOOR_S + store_s}
 
 
 def check_stores(config: JobConfig) -> None:

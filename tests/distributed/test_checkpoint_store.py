@@ -1,7 +1,7 @@
 """Checkpoints in an object store across ranks, against a real S3 server (moto's, in the
 test process; the ranks reach it through its endpoint): two ranks save, each uploads its
 own files, and a resume on two ranks fetches each rank's own share, and on one process the
-whole checkpoint, resharded."""
+whole checkpoint, resharded; a run with local checkpoints starts from it by its URL."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ def test_two_ranks_save_into_a_store_and_resume_on_two_ranks_and_on_one(s3, toke
         base, tmp_path / "one", 1, "--train.max_steps=5", "--train.use_existing_dir=true"
     )
     assert (one[0]["start_step"], one[0]["step"]) == (4, 5)
+
+    # A run whose own checkpoints are local starts from the store's step_3 by its URL:
+    # every rank stages it alike and fetches its own share of it, as a resume does.
+    server.clear()
+    start = tiny_run(None, token_dirs, f"--checkpoint.resume_from={url}/step_3")
+    local = train_ranks(start, tmp_path / "local", 2, "--train.max_steps=4")
+    assert [(r["start_step"], r["step"]) for r in local] == [(3, 4), (3, 4)]
+    assert _step_3_gets(server, ranged=False) == whole

@@ -58,6 +58,7 @@ def test_a_run_resumed_from_a_store_equals_an_uninterrupted_run(s3, token_dirs, 
         n.removeprefix("step_3/") for n in stored if n.startswith("step_3/")
     )
     assert "step_6/complete.json" in objects(url)
+    assert [e["path"] for e in events(tmp_path / "parts", "resume")] == [f"{url}/step_3"]
 
 
 def cli_train(run_dir: pathlib.Path, data: tuple[str, str], *extra: str) -> list[str]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from kempnerforge.checkpoint.manager import CheckpointError, CheckpointManager
 from kempnerforge.checkpoint.store import CheckpointStore
+from kempnerforge.checkpoint.store_reads import split_store_url
 from kempnerforge.config.checkpoint import CheckpointConfig
 
 
@@ -124,3 +125,39 @@ def test_a_rank_fetches_only_its_own_share(store_url, tmp_path):
     fetched = {p.name for p in (tmp_path / "again" / "staging" / "step_3").iterdir()}
     assert "unrelated.bin" not in fetched
     assert {"complete.json", ".metadata", "train_state_rank0.pt"} <= fetched
+
+
+def test_a_save_after_latest_named_an_unmarked_prefix_goes_through(store_url, tmp_path):
+    manager = _manager(store_url, tmp_path)
+    _save(manager, 3, seed=1)
+    _save(manager, 6, seed=2)
+    fs = fsspec.filesystem("memory")
+    fs.rm_file(f"{store_url}/step_6/complete.json")  # step_6's save died after 'latest' moved
+    resumed = _manager(store_url, tmp_path / "again")
+    path = resumed.find_resume_path()
+    assert path == str(tmp_path / "again" / "staging" / "step_3")
+    model, optimizer, scheduler = _parts(seed=9)
+    resumed.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    # Retraining to step 6 saves it again: the unmarked step_6 is no checkpoint to protect.
+    _save(resumed, 6, seed=3)
+    stored = _objects(store_url)
+    assert "step_6/complete.json" in stored
+    assert fs.cat_file(f"{store_url}/latest").decode().strip() == "step_6"
+    again = _manager(store_url, tmp_path / "third")
+    assert again.find_resume_path() == str(tmp_path / "third" / "staging" / "step_6")
+
+
+@pytest.mark.parametrize(
+    ("url", "split"),
+    [
+        ("s3://b/runs/x/ckpt/step_30", ("s3://b/runs/x/ckpt", "step_30")),
+        ("s3://b/runs/x/ckpt/step_30/", ("s3://b/runs/x/ckpt", "step_30")),
+        ("s3://b/runs/x/ckpt/latest", ("s3://b/runs/x/ckpt", None)),
+        ("s3://b/runs/x/ckpt", ("s3://b/runs/x/ckpt", None)),
+        ("s3://b", ("s3://b", None)),
+        ("s3://step_3", ("s3://step_3", None)),  # a bucket named like a checkpoint
+        ("s3://b/step_3", ("s3://b", "step_3")),
+    ],
+)
+def test_a_store_url_names_a_checkpoints_prefix_and_the_checkpoint_in_it(url, split):
+    assert split_store_url(url) == split

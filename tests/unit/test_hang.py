@@ -65,6 +65,21 @@ def test_a_set_timeout_is_a_steps_limit_and_the_least_an_eval_or_save_gets(tmp_p
     assert watchdog.limit_s(CHECKPOINT) == FLOOR_S
 
 
+def test_a_checkpoint_into_a_store_gets_at_least_the_stores_deadlines(tmp_path, clock):
+    from kempnerforge.config.loader import load_config
+    from kempnerforge.training.store_checks import store_save_limits
+
+    config = load_config(None, ["--checkpoint.dir=s3://b/ckpt", "--checkpoint.store_timeout_s=600"])
+    floors = store_save_limits(config.checkpoint)
+    assert floors == {CHECKPOINT: FLOOR_S + 4 * 600}  # the checks, uploads, commit, retention
+    assert store_save_limits(load_config(None, []).checkpoint) == {}
+    watchdog = HangWatchdog(0, tmp_path, at_least=floors)
+    for _ in range(3):
+        _run(watchdog, clock, CHECKPOINT, 0.5)
+    assert watchdog.limit_s(CHECKPOINT) == FLOOR_S + 2400  # past the 600 s a stall may take
+    assert watchdog.limit_s(STEP) == START_S
+
+
 def test_a_save_inside_a_step_is_not_the_steps_time_and_restarts_its_limit(tmp_path, clock):
     watchdog = HangWatchdog(0, tmp_path)
     for _ in range(2):

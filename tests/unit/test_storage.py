@@ -1,6 +1,7 @@
 """The storage foundation over fsspec's memory:// store: URLs told from paths, byte ranges
 with and without read-ahead and cache, a prepared corpus read from a store byte for byte as
-from disk, and the start-up refusal of store URLs where only local directories work."""
+from disk, the start-up refusal of store URLs where only local directories work, and the
+deadline every store call ends by."""
 
 from __future__ import annotations
 
@@ -187,3 +188,51 @@ def test_a_store_whose_client_is_missing_names_the_extra_to_install():
         pytest.skip("gcsfs is installed here: its client is not missing")
     with pytest.raises(StoreError, match=r"no client for gs:// stores.*kempnerforge\[cloud\]"):
         filesystem("gs://some-bucket/corpus")
+
+
+def test_a_synchronous_stores_call_is_abandoned_at_its_deadline(memory_root):
+    """memory:// has a synchronous client: a call that outlives its deadline is left on a
+    daemon thread (it cannot be cancelled) and the caller goes on."""
+    import threading
+    import time
+
+    from kempnerforge.storage.deadlines import Deadline
+    from kempnerforge.storage.stores import StoreTimeout, store_call
+
+    release = threading.Event()
+
+    def stuck(fs, key):
+        release.wait(30)  # a client blocked in a call the store never answers
+        return fs.exists(key)
+
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout, match=r"did not answer within the limit = 0.3 s"):
+        store_call(f"{memory_root}/x", stuck, deadline=Deadline(0.3, "the limit"))
+    assert time.monotonic() - started < 2.0  # 0.3 s and scheduling on a shared machine
+    (left,) = [t for t in threading.enumerate() if t.name == "kempnerforge-store-call"]
+    assert left.daemon  # the interpreter exits without waiting for it
+    release.set()
+    left.join(5)
+    assert not left.is_alive()
+
+
+def test_a_batch_stops_at_its_first_failure_and_at_its_deadline():
+    import threading
+
+    from kempnerforge.storage.deadlines import Deadline, DeadlinePassed, run_parallel
+
+    done: list[int] = []
+
+    def action(item: int) -> None:
+        if item == 2:
+            raise OSError("refused")
+        done.append(item)
+
+    with pytest.raises(OSError, match="refused"):
+        run_parallel(action, range(100), workers=1, deadline=Deadline(10, "x"))
+    assert done == [0, 1]  # nothing was started after the failure
+    hold = threading.Event()
+    with pytest.raises(DeadlinePassed) as late:
+        run_parallel(lambda _: hold.wait(30), range(5), workers=2, deadline=Deadline(0.2, "x"))
+    assert (late.value.unfinished, late.value.total) == (5, 5)
+    hold.set()

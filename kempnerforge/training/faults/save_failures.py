@@ -38,7 +38,7 @@ def tolerating_failed_saves(session: TrainingSession) -> Iterator[None]:
         session.tracker.log_event(error.step, "checkpoint_failed", **fields)
         if failed >= allowed:
             raise CheckpointError(
-                checkpointer.directory,
+                checkpointer.location_of(checkpointer.directory),
                 f"{failed} checkpoint saves in a row failed (checkpoint.max_failed_saves = "
                 f"{allowed}), the last: {error.problem}",
             ) from error

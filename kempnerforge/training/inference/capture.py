@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +16,9 @@ from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.attention import needs_document_mask
+from kempnerforge.storage.location import is_url
 from kempnerforge.training.inference.eval_checkpoint import build_eval_data
+from kempnerforge.training.inference.loading import write_output
 
 
 def resolve_modules(model: torch.nn.Module, layers: str) -> dict[str, torch.nn.Module]:
@@ -109,10 +110,11 @@ def capture(
 
 
 def save_capture(
-    captured: dict[str, torch.Tensor], path: str, *, checkpoint: Path, layers: str
+    captured: dict[str, torch.Tensor], path: str, *, checkpoint: str, layers: str
 ) -> None:
-    """Write ``captured`` to the safetensors file ``path`` (creating its directory), its
-    metadata naming the checkpoint and the layers asked for."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    metadata = {"checkpoint": os.path.abspath(checkpoint), "layers": layers}
-    save_file(captured, path, metadata=metadata)
+    """Write ``captured`` to the safetensors file ``path`` (a local path, its directory
+    created, or a store URL), its metadata naming the checkpoint (a local one by its
+    absolute path) and the layers asked for."""
+    where = checkpoint if is_url(checkpoint) else os.path.abspath(checkpoint)
+    metadata = {"checkpoint": where, "layers": layers}
+    write_output(path, lambda local: save_file(captured, local, metadata=metadata))

@@ -4,7 +4,6 @@ eval batch its run used, the report and the table printed from it."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from kempnerforge.evaluation.document_start import training_start
 from kempnerforge.evaluation.tasks import LoadedTask, load_tasks
 from kempnerforge.training.eval import eval_global_batch, evaluate_model, evaluate_tasks
 from kempnerforge.training.families import family_of
-from kempnerforge.training.inference.loading import InferenceJob
+from kempnerforge.training.inference.loading import InferenceJob, write_output
 from kempnerforge.training.resume_guard import global_batch
 
 logger = get_logger(__name__)
@@ -78,7 +77,7 @@ def evaluate_checkpoint(
         model, data, batch_loss, config.eval, config.train, job.runtime.device, global_batch=batch
     )
     return {
-        "checkpoint": str(job.checkpoint),
+        "checkpoint": job.source,
         "step": job.step,
         "eval_steps": job.config.eval.steps,
         "eval_batch_size": batch,
@@ -87,11 +86,15 @@ def evaluate_checkpoint(
 
 
 def write_report(report: dict[str, Any], path: str) -> None:
-    """``report`` as indented JSON at ``path``, creating its directory."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    """``report`` as indented JSON at ``path`` (a local path, its directory created, or a
+    store URL)."""
+
+    def write(local: str) -> None:
+        with open(local, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+
+    write_output(path, write)
 
 
 def format_table(metrics: dict[str, Any], names: list[str], *, named: bool) -> str:
@@ -147,7 +150,7 @@ def evaluate_checkpoint_tasks(
     batch = eval_batch_of_checkpoint(config.eval, config.train, job.checkpoint, job.recorded_config)
     metrics = evaluate_tasks(model, data, config, job.runtime, tasks, global_batch=batch)
     return {
-        "checkpoint": str(job.checkpoint),
+        "checkpoint": job.source,
         "step": job.step,
         "tasks": [task.name for task in tasks],
         "eval_batch_size": batch,

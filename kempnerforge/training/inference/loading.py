@@ -10,8 +10,11 @@ load_for_inference builds and loads.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-from collections.abc import Sequence
+import tomllib
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,11 @@ from typing import Any
 import tomli_w
 import torch
 
-from kempnerforge.checkpoint.choice import choose, list_candidates
+from kempnerforge.checkpoint.choice import choose
 from kempnerforge.checkpoint.disk_format import DCP_METADATA, LATEST, MARKER, STEP_DIR, step_dirs
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.store import CheckpointStoreError
+from kempnerforge.checkpoint.store_reads import split_store_url
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import load_config
@@ -29,6 +34,8 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkp
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
+from kempnerforge.storage.files import write_file
+from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.training.families import family_of
 
 logger = get_logger(__name__)
@@ -38,7 +45,8 @@ CHECKPOINTS_DIR = "checkpoints"
 
 CHECKPOINT_FORMS = (
     "pass a checkpoint (runs/<name>/checkpoints/step_<N>), its checkpoints directory or the "
-    f"'{LATEST}' file there, or the run directory"
+    f"'{LATEST}' file there, the run directory, or a store URL (s3://bucket/prefix/step_<N>, "
+    f"the prefix, or its '{LATEST}')"
 )
 """What --checkpoint accepts, for the errors that say it was none of them."""
 
@@ -50,7 +58,10 @@ class InferenceJob:
 
     command: str
     checkpoint: Path
-    """The checkpoint used (a step_<N> directory), found complete."""
+    """The checkpoint used (a step_<N> directory; a store's: its staged copy), found
+    complete."""
+    source: str
+    """Where the checkpoint lives, as reports name it: its directory, or its URL."""
     step: int | None
     """The step it was saved at; None for a checkpoint that records none."""
     config: JobConfig
@@ -78,13 +89,17 @@ def open_for_inference(
     for ``command`` in this one process; build nothing.
 
     ``checkpoint`` is a step_<N> directory, a checkpoints directory or its ``latest`` file,
-    or a run directory: the last three give the newest complete checkpoint there, as a
-    resume would choose it (``latest`` if complete, else the newest complete step_<N>).
-    The config is ``config_path`` when given, else the run directory's config.toml, else
-    the config the checkpoint recorded; ``overrides`` apply on top. ``validate`` checks the
-    config's cross-section rules for one process (a command that reads no data may skip
-    them, so the [distributed] layout of a multi-process run need not fit one process).
-    ``device`` overrides train.device. Logs one line naming the checkpoint and the config.
+    or a run directory (its checkpoints where its config.toml's checkpoint.dir says, a
+    store included), or a store URL: a checkpoint, a checkpoints prefix or its ``latest``.
+    All but a step give the newest complete checkpoint there, as a resume would choose it
+    (``latest`` if complete, else the newest complete step_<N>). A checkpoint in a store
+    is fetched into a temporary folder (removed when the process ends): only its own
+    files, those its check and load read. The config is ``config_path`` when given, else
+    the run directory's config.toml, else the config the checkpoint recorded;
+    ``overrides`` apply on top. ``validate`` checks the config's cross-section rules for
+    one process (a command that reads no data may skip them, so the [distributed] layout
+    of a multi-process run need not fit one process). ``device`` overrides train.device.
+    Logs one line naming the checkpoint and the config.
 
     Each checkpoint is checked once (every file read, checksums compared); the load that
     follows trusts that verdict. Config problems are found before that pass whenever the
@@ -95,32 +110,34 @@ def open_for_inference(
     source = config_path
     if config is not None:
         _check(config, command, source, validate)
-    directory, named = locate_checkpoint(checkpoint)
-    checkpointer = CheckpointManager(CheckpointConfig(), str(directory))
-    run_config = run_config_of_checkpoints(directory)
-    if config is None and run_config.is_file():
+    location = locate_checkpoint(checkpoint)
+    run_config = location.run_config
+    if config is None and run_config is not None and run_config.is_file():
         config, source = load_config(str(run_config), overrides), str(run_config)
         _check(config, command, source, validate)
+    checkpointer = _checkpointer(location.directory, config)
 
     skipped: list[str] = []
-    chosen = named if named is not None else _newest_complete(checkpointer, directory, skipped)
+    chosen = _chosen(checkpointer, location, skipped)
+    where = checkpointer.location_of(chosen)
     extra = checkpointer.read_extra(str(chosen))  # a CheckpointError when incomplete
     recorded = extra.get("config") if isinstance(extra.get("config"), dict) else None
     if config is None:
-        config, source = _recorded_config(recorded, overrides, chosen, run_config)
+        config, source = _recorded_config(recorded, overrides, where, run_config)
         _check(config, command, source, validate)
 
     step = extra.get("step")
     found = ""
-    if named is None:
+    if location.named is None:
         also = f"; skipped {'; '.join(skipped)}" if skipped else ""
-        found = f" (the newest complete checkpoint in {directory}{also})"
-    logger.info("%s: step %s of %s%s; config: %s", command, step, chosen, found, source)
+        found = f" (the newest complete checkpoint in {location.directory}{also})"
+    logger.info("%s: step %s of %s%s; config: %s", command, step, where, found, source)
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     return InferenceJob(
         command=command,
         checkpoint=chosen,
+        source=where,
         step=step if isinstance(step, int) else None,
         config=config,
         config_source=source,
@@ -128,6 +145,20 @@ def open_for_inference(
         runtime=init_runtime(config.distributed, device or config.train.device),
         checkpointer=checkpointer,
     )
+
+
+def output_path(job: InferenceJob, given: str, name: str) -> str:
+    """Where a command writes its output: ``given``, else the file ``name`` beside the
+    checkpoint's own files (in its store, for a checkpoint in one)."""
+    return given or join(job.source, name)
+
+
+def write_output(path: str, write: Callable[[str], None]) -> None:
+    """Have ``write(local path)`` write the output ``path`` (a store URL: uploaded from a
+    temporary file), creating a local path's directory first."""
+    if not is_store_url(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_file(path, write)
 
 
 def load_for_inference(job: InferenceJob) -> torch.nn.Module:
@@ -146,28 +177,88 @@ def load_for_inference(job: InferenceJob) -> torch.nn.Module:
     return model.eval()
 
 
-def locate_checkpoint(given: str) -> tuple[Path, Path | None]:
-    """Where ``given`` points: (the directory of checkpoints, the checkpoint it names), the
-    second None when the newest complete checkpoint there is meant. Reads directory
-    listings only; a CheckpointError naming ``given`` when it holds no checkpoint."""
+@dataclass(frozen=True)
+class CheckpointLocation:
+    """Where --checkpoint points."""
+
+    directory: str
+    """The directory of checkpoints, or their prefix in a store."""
+    named: str | None
+    """The checkpoint given (a step_<N> directory, or its URL); None: the newest complete
+    one in ``directory``."""
+    run_config: Path | None
+    """The run's config.toml, when its run directory is known (it may not exist)."""
+
+
+def locate_checkpoint(given: str) -> CheckpointLocation:
+    """Where ``given`` points. Reads directory listings and a run's config.toml only, and
+    nothing of a store; a CheckpointError naming ``given`` when it holds no checkpoint."""
+    if is_store_url(given):
+        prefix, name = split_store_url(given)
+        return CheckpointLocation(prefix, join(prefix, name) if name else None, None)
     path = Path(given)
     if path.name == LATEST and path.is_file():
-        return path.parent, None
+        return CheckpointLocation(str(path.parent), None, run_config_of_checkpoints(path.parent))
     if not path.is_dir():
         problem = "is not a directory" if path.exists() else "does not exist"
         raise CheckpointError(path, f"{problem}; {CHECKPOINT_FORMS}")
     if STEP_DIR.fullmatch(path.name) or (path / MARKER).exists() or (path / DCP_METADATA).exists():
-        return Path(os.path.abspath(path)).parent, path  # absolute: "." has no parent
+        directory = Path(os.path.abspath(path)).parent  # absolute: "." has no parent
+        return CheckpointLocation(str(directory), str(path), run_config_of_checkpoints(directory))
     for directory in (path, path / CHECKPOINTS_DIR):
-        if directory.is_dir() and ((directory / LATEST).exists() or step_dirs(directory)):
-            return directory, None
+        if _holds_checkpoints(directory):
+            return CheckpointLocation(str(directory), None, run_config_of_checkpoints(directory))
+    elsewhere = _checkpoint_dir_of_run(path)
+    if is_store_url(elsewhere) or (elsewhere and _holds_checkpoints(Path(elsewhere))):
+        return CheckpointLocation(elsewhere.rstrip("/"), None, path / RUN_CONFIG_FILE)
     raise CheckpointError(path, f"holds no checkpoint; {CHECKPOINT_FORMS}")
 
 
-def _newest_complete(checkpointer: CheckpointManager, directory: Path, skipped: list[str]) -> Path:
-    """The checkpoint a resume of ``directory`` would take (checkpoint/choice.py), each
-    candidate checked by ``checkpointer`` (so the load checks it no more); the ones found
-    broken are appended to ``skipped``."""
+def _holds_checkpoints(directory: Path) -> bool:
+    return directory.is_dir() and ((directory / LATEST).exists() or bool(step_dirs(directory)))
+
+
+def _checkpoint_dir_of_run(run_dir: Path) -> str:
+    """checkpoint.dir as the config.toml of the run directory `run_dir` records it; ''
+    when it records none (or there is no readable config.toml)."""
+    try:
+        recorded = tomllib.loads((run_dir / RUN_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return ""
+    section = recorded.get("checkpoint")
+    value = section.get("dir") if isinstance(section, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _checkpointer(directory: str, config: JobConfig | None) -> CheckpointManager:
+    """The manager that reads the checkpoints of `directory`. Those of a store are staged
+    in a new temporary folder, inside checkpoint.staging_dir when the config sets one
+    that exists here (else the system's temporary directory), removed when the manager is
+    gone (at the latest when the process ends); the config's store_timeout_s and
+    store_connections apply."""
+    cfg = config.checkpoint if config is not None else CheckpointConfig()
+    if not is_store_url(directory):
+        return CheckpointManager(CheckpointConfig(), directory)
+    try:
+        staging = tempfile.mkdtemp(prefix="kempnerforge-fetch-", dir=cfg.staging_dir or None)
+    except OSError:  # the training job's staging folder need not exist where this runs
+        staging = tempfile.mkdtemp(prefix="kempnerforge-fetch-")
+    checkpointer = CheckpointManager(cfg, directory, staging_dir=staging)
+    weakref.finalize(checkpointer, shutil.rmtree, staging, True)
+    return checkpointer
+
+
+def _chosen(
+    checkpointer: CheckpointManager, location: CheckpointLocation, skipped: list[str]
+) -> Path:
+    """The checkpoint to load (its staged copy, for a store's): the one named, or the one
+    a resume of the directory would take (checkpoint/choice.py), each candidate checked
+    by ``checkpointer`` (so the load checks it no more); the ones found broken are
+    appended to ``skipped``."""
+    candidates = checkpointer.candidates(location.named or "auto")
+    assert candidates is not None  # only "none" lists nothing
+    if candidates.explicit is not None:
+        return candidates.explicit
 
     def verdict(path: Path) -> list[str]:
         problems = checkpointer.verify(path)
@@ -175,29 +266,33 @@ def _newest_complete(checkpointer: CheckpointManager, directory: Path, skipped: 
             skipped.append(f"{path.name} ({problems[0]})")
         return problems
 
-    candidates = list_candidates(directory, "auto")
-    assert candidates is not None  # only "none" lists nothing
     try:
         chosen = choose(candidates, verdict, quiet=True)
+    except CheckpointStoreError:
+        raise  # the store failed: nothing is known of its checkpoints
     except CheckpointError:
         chosen = None  # only broken checkpoints: said below, without the resume advice
     if chosen is None:
         found = f" (skipped {'; '.join(skipped)})" if skipped else ""
-        raise CheckpointError(directory, f"holds no complete checkpoint{found}")
+        raise CheckpointError(location.directory, f"holds no complete checkpoint{found}")
     return Path(chosen)
 
 
 def _recorded_config(
-    recorded: dict[str, Any] | None, overrides: Sequence[str], checkpoint: Path, run_config: Path
+    recorded: dict[str, Any] | None,
+    overrides: Sequence[str],
+    checkpoint: str,
+    run_config: Path | None,
 ) -> tuple[JobConfig, str]:
     """The config ``checkpoint`` recorded at save time with ``overrides``, and its source;
     a ConfigError asking for --config when it records none."""
     if recorded is None:
+        none_beside = f"{run_config} does not exist and " if run_config is not None else ""
         raise ConfigError(
             "--config",
             "",
             "the TOML config of the run that saved the checkpoint",
-            f"{run_config} does not exist and {checkpoint} records no config",
+            f"{none_beside}{checkpoint} records no config",
         )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, RUN_CONFIG_FILE)

@@ -76,7 +76,7 @@ class GroupCheckpointManager(CheckpointManager):
     def save(self, step: int, **kwargs: Any) -> str:
         if not self.is_saver():
             logger.info("step %d: checkpoint written by another replica group", step)
-            return str(self.directory / f"step_{step}")
+            return self.location(f"step_{step}")
         return super().save(step, **kwargs)
 
 
