@@ -51,16 +51,14 @@ def run_capture(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--batch-size", args.batch_size, ">= 0 (0: train.batch_size)")
     # Heavy imports here, so `kempnerforge --help` stays fast.
     from kempnerforge.core.logging import configure_logging
-    from kempnerforge.training.inference.capture import (
+    from kempnerforge.training.inference import (
         capture,
         capture_dataset,
-        resolve_modules,
-        save_capture,
-    )
-    from kempnerforge.training.inference.loading import (
         load_for_inference,
         open_for_inference,
         output_path,
+        resolve_modules,
+        save_capture,
     )
 
     configure_logging(0)

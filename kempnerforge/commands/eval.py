@@ -42,16 +42,14 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     put_allocator_in_place(args.config, overrides, restart=getattr(args, "may_restart", False))
     # Heavy imports here, so `kempnerforge --help` stays fast.
     from kempnerforge.core.logging import configure_logging
-    from kempnerforge.training.inference.eval_checkpoint import (
+    from kempnerforge.training.inference import (
         build_eval_data,
         evaluate_checkpoint,
         format_table,
-        write_report,
-    )
-    from kempnerforge.training.inference.loading import (
         load_for_inference,
         open_for_inference,
         output_path,
+        write_report,
     )
 
     if args.steps is not None:
@@ -73,13 +71,14 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _run_tasks(job, args: argparse.Namespace) -> int:
     """the `eval` command's `--tasks`: the tasks' table on stdout and the JSON report."""
     from kempnerforge.training.families import family_of
-    from kempnerforge.training.inference.eval_checkpoint import (
+    from kempnerforge.training.inference import (
         evaluate_checkpoint_tasks,
         format_task_table,
         load_checkpoint_tasks,
+        load_for_inference,
+        output_path,
         write_report,
     )
-    from kempnerforge.training.inference.loading import load_for_inference, output_path
 
     data = family_of(job.config).build_data(job.config, job.runtime, False)
     tasks = load_checkpoint_tasks(job, data, args.tasks)  # before the model: mistakes are cheap

@@ -84,9 +84,13 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.core.logging import configure_logging
     from kempnerforge.data.tokenizer import load_tokenizer
     from kempnerforge.model import Transformer, generate
-    from kempnerforge.training.inference.chat_prompt import chat_prompt, read_conversation
-    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
-    from kempnerforge.training.inference.prompt import generation_prompt
+    from kempnerforge.training.inference import (
+        chat_prompt,
+        generation_prompt,
+        load_for_inference,
+        open_for_inference,
+        read_conversation,
+    )
 
     messages = None if args.chat is None else read_conversation(args.chat)
     configure_logging(0)

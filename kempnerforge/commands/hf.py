@@ -60,7 +60,7 @@ def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.core.logging import configure_logging
     from kempnerforge.interop.folders import new_folder, staged
     from kempnerforge.interop.hf import check_exportable, export_hf
-    from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
+    from kempnerforge.training.inference import load_for_inference, open_for_inference
 
     out = new_folder(args.out, "--out")
     configure_logging(0)

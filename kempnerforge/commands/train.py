@@ -119,7 +119,7 @@ def _train_under(
         teardown_runtime,
         world_size_from_env,
     )
-    from kempnerforge.training.inference.sample import print_sample
+    from kempnerforge.training.inference import print_sample
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.workspace import rank0_workspace
 
@@ -170,7 +170,7 @@ def _build_and_train(
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
-    from kempnerforge.training.replicas.groups import checkpointer_kind
+    from kempnerforge.training.replicas import checkpointer_kind
     from kempnerforge.training.resume_plan import plan_resume
     from kempnerforge.training.store_checks import store_save_limits
     from kempnerforge.training.workspace import record_config
@@ -220,7 +220,7 @@ def _resume_and_train(session: TrainingSession, plan: ResumePlan | None) -> tupl
     stands in for the resume, and trains with them.
     """
     from kempnerforge.training.loop import run_training_loop
-    from kempnerforge.training.replicas.groups import ReplicaGroup
+    from kempnerforge.training.replicas import ReplicaGroup
     from kempnerforge.training.resume_plan import apply_resume
 
     if not session.config.fault_tolerance.enabled:

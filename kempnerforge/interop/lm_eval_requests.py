@@ -28,7 +28,7 @@ from kempnerforge.model.generation import eval_mode, generate
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.training.families import family_of
 from kempnerforge.training.forward import training_autocast
-from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
+from kempnerforge.training.inference import load_for_inference, open_for_inference
 
 PACK_POSITIONS = 1024 * 2048
 """Token positions packed at once: windows are built for this many and scored before the

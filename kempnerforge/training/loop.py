@@ -30,9 +30,7 @@ from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
 from kempnerforge.training.eval import evaluate, evaluate_tasks, tasks_due
 from kempnerforge.training.families import family_of
-from kempnerforge.training.faults.attribution import attempt_step
-from kempnerforge.training.faults.rollback import roll_back_or_stop
-from kempnerforge.training.faults.save_failures import tolerating_failed_saves
+from kempnerforge.training.faults import attempt_step, roll_back_or_stop, tolerating_failed_saves
 from kempnerforge.training.hooks import HookRunner, StepContext, announce_commit
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates

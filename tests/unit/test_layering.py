@@ -87,7 +87,7 @@ def test_the_training_core_imports_no_wing():
     assert not violations, "\n".join(violations)
 
 
-FACED_FOLDERS = ("data", "model", "interop")
+FACED_FOLDERS = ("data", "model", "interop", "training")
 """The folders whose sub-folders (wings) are entered through their faces."""
 
 
