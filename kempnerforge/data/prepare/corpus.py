@@ -154,13 +154,13 @@ def write_corpus(
             batches = _batches(sources, eval_fraction, progress, max_docs)
             for batch, encoded in encoder.encode(batches, lambda b: b.documents):
                 for to_eval, document in zip(batch.to_eval, encoded, strict=True):
-                    sink = sinks[-1] if to_eval and held_out else sinks[0]
+                    split = 1 if to_eval and held_out else 0
                     if chat_template is None:
-                        sink.add_document(document)
+                        sinks[split].add_document(document)
                     elif isinstance(document, ConversationRefused):
-                        refused.add(document, int(sink is not sinks[0]))
+                        refused.add(document, split)
                     else:
-                        sink.add_document(*document)  # the tokens and their loss mask
+                        sinks[split].add_document(*document)  # the tokens and their loss mask
                 for _ in range(batch.files_done):
                     progress.file_done(writers)
         finally:
