@@ -83,6 +83,12 @@ def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
         "out ('drop'); both are counted",
     )
     parser.add_argument(
+        "--stop-on-refused",
+        action="store_true",
+        help="with --format chat: stop at the first conversation the chat template refuses "
+        "(default: skip it, count it in meta.json and the summary line, and go on)",
+    )
+    parser.add_argument(
         "--text-field",
         default=None,
         help="jsonl field / parquet or dataset column holding the document text (default "
@@ -208,11 +214,11 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         shard = Shard(args.shard_index, args.num_shards)
     tokenizer = load_tokenizer(args.tokenizer)  # a wrong path is named before any template
     chat_template = packing = None
-    if args.format != "chat" and (args.seq_len or args.long_conversations):
-        option = "--seq-len" if args.seq_len else "--long-conversations"
+    if args.format != "chat" and (args.seq_len or args.long_conversations or args.stop_on_refused):
+        option, about = _chat_only_option(args)
         raise DataError(
-            f"{option} is about packing conversations into windows; it goes only with "
-            f"--format chat (leave {option} out for text)"
+            f"{option} is about {about}; it goes only with --format chat (leave {option} out "
+            "for text)"
         )
     if args.format == "chat":
         from kempnerforge.data.chat import Packing, load_chat_template
@@ -249,6 +255,7 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         shard=shard,
         chat_template=chat_template,
         packing=packing,
+        stop_on_refused=args.stop_on_refused,
     )
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
@@ -260,7 +267,8 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
             f"{meta['max_document_tokens']:,} tokens; packed into windows of "
             f"{meta['packed_seq_len']:,} with {meta['pad_tokens']:,} pad tokens, "
             f"{meta['conversations_cut']:,} conversations cut and "
-            f"{meta['conversations_dropped']:,} dropped as longer)"
+            f"{meta['conversations_dropped']:,} dropped as longer; "
+            f"{meta['conversations_refused']:,} refused by the chat template and skipped)"
         )
     if args.eval_fraction > 0.0:
         eval_output = join(args.eval_output, shard.name) if shard else args.eval_output
@@ -271,6 +279,14 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     print(summary)
     return 0
+
+
+def _chat_only_option(args: argparse.Namespace) -> tuple[str, str]:
+    """The first option given that goes only with --format chat, and what it is about."""
+    if args.seq_len or args.long_conversations:
+        option = "--seq-len" if args.seq_len else "--long-conversations"
+        return option, "packing conversations into windows"
+    return "--stop-on-refused", "conversations the chat template refuses"
 
 
 def run_record_max_id(data_dirs: list[str]) -> int:

@@ -7,13 +7,10 @@ import numpy as np
 import pytest
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat.conversation import (
-    Conversation,
-    assistant_spans,
-    conversation_of,
-    encode_conversation,
-)
+from kempnerforge.data.chat.conversation import Conversation, conversation_of
+from kempnerforge.data.chat.encoding import encode_conversation
 from kempnerforge.data.chat.template import ChatTemplate, byte_chat_template, load_chat_template
+from kempnerforge.data.chat.turns import ConversationRefused, assistant_spans
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.chat_files import CHATML_GENERATION, CONVERSATION, make_chat_tokenizer_dir
 
@@ -97,20 +94,38 @@ def test_conversational_prompt_completion_leaves_prompt_assistant_turns_off():
     assert answer == "over the lazy dog \U0001f600\n"
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused():
-    # Like templates that drop the reasoning of all but the last turn: the last assistant
-    # turn renders differently from how it renders once another turn follows.
+def test_a_template_that_drops_earlier_content_refuses_the_conversation():
+    # Like templates that drop the reasoning of earlier turns, but here all of their text:
+    # an earlier assistant turn writes nothing to train on.
     rewriting = (
         "{% for m in messages %}{{ m['role'] }}: "
         "{% if loop.last %}{{ m['content'] }}{% else %}...{% endif %}\n{% endfor %}"
     )
     template = ChatTemplate(rewriting, "rewriting.jinja")
     conversation = Conversation(CONVERSATION[1:4], where="f.jsonl:3")
-    with pytest.raises(DataError) as info:
+    with pytest.raises(ConversationRefused) as info:
         encode_conversation(ByteTokenizer(), template, conversation)
     message = str(info.value)
-    assert message.startswith("f.jsonl:3: the chat template of rewriting.jinja renders")
-    assert "message 1, an assistant turn" in message
+    assert message.startswith("f.jsonl:3: message 1, an assistant turn, cannot be found")
+    assert message.endswith("the template does not write its content")
+
+
+def test_a_turn_written_otherwise_once_later_turns_follow_is_masked_where_it_stands():
+    # Like Qwen3, which writes an empty reasoning block into the last assistant turn only.
+    template = ChatTemplate(
+        "{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if loop.last and m['role'] == 'assistant' %}(final) {% endif %}"
+        "{{ m['content'] }}{% if m['role'] == 'assistant' %}<|eos|>{% endif %}"
+        "{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+        "rewriting.jinja",
+    )
+    messages = CONVERSATION[1:3] + [CONVERSATION[1], CONVERSATION[2]]
+    ids, mask = encode_conversation(ByteTokenizer(), template, Conversation(messages))
+    eos = ByteTokenizer.eos_id
+    on = bytes(i for i in ids[mask].tolist() if i < 256).decode()
+    assert on == "the quick brown fox jumps" + "(final) the quick brown fox jumps"
+    assert ids[mask].tolist().count(eos) == 2 and not mask[-1]
 
 
 @pytest.mark.parametrize(

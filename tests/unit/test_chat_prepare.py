@@ -11,7 +11,8 @@ import pytest
 
 from kempnerforge.cli import main
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat.conversation import conversation_of, encode_conversation
+from kempnerforge.data.chat.conversation import conversation_of
+from kempnerforge.data.chat.encoding import encode_conversation
 from kempnerforge.data.chat.template import byte_chat_template, load_chat_template
 from kempnerforge.data.dataset import IGNORE_INDEX, MemoryMappedDataset
 from kempnerforge.data.prepare import corpus as prepare

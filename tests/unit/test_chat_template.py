@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat.conversation import Conversation, encode_conversation
+from kempnerforge.data.chat.conversation import Conversation
+from kempnerforge.data.chat.encoding import encode_conversation
 from kempnerforge.data.chat.template import (
     BYTE_CHAT_TEMPLATE,
     ChatTemplate,

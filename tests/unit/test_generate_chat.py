@@ -15,7 +15,7 @@ from kempnerforge.commands.generate import add_generate_arguments, check_argumen
 from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError, DataError
-from kempnerforge.data.chat.conversation import end_of_turn_ids
+from kempnerforge.data.chat.encoding import end_of_turn_ids
 from kempnerforge.data.chat.template import ChatTemplate, byte_chat_template, load_chat_template
 from kempnerforge.data.tokenizer import ByteTokenizer, load_tokenizer
 from kempnerforge.model import Transformer, generate
@@ -126,14 +126,16 @@ def test_conversation_errors_name_chat_and_the_file(tmp_path):
 # --- End of turn ---------------------------------------------------------------------------
 
 
-def test_chatml_turns_end_at_im_end_and_eos(chat_tokenizer):
+def test_chatml_turns_end_at_im_end_the_configs_eos(chat_tokenizer):
     import tokenizers
 
     raw = tokenizers.Tokenizer.from_file(f"{chat_tokenizer}/tokenizer.json")
     tokenizer = load_tokenizer(chat_tokenizer)
     stops = end_of_turn_ids(tokenizer, load_chat_template(chat_tokenizer))
-    assert stops == {raw.token_to_id("<|im_end|>"), raw.token_to_id("<|endoftext|>")}
-    assert tokenizer.eos_id == raw.token_to_id("<|endoftext|>")
+    # tokenizer_config.json names <|im_end|> as eos_token (as Qwen's does), so EOS is it,
+    # not <|endoftext|>, which the vocabulary also has.
+    assert stops == {raw.token_to_id("<|im_end|>")}
+    assert tokenizer.eos_id == raw.token_to_id("<|im_end|>")
 
 
 def test_byte_template_turns_end_at_eos():
@@ -231,10 +233,11 @@ def test_an_export_renders_the_template_as_kempnerforge_does(tmp_path, layout):
     loaded = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours = load_chat_template(spec).render(QUESTION, add_generation_prompt=True)
     assert loaded.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False) == ours
-    # transformers' generate stops where generate --chat does: <|im_end|> or EOS.
+    # transformers' generate stops where generate --chat does: at <|im_end|>, the template's
+    # end of turn and the config's EOS.
     generation = transformers.GenerationConfig.from_pretrained(str(folder))
-    stops = [loaded.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
-    assert generation.eos_token_id == sorted(stops)
+    assert generation.eos_token_id == [loaded.convert_tokens_to_ids("<|im_end|>")]
+    assert loaded.eos_token == "<|im_end|>"
 
 
 def test_an_export_of_a_lone_tokenizer_without_a_template_writes_none(tmp_path):

@@ -6,10 +6,8 @@ Modules outside this folder import these names from here, never from its modules
 
 from __future__ import annotations
 
-from kempnerforge.data.chat.conversation import (
-    Conversation,
-    check_messages,
-    conversation_of,
+from kempnerforge.data.chat.conversation import Conversation, check_messages, conversation_of
+from kempnerforge.data.chat.encoding import (
     encode_conversations,
     encode_with_offsets,
     end_of_turn_ids,
@@ -21,11 +19,13 @@ from kempnerforge.data.chat.template import (
     ChatTemplate,
     load_chat_template,
 )
+from kempnerforge.data.chat.turns import ConversationRefused
 
 __all__ = [
     "ChatTemplate",
     "Conversation",
     "ConversationPacker",
+    "ConversationRefused",
     "Packing",
     "TEMPLATE_FILE",
     "TOKENIZER_CONFIG",

@@ -1,10 +1,11 @@
 """Chat templates: where a tokenizer's template comes from, and rendering a conversation with it
 exactly as Hugging Face transformers' ``apply_chat_template`` does.
 
-The Jinja environment below matches transformers' (sandboxed, trim_blocks, lstrip_blocks, the
-loop controls, ``raise_exception``, a ``tojson`` that does not escape HTML, ``strftime_now``, a
-``namespace`` that refuses underscore names), so a template written for a model renders here
-the text it renders there; transformers itself is not needed.
+The Jinja environment below matches transformers 5's (sandboxed, trim_blocks, lstrip_blocks,
+the loop controls, ``raise_exception``, a ``tojson`` that does not escape HTML,
+``strftime_now``, a ``namespace`` that refuses underscore names, a plain ``dict``), and a
+message's reasoning is passed under each name transformers passes it, so a template written
+for a model renders here the text it renders there; transformers itself is not needed.
 """
 
 from __future__ import annotations
@@ -17,19 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from kempnerforge.core.errors import DataError
+from kempnerforge.data.tokenizer import TOKENIZER_CONFIG, read_json_object, read_special_tokens
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
-# The special-token variables transformers passes to a template, when the tokenizer has them.
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
+# The names transformers gives a message's reasoning, in the order it looks for one; it passes
+# the first found as both 'reasoning_content' (what templates read) and 'thinking'.
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 # The byte tokenizer's texts for its BOS and EOS ids: in a rendered conversation these strings
 # are encoded as the special ids, as a Hugging Face tokenizer encodes its special tokens.
@@ -72,7 +66,7 @@ class ChatTemplate:
         template = _compile(self.source, self.where)
         try:
             return template.render(
-                messages=messages,
+                messages=alias_reasoning(messages),
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
@@ -98,15 +92,17 @@ def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
 
     As transformers loads it: ``chat_template.jinja`` beside the tokenizer wins over the
     ``chat_template`` of tokenizer_config.json (a list of named templates gives 'default').
-    Special-token variables come from tokenizer_config.json. Raises DataError when there is
-    no template, saying where it was looked for.
+    Special-token variables are those the directory names (data.tokenizer's
+    read_special_tokens: tokenizer_config.json, special_tokens_map.json). Raises DataError
+    when there is no template, saying where it was looked for.
     """
     if tokenizer_spec == "byte":
         return byte_chat_template()
     path = Path(tokenizer_spec).expanduser()
     directory = path if path.is_dir() else path.parent
-    config = _read_config(directory / TOKENIZER_CONFIG)
-    variables = _special_tokens(config, directory / TOKENIZER_CONFIG)
+    config = read_json_object(directory / TOKENIZER_CONFIG)
+    named = read_special_tokens(directory)
+    variables = {name: text for name, (text, _) in named.items() if text is not None}
     jinja_file = directory / TEMPLATE_FILE
     if jinja_file.is_file():
         try:
@@ -123,33 +119,19 @@ def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
     return ChatTemplate(source, str(directory / TOKENIZER_CONFIG), variables)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    """tokenizer_config.json as a dict; {} when there is none."""
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: not a readable JSON file ({exc}); fix or remove it") from None
-    if not isinstance(config, dict):
-        raise DataError(f"{path}: expected a JSON object, found {type(config).__name__}")
-    return config
-
-
-def _special_tokens(config: dict[str, Any], where: Path) -> dict[str, str]:
-    """The special-token variables of a tokenizer_config.json: a string, or an added-token
-    object whose 'content' is the string."""
-    variables = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise DataError(f"{where}: {name} is {type(value).__name__}, not a string")
-        variables[name] = value
-    return variables
+def alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with a message's reasoning under every name templates read, as
+    transformers passes it: the first of REASONING_KEYS a message has becomes its
+    'thinking' (placed first) and 'reasoning_content' (placed last)."""
+    if not any(key in message for message in messages for key in REASONING_KEYS):
+        return messages
+    aliased = []
+    for message in messages:
+        reasoning = next((message[k] for k in REASONING_KEYS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        aliased.append(message)
+    return aliased
 
 
 def _template_of_config(value: Any, where: Path) -> str | None:
@@ -201,12 +183,24 @@ def _compile(source: str, where: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = _private_free_namespace()
+    env.globals["dict"] = _TemplateDict()
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise DataError(
             f"{where}: the chat template is not valid Jinja (line {exc.lineno}: {exc.message})"
         ) from None
+
+
+class _TemplateDict:
+    """The ``dict`` a template may call: builds plain dicts, and exposes nothing else of
+    the type (as transformers' own)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
 
 
 def _private_free_namespace() -> type:

@@ -19,8 +19,15 @@ from typing import Any
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.chat import ChatTemplate, Conversation, ConversationPacker, Packing
+from kempnerforge.data.chat import (
+    ChatTemplate,
+    Conversation,
+    ConversationPacker,
+    ConversationRefused,
+    Packing,
+)
 from kempnerforge.data.prepare.chat_sources import read_conversations
+from kempnerforge.data.prepare.refused import RefusedConversations
 from kempnerforge.data.prepare.sources import (
     check_text_suffixes,
     discover_input_files,
@@ -103,6 +110,7 @@ def write_corpus(
     allow_empty: bool = False,
     chat_template: ChatTemplate | None = None,
     packing: Packing | None = None,
+    stop_on_refused: bool = False,
 ) -> dict[str, Any]:
     """Tokenize ``(source name, documents)`` pairs into prepared directories.
 
@@ -111,6 +119,8 @@ def write_corpus(
     document whose loss mask is on for the assistant's tokens (the writer records the
     format, the number of assistant tokens and the longest conversation in meta.json); with
     ``packing`` too, each split's conversations are packed into whole windows (chat_pack.py).
+    A conversation that cannot be written (ConversationRefused) is skipped and counted in
+    its split's meta.json, or with ``stop_on_refused`` stops the run.
     Returns the train split's metadata; the eval split's is in
     ``eval_output_dir/meta.json``. Nothing appears under the final names unless every split
     is complete and, without ``allow_empty`` (a shard may hold no documents), non-empty.
@@ -139,21 +149,26 @@ def write_corpus(
         sinks: list[Any] = [
             w if packing is None else ConversationPacker(w, packing) for w in writers
         ]
+        refused = RefusedConversations(stop_on_refused)
         try:
             batches = _batches(sources, eval_fraction, progress, max_docs)
             for batch, encoded in encoder.encode(batches, lambda b: b.documents):
                 for to_eval, document in zip(batch.to_eval, encoded, strict=True):
-                    sink = sinks[-1] if to_eval and held_out else sinks[0]
+                    split = 1 if to_eval and held_out else 0
                     if chat_template is None:
-                        sink.add_document(document)
+                        sinks[split].add_document(document)
+                    elif isinstance(document, ConversationRefused):
+                        refused.add(document, split)
                     else:
-                        sink.add_document(*document)  # the tokens and their loss mask
+                        sinks[split].add_document(*document)  # the tokens and their loss mask
                 for _ in range(batch.files_done):
                     progress.file_done(writers)
         finally:
             progress.close()
-        extras = [s.finish() if isinstance(s, ConversationPacker) else None for s in sinks]
+        extras = _chat_meta(sinks, refused) if chat_template is not None else [None, None]
+        refused.report()
         if not allow_empty:
+            refused.check_not_all(writers)
             _check_not_all_dropped(sinks)
             _check_not_empty(train, held_out, output_dir, eval_output_dir, eval_fraction)
         if held_out is not None:
@@ -277,6 +292,12 @@ def _check_not_empty(
         )
 
 
+def _chat_meta(sinks: list[Any], refused: RefusedConversations) -> list[dict[str, Any]]:
+    """Each split's chat fields of meta.json: its packing counts and refused conversations."""
+    packed = [s.finish() if isinstance(s, ConversationPacker) else {} for s in sinks]
+    return [{**fields, **refused.meta(split)} for split, fields in enumerate(packed)]
+
+
 def _check_not_all_dropped(sinks: list[Any]) -> None:
     """Refuse a packed split whose every conversation was too long for its windows."""
     for sink in sinks:
@@ -305,6 +326,7 @@ def prepare_data(
     shard: Shard | None = None,
     chat_template: ChatTemplate | None = None,
     packing: Packing | None = None,
+    stop_on_refused: bool = False,
 ) -> dict[str, Any]:
     """Tokenize .txt / .jsonl (optionally .gz) / .parquet files and saved Hugging Face datasets
     (directories walked) into ``output_dir``; files ending in one of ``text_suffixes`` (e.g.
@@ -328,7 +350,8 @@ def prepare_data(
     document with a loss mask on the assistant's tokens; the writer's BOS is refused, since
     the template writes its own. With ``packing`` as well, the conversations are packed
     into whole windows of ``packing.seq_len`` tokens (chat_pack.py); of a sharded corpus
-    only the last shard ends the stream with the extra pad token.
+    only the last shard ends the stream with the extra pad token. A conversation that cannot
+    be written is skipped and counted (``stop_on_refused``: the run stops; write_corpus).
 
     The outputs are checked before any input is read (check_outputs); files a directory walk
     leaves out are counted in one warning per directory.
@@ -384,4 +407,5 @@ def prepare_data(
         allow_empty=shard is not None,
         chat_template=chat_template,
         packing=packing,
+        stop_on_refused=stop_on_refused,
     )

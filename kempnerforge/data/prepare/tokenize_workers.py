@@ -1,7 +1,7 @@
 """Tokenizing prepare-data's document chunks in worker processes, results in input order.
 
 A chunk holds texts, or with a chat template conversations, each encoded into its tokens and
-loss mask.
+loss mask, or into the ConversationRefused that says why it cannot be.
 
 Workers are started with the spawn context (no forked copy of the parent's threads or open
 files) and rebuild the tokenizer from its spec, so any tokenizer ``load_tokenizer`` makes works.
@@ -20,7 +20,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kempnerforge.core.errors import DataError
-from kempnerforge.data.chat import ChatTemplate, Conversation, encode_conversations
+from kempnerforge.data.chat import (
+    ChatTemplate,
+    Conversation,
+    ConversationRefused,
+    encode_conversations,
+)
 from kempnerforge.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, encode_to_arrays
 
 T = TypeVar("T")
@@ -83,21 +88,25 @@ def _worker_tok() -> Tokenizer:
 def encode_documents(
     tokenizer: Tokenizer, template: ChatTemplate | None, documents: list[Any]
 ) -> list[Any]:
-    """Token arrays of texts; with ``template``, (tokens, loss mask) of conversations."""
+    """Token arrays of texts; with ``template``, (tokens, loss mask) of conversations, or the
+    ConversationRefused of one that cannot be written."""
     if template is None:
         return encode_to_arrays(tokenizer, documents)
     return encode_conversations(tokenizer, template, documents)
 
 
-def _encode_chunk(documents: list[str] | list[Conversation]) -> tuple[np.ndarray, ...]:
+def _encode_chunk(documents: list[str] | list[Conversation]) -> tuple[Any, ...]:
     """One chunk's tokens as a flat array plus document end offsets (one buffer to pickle),
-    and with a chat template the flat loss mask after them."""
+    and with a chat template the flat loss mask and the refused conversations (position,
+    refusal) after them."""
     encoded = encode_documents(_worker_tok(), _worker_template, documents)
     if _worker_template is None:
         return _flatten(encoded)
-    tokens, ends = _flatten([ids for ids, _ in encoded])
-    masks, _ = _flatten([mask for _, mask in encoded], np.bool_)
-    return tokens, ends, masks
+    refused = [(i, e) for i, e in enumerate(encoded) if isinstance(e, ConversationRefused)]
+    pairs = [e for e in encoded if not isinstance(e, ConversationRefused)]
+    tokens, ends = _flatten([ids for ids, _ in pairs])
+    masks, _ = _flatten([mask for _, mask in pairs], np.bool_)
+    return tokens, ends, masks, refused
 
 
 def _flatten(arrays: list[np.ndarray], dtype: Any = np.int64) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +162,7 @@ class ChunkEncoder:
                 documents = documents_of(chunk)
                 yield chunk, encode_documents(self.tokenizer, self.chat_template, documents)
             return
-        pending: deque[tuple[T, Future[tuple[np.ndarray, ...]]]] = deque()
+        pending: deque[tuple[T, Future[tuple[Any, ...]]]] = deque()
         window = _CHUNKS_PER_WORKER * self.num_workers
         for chunk in chunks:
             pending.append((chunk, self._pool.submit(_encode_chunk, documents_of(chunk))))
@@ -163,11 +172,14 @@ class ChunkEncoder:
             yield _collect(*pending.popleft())
 
 
-def _collect(chunk: T, future: Future[tuple[np.ndarray, ...]]) -> tuple[T, list[Any]]:
-    flat, ends, *masks = future.result()
-    if not len(ends):
-        return chunk, []
-    tokens = np.split(flat, ends[:-1])
-    if not masks:
+def _collect(chunk: T, future: Future[tuple[Any, ...]]) -> tuple[T, list[Any]]:
+    flat, ends, *chat = future.result()
+    tokens = np.split(flat, ends[:-1]) if len(ends) else []
+    if not chat:
         return chunk, tokens
-    return chunk, list(zip(tokens, np.split(masks[0], ends[:-1]), strict=True))
+    masks, refused = chat
+    masks = np.split(masks, ends[:-1]) if len(ends) else []
+    documents: list[Any] = list(zip(tokens, masks, strict=True))
+    for position, refusal in refused:  # back in their place, in input order
+        documents.insert(position, refusal)
+    return chunk, documents

@@ -30,8 +30,14 @@ MASKED_KEY = "loss_mask"
 """meta.json's key saying the directory is a masked corpus (token_flags.bin exists)."""
 FLAGS_SHA_KEY = "token_flags_sha256"
 """meta.json's key holding token_flags.bin's content hash, like content_sha256 for tokens."""
-PACKED_COUNTS = ("pad_tokens", "conversations_cut", "conversations_dropped")
-"""meta.json's counts of a corpus packed into windows (chat_pack.py), summed over shards."""
+PACKED_COUNTS = (
+    "pad_tokens",
+    "conversations_cut",
+    "conversations_dropped",
+    "conversations_refused",
+)
+"""meta.json's counts of a chat corpus (its packing into windows, and the conversations left
+out as refused), summed over shards."""
 
 
 def document_flags(loss_mask: np.ndarray, num_tokens: int) -> np.ndarray:
