@@ -9,8 +9,9 @@ the run.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from kempnerforge.data.prepare import SUPPORTED
+from kempnerforge.data.prepare import INPUT_FORMATS, SUPPORTED
 
 
 def _int_at_least(value: str, least: int) -> int:
@@ -60,11 +61,10 @@ def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=("text", "chat"),
+        choices=tuple(INPUT_FORMATS),
         default="text",
-        help="'text' (default): each input document is text; 'chat': each is a conversation "
-        "(messages, or prompt and completion) rendered with the tokenizer's chat template, "
-        "with a loss mask on the assistant's tokens",
+        help="; ".join(f"'{f.name}': {f.about}" for f in INPUT_FORMATS.values())
+        + " (default 'text')",
     )
     parser.add_argument(
         "--seq-len",
@@ -182,63 +182,17 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     """Run `kempnerforge prepare-data`; DataError and ConfigError propagate to the CLI."""
     import sys
 
-    from kempnerforge.core.errors import DataError
-    from kempnerforge.data.prepare import prepare_data
+    from kempnerforge.data.prepare import check_format_options, prepare_data
     from kempnerforge.data.tokenizer import load_tokenizer
-    from kempnerforge.data.tokens import Shard, read_meta
     from kempnerforge.storage.location import join
 
-    if overrides:
-        raise DataError(f"unrecognized arguments: {' '.join(overrides)}")
+    _check_what_to_do(args, overrides)
     if args.record_max_id:
-        if args.input or args.output:
-            raise DataError(
-                "--record-max-id scans directories already prepared; it takes no --input or "
-                "--output (run it on its own)"
-            )
         return run_record_max_id(args.record_max_id)
-    if not args.input or not args.output:
-        raise DataError(
-            "prepare-data needs --input FILE_OR_DIR ... and --output DIR (or --record-max-id "
-            "DIR to record the largest id of a directory already prepared)"
-        )
-    if args.eval_output and args.eval_fraction <= 0.0:
-        raise DataError(f"--eval-output {args.eval_output} needs --eval-fraction F > 0")
-    shard = None
-    if args.shard_index is not None or args.num_shards is not None:
-        if args.shard_index is None or args.num_shards is None:
-            raise DataError(
-                "--shard-index I and --num-shards N go together: this process writes shard I "
-                "of N (0 <= I < N)"
-            )
-        shard = Shard(args.shard_index, args.num_shards)
+    shard = _shard(args)
     tokenizer = load_tokenizer(args.tokenizer)  # a wrong path is named before any template
-    chat_template = packing = None
-    if args.format != "chat" and (args.seq_len or args.long_conversations or args.stop_on_refused):
-        option, about = _chat_only_option(args)
-        raise DataError(
-            f"{option} is about {about}; it goes only with --format chat (leave {option} out "
-            "for text)"
-        )
-    if args.format == "chat":
-        from kempnerforge.data.chat import Packing, load_chat_template
-
-        if args.seq_len is None:
-            raise DataError(
-                "--format chat needs --seq-len N, the training job's train.seq_len: "
-                "conversations are packed into windows of N tokens so that none crosses a "
-                "window boundary"
-            )
-        packing = Packing(args.seq_len, args.long_conversations or "cut")
-
-        if args.text_suffix or args.skip_non_utf8:
-            option = "--text-suffix" if args.text_suffix else "--skip-non-utf8"
-            raise DataError(
-                f"{option} is about whole-file text documents; --format chat reads none "
-                f"(leave {option} out)"
-            )
-        chat_template = load_chat_template(args.tokenizer)
-    output = join(args.output, shard.name) if shard else args.output
+    input_format = check_format_options(args.format, vars(args))
+    chat_template, packing = _chat_encoding(args) if input_format.name == "chat" else (None, None)
     meta = prepare_data(
         args.input,
         args.output,
@@ -257,36 +211,82 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         packing=packing,
         stop_on_refused=args.stop_on_refused,
     )
+    output = join(args.output, shard.name) if shard else args.output
     summary = (
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
         f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
     )
-    if chat_template is not None:
-        summary += (
-            f" ({meta['assistant_tokens']:,} assistant tokens; the longest conversation "
-            f"{meta['max_document_tokens']:,} tokens; packed into windows of "
-            f"{meta['packed_seq_len']:,} with {meta['pad_tokens']:,} pad tokens, "
-            f"{meta['conversations_cut']:,} conversations cut and "
-            f"{meta['conversations_dropped']:,} dropped as longer; "
-            f"{meta['conversations_refused']:,} refused by the chat template and skipped)"
-        )
-    if args.eval_fraction > 0.0:
-        eval_output = join(args.eval_output, shard.name) if shard else args.eval_output
-        held_out = read_meta(eval_output)
-        summary += (
-            f"; held out {held_out['num_tokens']:,} tokens in "
-            f"{held_out['num_documents']:,} documents into {eval_output}"
-        )
-    print(summary)
+    print(summary + input_format.summary(meta) + _held_out_clause(args, shard))
     return 0
 
 
-def _chat_only_option(args: argparse.Namespace) -> tuple[str, str]:
-    """The first option given that goes only with --format chat, and what it is about."""
-    if args.seq_len or args.long_conversations:
-        option = "--seq-len" if args.seq_len else "--long-conversations"
-        return option, "packing conversations into windows"
-    return "--stop-on-refused", "conversations the chat template refuses"
+def _check_what_to_do(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Refuse arguments argparse took but no mode uses, and a launch with nothing to do."""
+    from kempnerforge.core.errors import DataError
+
+    if overrides:
+        raise DataError(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.record_max_id:
+        if args.input or args.output:
+            raise DataError(
+                "--record-max-id scans directories already prepared; it takes no --input or "
+                "--output (run it on its own)"
+            )
+        return
+    if not args.input or not args.output:
+        raise DataError(
+            "prepare-data needs --input FILE_OR_DIR ... and --output DIR (or --record-max-id "
+            "DIR to record the largest id of a directory already prepared)"
+        )
+    if args.eval_output and args.eval_fraction <= 0.0:
+        raise DataError(f"--eval-output {args.eval_output} needs --eval-fraction F > 0")
+
+
+def _shard(args: argparse.Namespace) -> Any:
+    """The Shard this process writes (--shard-index of --num-shards), or None."""
+    from kempnerforge.core.errors import DataError
+    from kempnerforge.data.tokens import Shard
+
+    if args.shard_index is None and args.num_shards is None:
+        return None
+    if args.shard_index is None or args.num_shards is None:
+        raise DataError(
+            "--shard-index I and --num-shards N go together: this process writes shard I "
+            "of N (0 <= I < N)"
+        )
+    return Shard(args.shard_index, args.num_shards)
+
+
+def _chat_encoding(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(chat template, packing) of --format chat: the tokenizer's template, and windows of
+    --seq-len, which it needs."""
+    from kempnerforge.core.errors import DataError
+    from kempnerforge.data.chat import Packing, load_chat_template
+
+    if args.seq_len is None:
+        raise DataError(
+            "--format chat needs --seq-len N, the training job's train.seq_len: "
+            "conversations are packed into windows of N tokens so that none crosses a "
+            "window boundary"
+        )
+    return load_chat_template(args.tokenizer), Packing(
+        args.seq_len, args.long_conversations or "cut"
+    )
+
+
+def _held_out_clause(args: argparse.Namespace, shard: Any) -> str:
+    """The summary's clause on the held-out split, read back from its meta.json."""
+    from kempnerforge.data.tokens import read_meta
+    from kempnerforge.storage.location import join
+
+    if args.eval_fraction <= 0.0:
+        return ""
+    eval_output = join(args.eval_output, shard.name) if shard else args.eval_output
+    held_out = read_meta(eval_output)
+    return (
+        f"; held out {held_out['num_tokens']:,} tokens in "
+        f"{held_out['num_documents']:,} documents into {eval_output}"
+    )
 
 
 def run_record_max_id(data_dirs: list[str]) -> int:

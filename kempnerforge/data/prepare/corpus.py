@@ -8,6 +8,7 @@ meta.json held it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import time
@@ -132,18 +133,13 @@ def write_corpus(
     # Workers get small chunks so each has work; one process keeps the large batches.
     max_docs = _BATCH_DOCS if num_workers == 1 else _WORKER_CHUNK_DOCS
     with ExitStack() as stack:
+        outputs = [output_dir] + ([eval_output_dir] if eval_fraction > 0.0 else [])
         masked = chat_template is not None
-        train = stack.enter_context(
-            TokenFileWriter(output_dir, tokenizer, bos_per_document, masked)
-        )
-        writers = [train]
-        held_out = None
-        if eval_fraction > 0.0:
-            assert eval_output_dir is not None
-            held_out = stack.enter_context(
-                TokenFileWriter(eval_output_dir, tokenizer, bos_per_document, masked)
-            )
-            writers.append(held_out)
+        writers = [
+            stack.enter_context(TokenFileWriter(str(out), tokenizer, bos_per_document, masked))
+            for out in outputs
+        ]
+        train, held_out = writers[0], (writers[1] if len(writers) > 1 else None)
         encoder = stack.enter_context(ChunkEncoder(tokenizer, num_workers, chat_template))
         # Each split is packed on its own: its windows hold only its conversations.
         sinks: list[Any] = [
@@ -155,12 +151,7 @@ def write_corpus(
             for batch, encoded in encoder.encode(batches, lambda b: b.documents):
                 for to_eval, document in zip(batch.to_eval, encoded, strict=True):
                     split = 1 if to_eval and held_out else 0
-                    if chat_template is None:
-                        sinks[split].add_document(document)
-                    elif isinstance(document, ConversationRefused):
-                        refused.add(document, split)
-                    else:
-                        sinks[split].add_document(*document)  # the tokens and their loss mask
+                    _add_document(sinks[split], document, masked, refused, split)
                 for _ in range(batch.files_done):
                     progress.file_done(writers)
         finally:
@@ -356,46 +347,24 @@ def prepare_data(
     The outputs are checked before any input is read (check_outputs); files a directory walk
     leaves out are counted in one warning per directory.
     """
-    if chat_template is not None and bos_per_document:
-        raise DataError(
-            f"{output_dir}: --bos does not go with --format chat: the chat template writes "
-            "the tokens a conversation starts with; leave --bos out"
-        )
-    if packing is not None and chat_template is None:
-        raise DataError(f"{output_dir}: --seq-len packs conversations; it needs --format chat")
+    _check_chat_options(output_dir, chat_template, packing, bos_per_document)
     if packing is not None and shard is not None:
         packing = replace(packing, ends_stream=shard.index == shard.count - 1)
     if text_field is None:
         text_field = "text" if chat_template is None else "messages"
     train_dir, eval_dir = check_outputs(output_dir, eval_fraction, eval_output_dir, shard)
     text_suffixes = check_text_suffixes(text_suffixes)
-    files = discover_input_files(inputs, text_suffixes)
-    if shard is not None:
-        num_files = len(files)
-        files = shard.take(files)
-        if not files:
-            logger.warning(
-                "%s: shard %d of %d gets none of the %d input files; it is written empty",
-                train_dir,
-                shard.index,
-                shard.count,
-                num_files,
-            )
+    files = _shard_files(discover_input_files(inputs, text_suffixes), shard, train_dir)
     if split is not None and not any(is_hf_dataset_dir(f) for f in files):
         logger.warning("--split %s is ignored: no input is a saved Hugging Face dataset", split)
-    sources = (
-        (
-            str(f),
-            read_documents(
-                f, text_field, split, text_suffixes=text_suffixes, skip_non_utf8=skip_non_utf8
-            )
-            if chat_template is None
-            else read_conversations(f, text_field, split),
+    if chat_template is None:
+        read = functools.partial(
+            read_documents, text_suffixes=text_suffixes, skip_non_utf8=skip_non_utf8
         )
-        for f in files
-    )
+    else:
+        read = read_conversations
     return write_corpus(
-        sources,
+        ((str(f), read(f, text_field, split)) for f in files),
         len(files),
         train_dir,
         tokenizer,
@@ -409,3 +378,46 @@ def prepare_data(
         packing=packing,
         stop_on_refused=stop_on_refused,
     )
+
+
+def _check_chat_options(
+    output_dir: str, chat_template: ChatTemplate | None, packing: Packing | None, bos: bool
+) -> None:
+    """Refuse --bos with conversations (their template writes how they start) and packing
+    without them."""
+    if chat_template is not None and bos:
+        raise DataError(
+            f"{output_dir}: --bos does not go with --format chat: the chat template writes "
+            "the tokens a conversation starts with; leave --bos out"
+        )
+    if packing is not None and chat_template is None:
+        raise DataError(f"{output_dir}: --seq-len packs conversations; it needs --format chat")
+
+
+def _shard_files(files: list[Path], shard: Shard | None, train_dir: str) -> list[Path]:
+    """The input files ``shard`` prepares (all without one); an empty shard is said once."""
+    if shard is None:
+        return files
+    taken = shard.take(files)
+    if not taken:
+        logger.warning(
+            "%s: shard %d of %d gets none of the %d input files; it is written empty",
+            train_dir,
+            shard.index,
+            shard.count,
+            len(files),
+        )
+    return taken
+
+
+def _add_document(
+    sink: Any, document: Any, masked: bool, refused: RefusedConversations, split: int
+) -> None:
+    """Write one encoded document into its split: a text's ids, a conversation's ids and
+    loss mask, or count a conversation its template refused."""
+    if not masked:
+        sink.add_document(document)
+    elif isinstance(document, ConversationRefused):
+        refused.add(document, split)
+    else:
+        sink.add_document(*document)  # the tokens and their loss mask
