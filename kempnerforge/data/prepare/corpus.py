@@ -119,7 +119,8 @@ def write_corpus(
     With ``chat_template`` the documents are conversations: each is rendered with it into one
     document whose loss mask is on for the assistant's tokens (the writer records the
     format, the number of assistant tokens and the longest conversation in meta.json); with
-    ``packing`` too, each split's conversations are packed into whole windows (chat_pack.py).
+    ``packing`` too, each split's conversations are packed into whole windows
+    (data/chat/packing.py).
     A conversation that cannot be written (ConversationRefused) is skipped and counted in
     its split's meta.json, or with ``stop_on_refused`` stops the run.
     Returns the train split's metadata; the eval split's is in
@@ -340,7 +341,7 @@ def prepare_data(
     ``text_field`` naming the messages field, default 'messages'), each rendered into one
     document with a loss mask on the assistant's tokens; the writer's BOS is refused, since
     the template writes its own. With ``packing`` as well, the conversations are packed
-    into whole windows of ``packing.seq_len`` tokens (chat_pack.py); of a sharded corpus
+    into whole windows of ``packing.seq_len`` tokens (data/chat/packing.py); of a sharded corpus
     only the last shard ends the stream with the extra pad token. A conversation that cannot
     be written is skipped and counted (``stop_on_refused``: the run stops; write_corpus).
 

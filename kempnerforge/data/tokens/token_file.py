@@ -177,7 +177,7 @@ class TokenFileWriter:
     def add_padding(self, num_tokens: int) -> None:
         """Append ``num_tokens`` pad ids (the tokenizer's pad id, its EOS when it has none)
         as a run of a loss-masked corpus that is never a target and ends a document, so no
-        attention crosses it: the unused rest of a packed window (chat_pack.py). Not counted
+        attention crosses it: the unused rest of a packed window (data/chat/packing.py). Not counted
         as a document, nor in max_document_tokens."""
         if self._flags is None:
             if self.num_documents:
