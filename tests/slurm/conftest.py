@@ -11,6 +11,14 @@ import pytest
 from tests.support.slurm_cluster import SlurmCluster, missing, start_cluster
 
 
+def pytest_collection_modifyitems(items):
+    """The suite runs on several pytest-xdist workers: keep this folder's tests on one, so
+    one cluster (its daemons, ports and state directory) serves them all."""
+    for item in items:
+        if item.path.is_relative_to(os.path.dirname(__file__)):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory) -> SlurmCluster:
     reason = missing()

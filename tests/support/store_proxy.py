@@ -354,8 +354,8 @@ def _send_slowly(sock: socket.socket, data: bytes, rate: int, closed: threading.
 
 @contextlib.contextmanager
 def fault_proxy(endpoint: str) -> Iterator[FaultProxy]:
-    """A FaultProxy in front of the server at ``endpoint`` (http://host:port), stopped on
-    exit."""
+    """A FaultProxy in front of the server at ``endpoint`` (an http URL with a host and a
+    port), stopped on exit."""
     parts = urlsplit(endpoint)
     assert parts.hostname is not None and parts.port is not None
     proxy = FaultProxy((parts.hostname, parts.port))

@@ -20,7 +20,7 @@ from kempnerforge.data.tokenizer import ByteTokenizer
 from kempnerforge.evaluation.document_start import DocumentStart, training_start
 from kempnerforge.evaluation.scoring import slot_sums, whole_model_losses
 from kempnerforge.evaluation.tasks import load_task
-from kempnerforge.interop.hf_llama import export_llama
+from kempnerforge.interop.hf import export_hf
 from kempnerforge.model.transformer import Transformer
 from tests.conftest import synthetic_documents
 from tests.support.chat_files import turns, write_masked_dir
@@ -91,7 +91,9 @@ def exported(tmp_path_factory) -> tuple[Transformer, torch.nn.Module]:
     model = Transformer(cfg)
     model.init_weights(0)
     model.eval()
-    folder = export_llama(model, cfg, tmp_path_factory.mktemp("hf") / "hf", tokenizer_path="byte")
+    folder = export_hf(
+        model, cfg, tmp_path_factory.mktemp("hf") / "hf", tokenizer_path="byte", model_type="llama"
+    )
     theirs = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model, theirs.eval()
 

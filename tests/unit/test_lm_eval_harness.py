@@ -38,7 +38,7 @@ from kempnerforge.evaluation.tasks import (  # noqa: E402
     prompted_examples,
     task_metrics,
 )
-from kempnerforge.interop.hf_llama import export_llama  # noqa: E402
+from kempnerforge.interop.hf import export_hf  # noqa: E402
 from kempnerforge.interop.lm_eval import KempnerForgeLM  # noqa: E402
 from kempnerforge.model.transformer import Transformer  # noqa: E402
 from tests.conftest import synthetic_documents  # noqa: E402
@@ -97,7 +97,9 @@ def checkpoint(tmp_path_factory) -> tuple[Path, Path, Transformer]:
     CheckpointManager(config.checkpoint, config.checkpoint_dir).save(
         1, model=model, optimizer=optimizer, scheduler=scheduler, train_state={"extra": extra}
     )
-    folder = export_llama(model, config.model, root / "hf", tokenizer_path=tokenizer_path)
+    folder = export_hf(
+        model, config.model, root / "hf", tokenizer_path=tokenizer_path, model_type="llama"
+    )
     return run, folder, model
 
 
