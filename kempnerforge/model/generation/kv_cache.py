@@ -3,9 +3,9 @@
 ``forward_cached`` runs only the new positions of a sequence: every block projects their
 queries, keys and values, stores the keys and values in the cache at their absolute
 positions, and attends from the new queries to all stored keys so far, or, in a sliding
-layer (model.sliding_window), to those its window reaches. The result equals the full forward's logits at those positions (fp32:
-to rounding). The cache keeps every position's keys for every layer; a sliding layer
-reads only its window's.
+layer (model.sliding_window), to those its window reaches. The result equals the full
+forward's logits at those positions (fp32: to rounding). The cache keeps every position's
+keys for every layer; a sliding layer reads only its window's.
 
 This is a separate path through the same modules; Transformer.forward, the training
 forward, is not involved and keeps its numerics, its compiled blocks and its FSDP hooks.
