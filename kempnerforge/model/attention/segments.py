@@ -28,8 +28,12 @@ MERGE_LEN = 256
 """Documents shorter than this are attended several to a piece (one kernel call per
 piece, not per document): a chat corpus or eval requests pack many short ones."""
 BAND_LEN = 512
-"""Queries per piece of a document longer than the window; its keys are the band's
-queries and the window - 1 positions before the first of them."""
+"""Most queries per piece of a document longer than the window (a band); its keys are the
+band's queries and the window - 1 positions before the first of them, so a band of the
+window's length (at least MIN_BAND_LEN) does about half of its score work on keys its
+window reaches, a longer band less."""
+MIN_BAND_LEN = 64
+"""Fewest queries per band: a tiny window would otherwise cost a kernel call per query."""
 
 _aten = torch.ops.aten
 
@@ -113,13 +117,15 @@ def _row_pieces(rule: MaskRule, row: int, spans: list[Range]) -> list[Piece]:
 
 def _span_pieces(rule: MaskRule, row: int, start: int, stop: int) -> list[Piece]:
     """One document's pieces: the whole of it when the window does not bind inside it,
-    else bands of BAND_LEN queries with the keys their window reaches."""
+    else bands of queries (the window's length, within MIN_BAND_LEN and BAND_LEN) with
+    the keys their window reaches."""
     window = rule.window
     if not window or stop - start <= window:
         return [Piece(row, (start, stop), (start, stop), causal=True, shared=True)]
     pieces = []
-    for first in range(start, stop, BAND_LEN):
-        last = min(first + BAND_LEN, stop)
+    band = min(BAND_LEN, max(window, MIN_BAND_LEN))
+    for first in range(start, stop, band):
+        last = min(first + band, stop)
         keys = (max(start, first - window + 1), last)
         causal = keys[0] == first and last - first <= window
         pieces.append(Piece(row, (first, last), keys, causal=causal, shared=True))
