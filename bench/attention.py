@@ -34,8 +34,6 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model import build_model
 from kempnerforge.model.heads import HeadLossSpec
 
-DEBUG_SHAPE = {"dim": 256, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 259}
-"""configs/model/debug.toml's shape (its n_layers from --layers)."""
 PATHS = {"rules": "auto", "dense": "dense", "causal": "auto"}
 """train.attention_kernel of each path; 'causal' gives the model no document ids."""
 
@@ -65,7 +63,10 @@ def run_one(path: str, seq: int, args: argparse.Namespace) -> dict:
     """One process's measurement of ``path`` at ``seq`` tokens."""
     load_before = os.getloadavg()[0]
     torch.manual_seed(0)
-    cfg = ModelConfig(**DEBUG_SHAPE, n_layers=args.layers, max_seq_len=seq)
+    # configs/model/debug.toml's shape, its n_layers from --layers.
+    cfg = ModelConfig(
+        dim=256, n_heads=4, n_kv_heads=4, vocab_size=259, n_layers=args.layers, max_seq_len=seq
+    )
     model = build_model(cfg)
     model.attention_kernel = PATHS[path]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -113,9 +113,8 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _compile_unavailable(device: torch.device) -> str | None:
-    """Why FlexAttention cannot be compiled here, or None when it can."""
-    if not torch._dynamo.is_dynamo_supported():
-        return "torch.compile does not support this Python"
+    """Why FlexAttention cannot be compiled here, or None when it can (a compile that
+    fails anyway is caught at its first call)."""
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     return None
