@@ -7,11 +7,15 @@ sequence) on one batch row of --seq tokens cut into documents of --doc-len token
 last one shorter), forward with the fused head loss, backward and a fused AdamW step, fp32.
 Each (path, length, round) runs in a fresh process, so no allocator cache or earlier peak
 carries over; rounds alternate the paths. Time: the median of --steps steps after
---warmup; tokens/s is --seq over it. Memory: the increase of the process's peak resident
-set (VmHWM, reset through /proc/self/clear_refs where Linux allows) over its value with
-the model, optimizer and batch built, so the first step's optimizer state counts. The
+--warmup; tokens/s is --seq over it, and tokens per CPU-second is --seq over the median
+CPU time of the process in a step (the work done, which other load on the machine
+changes far less than the wall clock; with --threads 1 it has no idle spinning in it).
+Memory: the increase of the process's peak resident set (VmHWM, reset through
+/proc/self/clear_refs where Linux allows) over its value with the model, optimizer and
+batch built, so the first step's optimizer state counts. The
 load average is read before and after each run. Prints one JSON line per run, then the
-medians and the ratios (rules over dense for tokens/s, rules over causal for memory).
+medians and the ratios (rules over dense for tokens/s and per CPU-second, rules over
+causal for memory).
 
     python bench/attention.py --seq 4096,16384 --paths rules,dense
     python bench/attention.py --seq 32768,65536 --paths rules,causal --steps 1 --warmup 0
@@ -62,6 +66,8 @@ def packed_doc_ids(seq: int, doc_len: int) -> torch.Tensor:
 def run_one(path: str, seq: int, args: argparse.Namespace) -> dict:
     """One process's measurement of ``path`` at ``seq`` tokens."""
     load_before = os.getloadavg()[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     # configs/model/debug.toml's shape, its n_layers from --layers.
     cfg = ModelConfig(
@@ -76,15 +82,17 @@ def run_one(path: str, seq: int, args: argparse.Namespace) -> dict:
     spec = HeadLossSpec(2048, 0.0)
     _reset_peak()
     baseline = _peak_kib()
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.warmup + args.steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         head = model(ids, doc_ids, labels=labels, loss_spec=spec)
         (head.loss_sum / seq).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
+        cpu_times.append(time.process_time() - cpu_started)
     step_s = statistics.median(times[args.warmup :])
+    cpu_s = statistics.median(cpu_times[args.warmup :])
     return {
         "path": path,
         "seq": seq,
@@ -93,6 +101,8 @@ def run_one(path: str, seq: int, args: argparse.Namespace) -> dict:
         "threads": torch.get_num_threads(),
         "step_s": round(step_s, 3),
         "tokens_per_sec": round(seq / step_s, 1),
+        "cpu_s": round(cpu_s, 3),
+        "tokens_per_cpu_sec": round(seq / cpu_s, 1),
         "peak_memory_gib": round((_peak_kib() - baseline) / 2**20, 3),
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),
@@ -111,6 +121,7 @@ def _child_argv(path: str, seq: int, args: argparse.Namespace) -> list[str]:
         f"--layers={args.layers}",
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
+        f"--threads={args.threads}",
     ]
 
 
@@ -123,15 +134,14 @@ def summarize(rows: list[dict]) -> None:
         line = {"seq": seq}
         for path in PATHS:
             got = by.get((path, seq))
-            if got:
-                line[f"{path}_tokens_per_sec"] = statistics.median(r["tokens_per_sec"] for r in got)
-                line[f"{path}_peak_memory_gib"] = statistics.median(
-                    r["peak_memory_gib"] for r in got
+            for key in ("tokens_per_sec", "tokens_per_cpu_sec", "peak_memory_gib"):
+                if got:
+                    line[f"{path}_{key}"] = statistics.median(r[key] for r in got)
+        for key in ("tokens_per_sec", "tokens_per_cpu_sec"):
+            if f"rules_{key}" in line and f"dense_{key}" in line:
+                line[f"rules_over_dense_{key}"] = round(
+                    line[f"rules_{key}"] / line[f"dense_{key}"], 2
                 )
-        if "rules_tokens_per_sec" in line and "dense_tokens_per_sec" in line:
-            line["rules_over_dense_speed"] = round(
-                line["rules_tokens_per_sec"] / line["dense_tokens_per_sec"], 2
-            )
         if "rules_peak_memory_gib" in line and "causal_peak_memory_gib" in line:
             line["rules_over_causal_memory"] = round(
                 line["rules_peak_memory_gib"] / line["causal_peak_memory_gib"], 2
@@ -148,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--one", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
