@@ -72,11 +72,12 @@ def _prepare(
     if rule.is_causal or device.type == "meta":
         return None
     whole = (0, seq_len)
-    if kernel == "dense":
-        return dense_mask(rule, doc_ids, whole, whole, device)
-    if device.type == "cpu":
+    if device.type == "cuda" and kernel == "auto":
+        return block_mask(rule, doc_ids, whole, whole, device=device)
+    if device.type == "cpu" and kernel == "auto":
         return plan_segments(rule, doc_ids, batch, seq_len)
-    return block_mask(rule, doc_ids, whole, whole, device=device)
+    # 'dense', or a device with neither (FlexAttention's backward is CUDA's alone).
+    return dense_mask(rule, doc_ids, whole, whole, device)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LayerMask) -> torch.Tensor:
@@ -165,7 +166,11 @@ class _CompiledFlex:
             self._say_once(self.eager_reason)
             return _flex(flex_attention, q, k, v, mask, grouped)
         self.keys.add(key)
-        logger.info("attention: FlexAttention compiled in %.1f s", time.perf_counter() - started)
+        logger.info(
+            "attention: FlexAttention's forward compiled in %.1f s (its backward compiles in "
+            "the first backward)",
+            time.perf_counter() - started,
+        )
         return out
 
     def _say_once(self, reason: str) -> None:
