@@ -181,6 +181,15 @@ def check_part(name: str, run: Run, estimate_s: float, timeout_s: float = 300) -
     )
 
 
+def attention_part(run: Run, estimate_s: float) -> Part:
+    """bench/gpu/attention.py: one attention layer over packed documents at seq 8192, the
+    rules' kernel (FlexAttention) against the dense mask and the causal flash kernel."""
+    command = [PY, str(REPO / "bench" / "gpu" / "attention.py")]
+    return Part(
+        "attention_packed", "checks", command + (["--dry-run"] if run.dry_run else []), estimate_s
+    )
+
+
 MATMUL_PEAK = (
     "import json,time,torch\n"
     "cuda=torch.cuda.is_available(); d='cuda' if cuda else 'cpu'\n"
@@ -211,6 +220,7 @@ def plan(run: Run) -> list[Part | list[Part]]:
             check_part("float8_curve", run, 70),
             check_part("pytest_gpu", run, 150, timeout_s=420),
         ],
+        attention_part(run, 120),  # alone: it times kernels
         mfu_part("1b_compiled_fp8", one, dry, 80, compile=True, ac="none", float8=True),
         mfu_part("1b_eager", one, dry, 35, compile=False, ac="none"),
         mfu_part(

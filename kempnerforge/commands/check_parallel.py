@@ -202,8 +202,7 @@ def _plan(
         return _Plan(swept, overrides, train.grad_accum_steps, [], sweep=True)
     for layout in layouts:  # refuse before anything runs
         per_rank_batch_size(train.batch_size, layout)
-    masking = config.data.document_masking
-    extra, notes = pipeline_overrides(train.grad_accum_steps, masking, layouts)
+    extra, notes = pipeline_overrides(train.grad_accum_steps, layouts)
     grad_accum = grad_accum_for(train.grad_accum_steps, layouts)
     return _Plan(layouts, [*overrides, *extra], grad_accum, notes, sweep=False)
 

@@ -63,7 +63,7 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
 
 def check_pipeline_layout(config: JobConfig) -> None:
     """Pipeline parallelism against the model and the job: split points only with pp > 1,
-    a layer per stage, no tied embedding or document masking, whole rounds of micro-batches."""
+    a layer per stage, no tied embedding, whole rounds of micro-batches."""
     dist, model, train = config.distributed, config.model, config.train
     if dist.pp == 1:
         if dist.pp_split_points:
@@ -95,14 +95,6 @@ def check_pipeline_layout(config: JobConfig) -> None:
             True,
             "false with distributed.pp > 1",
             "the embedding and the output head live on different pipeline stages",
-        )
-    if config.data.document_masking:
-        raise ConfigError(
-            "data.document_masking",
-            True,
-            "false with distributed.pp > 1",
-            "pipeline stages pass hidden states only, not the document ids: set "
-            "data.document_masking = false to train across document boundaries",
         )
     if train.grad_accum_steps < dist.pp or train.grad_accum_steps % dist.pp:
         raise ConfigError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kempnerforge.config.checks import (
     MAX_LOSS_WEIGHT,
@@ -17,6 +17,8 @@ from kempnerforge.core.errors import ConfigError
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_AUX_LEVELS = ("token", "sequence")
 MOE_BIAS_SCHEDULES = ("constant", "linear_warmup", "cosine_decay")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+"""model.layer_types' entries, as Hugging Face configs name them."""
 
 
 @dataclass
@@ -91,6 +93,21 @@ class ModelConfig:
     """Sigmoid router: 'constant', 'linear_warmup' (rate grows over the first 10% of
     train.max_steps) or 'cosine_decay' (rate decays to 0 at train.max_steps)."""
 
+    sliding_window: int = 0
+    """Sliding-window attention: a query of a sliding layer sees its own position and the
+    sliding_window - 1 positions before it (Hugging Face's ``sliding_window``); which
+    layers slide is model.sliding_window_pattern's or model.layer_types'. 0: no window,
+    every layer sees the whole causal past. 0 to 2**31 - 1."""
+    sliding_window_pattern: int = 0
+    """With model.sliding_window: every Nth layer (layer i when (i + 1) % N == 0) attends
+    to the whole causal past and the others through the window (Gemma 3: 6; Gemma 2 and
+    GPT-OSS alternate: 2); 0 makes every layer slide (Mistral). 0, or 2 to n_layers."""
+    layer_types: list[str] = field(default_factory=list)
+    """Each layer's attention, Hugging Face's ``layer_types``: n_layers entries of
+    'sliding_attention' (through model.sliding_window) or 'full_attention'; it then
+    replaces model.sliding_window_pattern (which must stay 0). Empty: the pattern
+    decides."""
+
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
             check_positive(f"model.{name}", getattr(self, name), MAX_SIZE)
@@ -110,6 +127,7 @@ class ModelConfig:
         for name in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
             check_at_least(f"model.{name}", getattr(self, name), 0.0, MAX_LOSS_WEIGHT)
         self._check_moe()
+        self._check_windows()
         if self.hidden_dim > MAX_SIZE:
             raise ConfigError(
                 "model.dim",
@@ -171,6 +189,67 @@ class ModelConfig:
         check_choice("model.moe_aux_loss_level", self.moe_aux_loss_level, MOE_AUX_LEVELS)
         check_at_least("model.moe_bias_update_rate", self.moe_bias_update_rate, 0.0, 1.0)
         check_choice("model.moe_bias_schedule", self.moe_bias_schedule, MOE_BIAS_SCHEDULES)
+
+    def _check_windows(self) -> None:
+        """Rules of the sliding-window fields: a window that some layer uses, chosen by
+        the pattern or by the per-layer list, not both."""
+        check_at_least("model.sliding_window", self.sliding_window, 0, MAX_SIZE)
+        pattern = self.sliding_window_pattern
+        if pattern and not 2 <= pattern <= self.n_layers:
+            raise ConfigError(
+                "model.sliding_window_pattern",
+                pattern,
+                f"0 (every layer slides) or 2 to model.n_layers = {self.n_layers}",
+            )
+        if self.layer_types:
+            self._check_layer_types()
+        elif pattern and not self.sliding_window:
+            raise ConfigError(
+                "model.sliding_window_pattern",
+                pattern,
+                "0 when model.sliding_window is 0",
+                "set model.sliding_window to the window's length in tokens",
+            )
+
+    def _check_layer_types(self) -> None:
+        types = self.layer_types
+        if len(types) != self.n_layers:
+            raise ConfigError(
+                "model.layer_types",
+                types,
+                f"one entry per layer (model.n_layers = {self.n_layers}), or []",
+            )
+        for i, kind in enumerate(types):
+            check_choice(f"model.layer_types[{i}]", kind, LAYER_TYPES)
+        if self.sliding_window_pattern:
+            raise ConfigError(
+                "model.sliding_window_pattern",
+                self.sliding_window_pattern,
+                "0 when model.layer_types is given",
+                "model.layer_types names each layer's attention itself",
+            )
+        sliding = "sliding_attention" in types
+        if sliding != bool(self.sliding_window):
+            raise ConfigError(
+                "model.sliding_window",
+                self.sliding_window,
+                "a window > 0" if sliding else "0 when no layer is 'sliding_attention'",
+                "model.layer_types names sliding layers"
+                if sliding
+                else "no layer of model.layer_types uses the window",
+            )
+
+    def layer_window(self, index: int) -> int:
+        """The sliding window of layer ``index`` (0-based); 0 when it attends to the whole
+        causal past."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types:
+            slides = self.layer_types[index] == "sliding_attention"
+        else:
+            pattern = self.sliding_window_pattern
+            slides = not pattern or (index + 1) % pattern != 0
+        return self.sliding_window if slides else 0
 
     @property
     def expert_hidden_dim(self) -> int:

@@ -53,6 +53,7 @@ class PhaseConfig:
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
 ALLOCATORS = ("auto", "tcmalloc", "jemalloc", "glibc", "system")
+ATTENTION_KERNELS = ("auto", "dense")
 
 
 @dataclass
@@ -95,6 +96,14 @@ class TrainConfig:
     computes in fp32. 'auto' is bf16 on CUDA and fp32 on CPU."""
     compile: bool = False
     """Compile the model with torch.compile before training."""
+    attention_kernel: str = "auto"
+    """How attention applies a mask rule (packed documents, sliding windows; see
+    docs/model.md): 'auto' keeps causal-only batches on SDPA's causal kernels and runs a
+    rule through FlexAttention block masks on a GPU (compiled once per shape; eagerly,
+    said once, where torch.compile is unavailable) or, on the CPU, where FlexAttention
+    has no backward, through SDPA's flash kernel one document or window band at a time;
+    memory O(seq) either way. 'dense': a (batch, 1, seq, seq) boolean mask through SDPA,
+    O(seq**2) memory, for comparison."""
     float8: bool = False
     """Run the Transformer blocks' linear layers (attention and dense or shared-expert
     feed-forward projections) as FP8 matmuls with dynamic tensorwise scaling, through
@@ -204,6 +213,7 @@ class TrainConfig:
         check_in_range("train.hang_timeout_s", self.hang_timeout_s, -1e7, MAX_HANG_TIMEOUT_S)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.mixed_precision", self.mixed_precision, PRECISIONS)
+        check_choice("train.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         if not self.allocator.startswith("/"):
             check_choice("train.allocator", self.allocator, ALLOCATORS)
         for i, phase in enumerate(self.phases):

@@ -19,6 +19,7 @@ from kempnerforge.distributed.fsdp import apply_fsdp, data_parallel_mesh
 from kempnerforge.distributed.pipeline_parallel import StageModule
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.distributed.tensor_parallel import apply_tp, has_both_ends
+from kempnerforge.model.attention import set_attention_kernel
 from kempnerforge.model.contract import FamilyModel
 from kempnerforge.model.moe import moe_layers
 
@@ -28,7 +29,8 @@ logger = get_logger(__name__)
 @dataclass(frozen=True)
 class ParallelPlan:
     """What parallelize_model applies besides the mesh: the [distributed] fields it reads
-    and the two train fields that change the model, compile and mixed precision."""
+    and the train fields that change the model: compile, mixed precision and the
+    attention kernel."""
 
     activation_checkpointing: str = "none"
     """'none', 'full' or 'selective' (distributed.activation_checkpointing)."""
@@ -41,6 +43,8 @@ class ParallelPlan:
     bf16: bool = False
     """FSDP gathers parameters in bf16 and reduces gradients in fp32 (train.mixed_precision
     resolved for the device); False keeps both in the parameters' dtype."""
+    attention_kernel: str = "auto"
+    """How attention applies its mask rules (train.attention_kernel)."""
 
     @classmethod
     def of(
@@ -54,6 +58,7 @@ class ParallelPlan:
             reshard_after_forward=distributed.reshard_after_forward,
             compile=train.compile,
             bf16=train.precision_on(device_type) == "bf16",
+            attention_kernel=train.attention_kernel,
         )
 
 
@@ -64,7 +69,8 @@ def parallelize_model(
     roots: Sequence[StageModule] | None = None,
 ) -> None:
     """Apply, in place and in this order: tensor parallel, expert parallel, context
-    parallel, activation checkpointing, torch.compile per block, FSDP2.
+    parallel, activation checkpointing, torch.compile per block, FSDP2 (after setting
+    the attention kernel, which changes no parameter).
 
     Meant for a model still on the meta device: nothing here allocates or reads a weight,
     so the caller then runs ``to_empty(device=...)`` and ``init_weights(seed)``, which fill
@@ -74,6 +80,7 @@ def parallelize_model(
     tensor parallelism ``plan.compile`` is ignored, with a warning: a compiled
     tensor-parallel block fails in backward in this PyTorch version.
     """
+    set_attention_kernel(model, plan.attention_kernel)
     if runtime.tp_size > 1:
         # Pipeline stages pass plain tensors, also on a rank that holds both the embedding
         # and the head (a V-shaped schedule's rank 0): judge by the stages, not the model.

@@ -24,6 +24,7 @@ from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.distributed.schedules import build_schedule
+from kempnerforge.model.attention import LayerMask
 from kempnerforge.model.heads import HeadLoss, HeadLossSpec, head_loss
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.transformer import Transformer
@@ -79,16 +80,22 @@ def stages_of_rank(
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
-class _RopeTables:
-    """The rank model's RoPE buffers, read when called: to_empty() and init_weights()
-    replace and fill them after the stage modules exist. Not a Module, so a stage module
-    holding one does not adopt the whole rank model as a child."""
+class _RankModelView:
+    """What a stage reads of the rank model when it runs: the RoPE buffers (to_empty() and
+    init_weights() replace and fill them after the stage modules exist) and its layers'
+    masks. Not a Module, so a stage module holding one does not adopt the whole rank
+    model as a child."""
 
     def __init__(self, model: Transformer) -> None:
         self._model = model
 
-    def __call__(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._model.rope(seq_len)  # under context parallelism, the slice's rows
+
+    def masks(
+        self, doc_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
+    ) -> dict[str, LayerMask]:
+        return self._model.attention_masks(doc_ids, batch, seq_len, device)
 
 
 class StageModule(nn.Module):
@@ -116,21 +123,30 @@ class StageModule(nn.Module):
         """Final normalization (last stage only)."""
         self.output: nn.Linear | None = model.output if is_last else None
         """Output head (last stage only): returns logits instead of hidden states."""
-        self.rope = _RopeTables(model)
+        self.rank_model = _RankModelView(model)
         self.loss_spec: HeadLossSpec | None = None
         """How the last stage computes the loss from the labels it is given (set by
         build_pipeline); None: it returns logits for the schedule's loss function."""
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+    def forward(
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> Any:
         """Token ids (batch, seq) on the first stage, hidden states (batch, seq, dim) on the
         others; returns hidden states, except on the last stage: logits, or with ``labels``
         and a loss_spec the HeadLoss computed chunk by chunk without whole logits (inside
         this forward, where FSDP has gathered the head's weight), as a plain tuple, the
-        output type torch's pipelining stages handle. Other stages ignore ``labels``."""
-        cos, sin = self.rope(x.shape[1])
+        output type torch's pipelining stages handle. Other stages ignore ``labels``.
+        ``doc_ids`` (batch, seq), given to every stage, masks packed documents as the
+        whole model's forward does; each stage prepares its own layers' masks from them."""
+        batch, seq_len = x.shape[:2]
+        cos, sin = self.rank_model.rope(seq_len)
+        masks = self.rank_model.masks(doc_ids, batch, seq_len, x.device)
         h = x if self.tok_embeddings is None else self.tok_embeddings(x)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        for index, layer in self.layers.items():
+            h = layer(h, cos, sin, masks[index])
         if self.norm is None or self.output is None:
             return h
         if labels is not None and self.loss_spec is not None:
@@ -245,12 +261,14 @@ class PipelineBundle:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         loss_scale: torch.Tensor | float | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Forward and backward one step's micro-batches through the pipeline.
 
-        ``inputs`` and ``labels`` are the step's micro-batches concatenated along dim 0
-        (num_microbatches * batch_size rows, in micro-batch order); every pipeline rank
-        passes them, each stage uses what it needs. Gradients accumulate into the stage
+        ``inputs``, ``labels`` and ``doc_ids`` (None: no document mask) are the step's
+        micro-batches concatenated along dim 0 (num_microbatches * batch_size rows, in
+        micro-batch order); every pipeline rank passes them, each stage uses what it needs
+        (every stage masks with the document ids). Gradients accumulate into the stage
         parameters as ``sum_i loss_fn(logits_i, labels_i) * loss_scale`` would give them
         (no extra division by the micro-batch count). Returns the unscaled per-micro-batch
         losses, detached, on the rank holding the last stage; [] on the others.
@@ -260,46 +278,58 @@ class PipelineBundle:
         self.loss.scale = loss_scale
         self.loss.values.clear()
         self.loss.token_losses.clear()
-        # The labels reach the last stage's forward too when it computes the loss itself
-        # (keyword arguments go to every stage of this rank; the others ignore them).
-        extra = {"labels": labels} if self.head_loss and self.is_last else {}
+        extra = self._stage_kwargs(labels, doc_ids)
         # Outputs are not kept: the losses are all the step needs.
         if self.is_first and self.is_last:
             self.schedule.step(inputs, target=labels, return_outputs=False, **extra)
         elif self.is_first:
-            self.schedule.step(inputs, return_outputs=False)
+            self.schedule.step(inputs, return_outputs=False, **extra)
         elif self.is_last:
             self.schedule.step(target=labels, return_outputs=False, **extra)
         else:
-            self.schedule.step(return_outputs=False)
+            self.schedule.step(return_outputs=False, **extra)
         last = self.num_microbatches
         values = self.loss.values[-last:] if self.is_last else []
         self.token_losses = self.loss.token_losses[-last:] if self.is_last else []
         self.loss.values, self.loss.token_losses = [], []
         return values
 
+    def _stage_kwargs(
+        self, labels: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The keyword arguments this rank's stages get (the schedule splits them into
+        micro-batches with the inputs and gives them to every stage of the rank, which
+        ignores what it does not read): the document ids, and the labels on the last stage
+        when it computes the loss itself."""
+        extra = {"labels": labels} if self.head_loss and self.is_last else {}
+        if doc_ids is not None:
+            extra["doc_ids"] = doc_ids
+        return extra
+
     @torch.no_grad()
-    def score(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def score(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Forward only: each micro-batch's per-token negative log-likelihoods (batch, seq),
         without the z-loss, on the rank holding the last stage; [] on the others.
 
-        ``inputs`` and ``labels`` are num_microbatches micro-batches concatenated along
-        dim 0, as for ``run``; no gradient is computed or kept. Collective over the
-        pipeline group."""
+        ``inputs``, ``labels`` and ``doc_ids`` are num_microbatches micro-batches
+        concatenated along dim 0, as for ``run``; no gradient is computed or kept.
+        Collective over the pipeline group."""
         assert self.loss is not None, "PipelineBundle.score needs build_pipeline's loss"
         self.loss.scale = None
         self.loss.values.clear()
         self.loss.token_losses.clear()
-        extra = {"labels": labels} if self.head_loss and self.is_last else {}
+        extra = self._stage_kwargs(labels, doc_ids)
         with _without_z_loss(self):
             if self.is_first and self.is_last:
                 self.schedule.eval(inputs, target=labels, return_outputs=False, **extra)
             elif self.is_first:
-                self.schedule.eval(inputs, return_outputs=False)
+                self.schedule.eval(inputs, return_outputs=False, **extra)
             elif self.is_last:
                 self.schedule.eval(target=labels, return_outputs=False, **extra)
             else:
-                self.schedule.eval(return_outputs=False)
+                self.schedule.eval(return_outputs=False, **extra)
         last = self.num_microbatches
         token_losses = self.loss.token_losses[-last:] if self.is_last else []
         self.loss.values, self.loss.token_losses = [], []

@@ -60,11 +60,12 @@ def whole_model_losses(
 
 def pipeline_losses(bundle: PipelineBundle, device: torch.device) -> TokenLosses:
     """Token losses through the pipeline's stages (PipelineBundle.score), on the rank that
-    holds the last stage. The stages pass no document ids, so the windows hold one request
-    a row (pack_requests with packed=False)."""
+    holds the last stage; every stage masks with the rows' document ids, so a row packs
+    several requests as the whole model's does."""
 
     def forward(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        losses = bundle.score(batch["input_ids"].to(device), batch["labels"].to(device))
+        inputs = {k: batch[k].to(device) for k in ("input_ids", "labels", "doc_ids")}
+        losses = bundle.score(inputs["input_ids"], inputs["labels"], inputs["doc_ids"])
         if not losses:
             return None
         return torch.cat(losses), batch["slots"]

@@ -33,6 +33,9 @@ ARCH_FIELDS = (
     "moe_router",
     "moe_shared_experts",
     "moe_expert_hidden_dim",
+    "sliding_window",
+    "sliding_window_pattern",
+    "layer_types",
 )
 """ModelConfig fields that shape the weights or the function they compute."""
 TRAINING_FIELDS = (

@@ -145,7 +145,7 @@ def grad_accum_for(grad_accum_steps: int, layouts: Sequence[Layout]) -> int:
 
 
 def pipeline_overrides(
-    grad_accum_steps: int, document_masking: bool, layouts: Sequence[Layout]
+    grad_accum_steps: int, layouts: Sequence[Layout]
 ) -> tuple[list[str], list[str]]:
     """What every run, the reference included, must change so that the pipeline layouts
     among ``layouts`` can run and still compare: (overrides, a note for each)."""
@@ -156,12 +156,6 @@ def pipeline_overrides(
         notes.append(
             f"train.grad_accum_steps = {grad_accum_steps} is not a multiple of every "
             f"layout's pp: every run, the reference included, uses {grad_accum}"
-        )
-    if document_masking and any(layout.pp > 1 for layout in layouts):
-        overrides.append("--data.document_masking=false")
-        notes.append(
-            "pipeline stages pass no document ids: every run, the reference included, "
-            "trains with data.document_masking = false"
         )
     return overrides, notes
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -11,9 +11,11 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import (
     Attention,
+    LayerMask,
+    MaskRule,
     SequenceSplit,
     active_split,
-    document_causal_mask,
+    prepare_masks,
     rope_tables,
 )
 from kempnerforge.model.contract import DecoderStack, FamilyModel
@@ -46,7 +48,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: LayerMask = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -73,6 +75,8 @@ class Transformer(FamilyModel):
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: input_ids holds this rank's slice of each sequence
         (doc_ids the whole sequence), so RoPE takes the slice's global positions."""
+        self.attention_kernel = "auto"
+        """How attention applies its mask rules (train.attention_kernel; kernels.py)."""
         # Build on meta and materialize once: the default inits of nn.Linear / nn.Embedding
         # would cost time and draw from the RNG, only to be overwritten by init_weights(). So
         # the weights depend on the seed alone, exactly as after meta + to_empty + init_weights.
@@ -188,7 +192,11 @@ class Transformer(FamilyModel):
 
         doc_ids (batch, seq), if given, numbers the packed documents of each row; tokens then
         attend only to earlier tokens of their own document. Without it the whole row is one
-        causal sequence. No host syncs: nothing here reads a tensor value into Python.
+        causal sequence. A sliding layer (model.sliding_window) also sees only its window.
+        Each layer's mask is prepared once per forward from its rule and shared by the
+        layers with the same rule (attention_masks). No host syncs on a GPU: nothing here
+        reads a tensor value into Python (the CPU's kernel plans its pieces from doc_ids,
+        which live on the host there).
         A pipeline stage without the embedding takes hidden states (batch, seq, dim) in
         ``input_ids``; one without the head returns hidden states.
 
@@ -199,9 +207,10 @@ class Transformer(FamilyModel):
         computed here, not by the caller, because FSDP gathers the head's weight only
         inside this forward.
         """
-        cos, sin = self.rope(input_ids.shape[1])
-        mask = None if doc_ids is None else document_causal_mask(doc_ids)
-        h = self.run_layers(self.embed(input_ids), cos, sin, mask)
+        batch, seq_len = input_ids.shape[:2]
+        cos, sin = self.rope(seq_len)
+        masks = self.attention_masks(doc_ids, batch, seq_len, input_ids.device)
+        h = self.run_layers(self.embed(input_ids), cos, sin, masks)
         if self.norm is None or self.output is None:
             return h
         return self.apply_head(h, labels, loss_spec)
@@ -213,6 +222,25 @@ class Transformer(FamilyModel):
         first = 0 if split is None else split.offset(seq_len)
         return self.rope_cos[first : first + seq_len], self.rope_sin[first : first + seq_len]
 
+    def attention_masks(
+        self,
+        doc_ids: torch.Tensor | None,
+        batch: int,
+        seq_len: int,
+        device: torch.device,
+    ) -> dict[str, LayerMask]:
+        """Each kept layer's prepared mask, by index: its rule (documents when doc_ids is
+        given, its sliding window) prepared once per distinct rule for this model's
+        attention_kernel. ``seq_len`` is the length this rank holds; under context
+        parallelism the masks cover the whole sequence, whose doc_ids are whole."""
+        split = active_split(self)
+        whole = seq_len if split is None else seq_len * split.size
+        documents = doc_ids is not None
+        indices = list(self.layers)
+        rules = [MaskRule(documents, self.cfg.layer_window(int(i))) for i in indices]
+        masks = prepare_masks(rules, doc_ids, batch, whole, device, self.attention_kernel)
+        return dict(zip(indices, masks, strict=True))
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> residual stream (batch, seq, dim); a stage without the
         embedding passes its input (hidden states) through."""
@@ -223,17 +251,21 @@ class Transformer(FamilyModel):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        masks: Mapping[str, LayerMask] | None = None,
         after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the blocks in index order over the residual stream ``h``.
 
+        ``masks`` are the layers' masks (attention_masks); None prepares them for rows of
+        one document each (causal, each sliding layer through its window).
         ``after_layer(index, h)``, if given, is called on each block's output and its result
         continues the stream: a model that interleaves its own blocks with these (gated
         cross-attention) reuses the loop instead of copying it.
         """
+        if masks is None:
+            masks = self.attention_masks(None, h.shape[0], h.shape[1], h.device)
         for index, layer in self.layers.items():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, masks[index])
             if after_layer is not None:
                 h = after_layer(int(index), h)
         return h

@@ -141,8 +141,8 @@ def evaluate_model(
 
 def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
     """The job's `[[eval.tasks]]`, read and packed into windows of train.seq_len with the
-    data's tokenizer, texts starting as the training documents did (training_start); one
-    request a row in a layout whose model takes no document ids (pipeline stages)."""
+    data's tokenizer, texts starting as the training documents did (training_start),
+    several requests to a row, kept apart by their document ids in every layout."""
     if not config.eval.tasks:
         return []
     return load_tasks(
@@ -150,7 +150,6 @@ def load_job_tasks(config: JobConfig, data: DataPipeline) -> list[LoadedTask]:
         data.tokenizer,
         training_start(data.tokenizer, config.data, data),
         config.train.seq_len,
-        packed=layout_of(config.distributed).packs_documents,
     )
 
 

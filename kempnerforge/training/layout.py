@@ -110,9 +110,6 @@ class ModelLayout:
     sample); None when every rank can."""
     task_scoring: TaskScorer = whole_model_scoring
     """How eval tasks are scored (evaluation/scoring.py)."""
-    packs_documents: bool = True
-    """Whether the model takes document ids, so eval-task requests pack several to a row;
-    pipeline stages take none, and each request gets a row of its own."""
 
 
 def build_whole_model(config: JobConfig, runtime: RuntimeContext) -> RankModel:
@@ -184,7 +181,6 @@ PIPELINE_STAGES = ModelLayout(
     step=pipeline_step,
     forward_refusal="pipeline stages (distributed.pp > 1) have no whole-model forward",
     task_scoring=pipeline_scoring,
-    packs_documents=False,
 )
 
 

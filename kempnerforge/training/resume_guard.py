@@ -94,6 +94,7 @@ OPERATIONAL = (
     "train.allocator",
     "train.device",
     "train.compile",
+    "train.attention_kernel",
     "train.deterministic",
     "train.loss_chunk_tokens",
     "train.hang_timeout_s",

@@ -111,6 +111,18 @@ def _report_dataset_sums(
     ) = per_dataset.finish(runtime.group("dp_cp"), runtime.group("pp"), replicas)
 
 
+def _step_doc_ids(
+    micro_batches: list[dict[str, torch.Tensor]], document_masking: bool
+) -> torch.Tensor | None:
+    """The step's document ids for the pipeline's stages (its micro-batches' rows in
+    order), or None when no row holds two documents: the schedule splits one tensor for
+    every micro-batch, so a step masks all its micro-batches or none (read on the host)."""
+    packed = any(needs_document_mask(b.get("doc_ids")) for b in micro_batches)
+    if not document_masking or not packed:
+        return None
+    return torch.cat([b["doc_ids"] for b in micro_batches])
+
+
 def _without(batch: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if k != key}
 
@@ -155,6 +167,8 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     it; the gradient norm covers all stages, so a NaN anywhere skips the step everywhere.
     An MoE model's stages add their router terms to their own backward and record their
     loads (model/moe/router_stage.py); ``step`` goes to the routers as in text_step.
+    With data.document_masking every stage masks packed documents from the step's
+    document ids, as the whole model does.
     With train.loss_chunk_tokens > 0 the last stage computes the loss itself, chunked, never
     holding whole logits (distributed/pipeline_parallel.py). A mixture's per-dataset sums take the
     last stage's per-token losses, summed over the pipeline group with the loss.
@@ -168,9 +182,12 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     tokens = step_tokens(runtime, micro_batches)
     inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(runtime.device)
     labels = torch.cat([b["labels"] for b in micro_batches]).to(runtime.device)
+    doc_ids = _step_doc_ids(micro_batches, session.config.data.document_masking)
+    if doc_ids is not None:
+        doc_ids = doc_ids.to(runtime.device)
     per_dataset = _dataset_sums(session.data, micro_batches, runtime.device)
     with training_autocast(tc, runtime.device):
-        loss_sums = bundle.run(inputs, labels, tokens.scale)
+        loss_sums = bundle.run(inputs, labels, tokens.scale, doc_ids)
     record_stage_router_stats([stage.submod for stage in bundle.stages], bundle.num_microbatches)
     if per_dataset is not None:
         # Only the last stage has per-token losses; every stage counts the tokens.

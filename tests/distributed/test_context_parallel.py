@@ -226,6 +226,15 @@ def test_an_moe_model_under_context_parallelism_trains_like_one_process(base, tm
     _assert_matches(ranks, one, [*base, *moe])
 
 
+def test_sliding_windows_under_context_parallelism_train_like_one_process(base, tmp_path) -> None:
+    """Windows of 8 tokens in every other layer, with the corpus's packed documents: after
+    the exchange each rank attends its heads over the whole sequence under the same rules
+    as one process."""
+    windows = ["--model.sliding_window=8", "--model.sliding_window_pattern=2"]
+    one, ranks = _one_process_and_cp2(base, tmp_path, *windows, "--eval.interval=0")
+    _assert_matches(ranks, one, [*base, *windows])
+
+
 def _group_ranks(rank: int, world_size: int, overrides: list[str]) -> dict[str, list[int]]:
     config = load_config(None, overrides)
     config.validate(world_size)

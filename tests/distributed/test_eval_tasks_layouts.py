@@ -114,8 +114,9 @@ def test_a_task_scores_the_same_in_every_layout(layout, tmp_path):
 
 
 def test_a_pipeline_run_scores_its_tasks_as_one_process_does(token_dirs, tmp_path):
-    """Two pipeline stages (one request a row: the stages take no document ids) against
-    one process with the same training: the tasks after step 2 agree, the accuracies
+    """Two pipeline stages, trained and scoring with document masking (several requests
+    to a row, every stage masking with their document ids), against one process with
+    the same training: the tasks after step 2 agree, the accuracies
     exactly, the bits per byte within fp32 reordering of the two updates and the forward.
     Scoring after step 1 leaves the pipeline's training as it was: the same losses, bit
     for bit, as a pipeline run that scores only at the end."""
@@ -128,7 +129,6 @@ def test_a_pipeline_run_scores_its_tasks_as_one_process_does(token_dirs, tmp_pat
         2,
         "--model.n_layers=4",
         "--model.vocab_size=320",
-        "--data.document_masking=false",
         "--train.batch_size=2",
         "--train.grad_accum_steps=2",
         f"--eval.tasks=[{tables}]",

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: stage layout, and one step on real gloo ranks equal to one process."""
+"""Pipeline parallelism: stage layout, and one step on real gloo ranks equal to one process,
+with packed documents masked in every stage and sliding windows in every other layer."""
 
 from __future__ import annotations
 
@@ -43,33 +44,39 @@ def _config(schedule: str, dp_shard: int = 1) -> JobConfig:
             f"--train.grad_accum_steps={NUM_MICRO}",
             f"--train.batch_size={BATCH}",
             f"--train.seq_len={SEQ}",
-            "--data.document_masking=false",
+            # Windows shorter than the documents below: every stage masks both.
+            "--model.sliding_window=5",
+            "--model.sliding_window_pattern=2",
         ],
     )
 
 
-def _step_data(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels), each (dp, NUM_MICRO * BATCH, SEQ): one step's micro-batches of every
-    data-parallel rank, concatenated as pipeline_step does; some labels are ignored."""
+def _step_data(dp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, labels, doc_ids), each (dp, NUM_MICRO * BATCH, SEQ): one step's micro-batches
+    of every data-parallel rank, concatenated as pipeline_step does; some labels are
+    ignored, and each row packs up to three documents."""
     gen = torch.Generator().manual_seed(SEED)
     shape = (dp, NUM_MICRO * BATCH, SEQ)
     inputs = torch.randint(0, VOCAB, shape, generator=gen)
     labels = torch.randint(0, VOCAB, shape, generator=gen)
     labels[torch.rand(shape, generator=gen) < 0.2] = IGNORE_INDEX
-    return inputs, labels
+    starts = torch.rand(shape, generator=gen) < 0.15  # a document starts here
+    starts[..., 0] = False
+    return inputs, labels, starts.long().cumsum(-1)
 
 
 def _reference(config: JobConfig, dp: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """One process, the whole model: per-micro-batch summed losses and the gradients of
     their sum over the step's supervised tokens."""
-    inputs, labels = _step_data(dp)
+    inputs, labels, doc_ids = _step_data(dp)
     model = Transformer(config.model)
     model.init_weights(SEED)
     tokens = (labels != IGNORE_INDEX).sum()
     losses = []
     for rank in range(dp):
-        for x, y in zip(inputs[rank].split(BATCH), labels[rank].split(BATCH), strict=True):
-            loss = cross_entropy_sum(model(x), y)
+        micro = zip(*(t[rank].split(BATCH) for t in (inputs, labels, doc_ids)), strict=True)
+        for x, y, docs in micro:
+            loss = cross_entropy_sum(model(x, docs), y)
             (loss / tokens).backward()
             losses.append(loss.detach())
     return losses, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -100,11 +107,12 @@ def _pipeline_steps(config: JobConfig, fsdp: bool) -> dict[str, object]:
         cross_entropy_sum,
         num_microbatches=config.train.grad_accum_steps,
     )
-    inputs, labels = _step_data(runtime.dp_size)
+    inputs, labels, doc_ids = _step_data(runtime.dp_size)
     scale = runtime.dp_size / (labels != IGNORE_INDEX).sum()
     steps = []
     for _ in range(2):
-        losses = bundle.run(inputs[runtime.dp_rank], labels[runtime.dp_rank], scale)
+        x, y, docs = (t[runtime.dp_rank] for t in (inputs, labels, doc_ids))
+        losses = bundle.run(x, y, scale, docs)
         grads = {}
         for name, param in model.named_parameters():
             grad = param.grad

@@ -52,6 +52,18 @@ def test_the_dry_run_records_each_part_with_the_gpu_run_keys(tmp_path):
     assert summary["best_1b"]["name"] == "1b_eager" and summary["best_1b"]["mfu"] is None
 
 
+def test_the_attention_part_checks_the_packed_path_against_the_dense_mask(tmp_path):
+    """bench/gpu/attention.py in the suite: on the CPU the rules' kernel is the per-document
+    one, and its outputs and gradients equal the dense mask's (fp32, within 1e-4)."""
+    results = _suite(tmp_path, "--only=attention_packed")
+    row = results["checks"]["attention_packed"]
+    assert row["status"] == "pass" and row["kernel"] == "Segments"
+    for name in ("causal_flash", "packed_rules", "packed_dense", "packed_window_rules"):
+        assert row["ms"][name] > 0
+    assert max(max(e.values()) for e in row["relative_errors"].values()) <= row["tolerance"]
+    assert results["summary"]["checks"] == {"attention_packed": "pass"}
+
+
 def test_a_part_past_the_budget_or_deadline_is_recorded_not_fatal(tmp_path):
     results = _suite(tmp_path, "--only=1b_eager", "--budget-s=-1")
     assert results["mfu"]["1b_eager"]["status"] == "skipped"

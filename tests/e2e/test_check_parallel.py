@@ -91,8 +91,9 @@ def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
     proc = check_parallel("--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
     assert_every_layout_passes(proc, worlds)
     assert "max rel dloss" in proc.stdout and "|x - x_ref| / |x_ref|" in proc.stdout
-    # The pipeline layout changes every run, the reference included, and says so.
-    assert "uses 2" in proc.stdout and "data.document_masking = false" in proc.stdout
+    # The pipeline layout changes every run, the reference included, and says so; document
+    # masking stays on (the debug config packs documents): the stages carry the ids.
+    assert "uses 2" in proc.stdout and "document_masking" not in proc.stdout
     assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
 
 
@@ -112,6 +113,20 @@ def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
     """The debug config packs documents (document masking on): cp 2 alone and beside FSDP."""
     worlds = {"cp=2": "2", "cp=2,dp_shard=2": "4"}
     proc = check_parallel("--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
+    assert_every_layout_passes(proc, worlds)
+
+
+def test_sliding_windows_match_one_process_under_context_and_pipeline_parallelism(
+    tmp_path, builtin_cache
+):
+    """Windows of 8 tokens in every other layer over packed documents: Ulysses context
+    parallelism (each rank attends its heads over the whole sequence) and two pipeline
+    stages (each masking its own layers from the step's document ids)."""
+    worlds = {"cp=2": "2", "pp=2": "2"}
+    windows = ["--model.sliding_window=8", "--model.sliding_window_pattern=2"]
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "3", *windows, cwd=tmp_path, cache=builtin_cache
+    )
     assert_every_layout_passes(proc, worlds)
 
 

@@ -1,10 +1,12 @@
 """The configs the layout sweep runs: dense, Mixture-of-Experts and vision-language (the
 joint decoder, and cross-attention with accumulation), each
 without gradient accumulation (document masking on, as the debug configs have it) and with
-12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4, with
-document masking off, which pipeline stages need). Sizes are tiny so a run takes seconds:
-8 layers (a stage each at pp = 4 with 2 stages per rank), a batch of 12 (divided by every
-data-parallel degree up to 4) and a sequence that cp up to 4 divides."""
+12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4;
+document masking off, so these cover the unmasked path); and sliding windows in every
+other layer over packed documents with 12 micro-batches (document masking on: pipeline
+stages carry the document ids). Sizes are tiny so a run takes seconds: 8 layers (a stage
+each at pp = 4 with 2 stages per rank), a batch of 12 (divided by every data-parallel
+degree up to 4) and a sequence that cp up to 4 divides."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ _NO_ACCUM = ["--train.grad_accum_steps=1"]
 _ACCUM = ["--train.grad_accum_steps=12", "--data.document_masking=false"]
 _DENSE = [*_TINY, "--train.seq_len=48"]
 _MOE = [*_DENSE, "--model.moe_expert_hidden_dim=32"]
+# Windows of 16 of the 48 positions in every other layer (Gemma 2, GPT-OSS).
+_WINDOWS = ["--model.sliding_window=16", "--model.sliding_window_pattern=2"]
 # The joint decoder's sequence is the image's 16 tokens and 32 of text: 48; cross-attention
 # splits the 32 text tokens. cp up to 4 divides both.
 _VLM = [*_TINY, "--vlm.max_text_len=32"]
@@ -30,6 +34,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     # heads, which cp = 4 repeats) with it.
     "dense": ("configs/train/debug.toml", [*_DENSE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "dense-accum": ("configs/train/debug.toml", [*_DENSE, "--model.n_kv_heads=2", *_ACCUM]),
+    "window-accum": (
+        "configs/train/debug.toml",
+        [*_DENSE, "--model.n_kv_heads=2", *_WINDOWS, "--train.grad_accum_steps=12"],
+    ),
     "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),
     # The joint decoder without accumulation; cross-attention blocks with it.

@@ -208,11 +208,6 @@ def test_dump_leaves_out_none_fields():
         (
             ["--distributed.pp=2"],
             2,
-            "data.document_masking = True: expected false with distributed.pp > 1",
-        ),
-        (
-            ["--distributed.pp=2", "--data.document_masking=false"],
-            2,
             "train.grad_accum_steps = 1: expected a multiple of distributed.pp = 2",
         ),
         (

@@ -28,6 +28,16 @@ CONFIGS = {
         n_heads=4, num_experts=4, moe_top_k=1, moe_router="sigmoid", moe_shared_experts=1
     ),
     "moe_every_other": dict(n_heads=4, n_kv_heads=2, num_experts=4, moe_frequency=2),
+    # Sliding windows shorter than the sequences below, so they bind in the prompt, in the
+    # chunks after it and one token at a time: every layer (Mistral), and alternating
+    # window and whole past with grouped heads (Gemma 2, GPT-OSS), by the per-layer list.
+    "window_every_layer": dict(n_heads=4, sliding_window=6),
+    "window_alternating_gqa": dict(
+        n_heads=4,
+        n_kv_heads=2,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 
 

@@ -104,13 +104,13 @@ def test_grad_accum_gives_dualpipev_a_micro_batch_per_stage():
 
 def test_pipeline_layouts_change_every_run_only_when_needed():
     plain = [pc.parse_layout("dp_shard=2")]
-    assert pc.pipeline_overrides(1, True, plain) == ([], [])
+    assert pc.pipeline_overrides(1, plain) == ([], [])
     piped = [*plain, pc.parse_layout("pp=2")]
-    overrides, notes = pc.pipeline_overrides(1, True, piped)
-    assert overrides == ["--train.grad_accum_steps=2", "--data.document_masking=false"]
-    assert "every run, the reference included, uses 2" in notes[0]
-    assert "data.document_masking = false" in notes[1]
-    assert pc.pipeline_overrides(4, False, piped) == ([], [])
+    overrides, notes = pc.pipeline_overrides(1, piped)
+    # Document masking stays on: pipeline stages carry the document ids.
+    assert overrides == ["--train.grad_accum_steps=2"]
+    assert len(notes) == 1 and "every run, the reference included, uses 2" in notes[0]
+    assert pc.pipeline_overrides(4, piped) == ([], [])
 
 
 def test_train_command_runs_layouts_under_torchrun_and_the_reference_alone():

@@ -1,4 +1,7 @@
-"""Attention kinds: grouped-query self-attention with its masks, rotary positions, and context
+"""Attention kinds: grouped-query self-attention (`self_attention.py`), the mask rules
+(causal, packed documents, sliding windows: `masks.py`, for any query range and key range)
+and the kernels that apply them (`kernels.py`: SDPA's causal kernels, FlexAttention block
+masks, the CPU's per-document `segments.py`, a dense mask), rotary positions, and context
 parallelism's exchange of sequence slices.
 
 Modules outside this folder import these names from here, never from its modules.
@@ -6,6 +9,20 @@ Modules outside this folder import these names from here, never from its modules
 
 from __future__ import annotations
 
+from kempnerforge.model.attention.kernels import (
+    LayerMask,
+    attend,
+    prepare_masks,
+    set_attention_kernel,
+)
+from kempnerforge.model.attention.masks import (
+    BLOCK_SIZE,
+    MaskRule,
+    block_mask,
+    dense_mask,
+    mask_mod,
+    visible,
+)
 from kempnerforge.model.attention.rope import apply_rope, rope_tables
 from kempnerforge.model.attention.self_attention import (
     Attention,
@@ -21,14 +38,24 @@ from kempnerforge.model.attention.sequence_split import (
 )
 
 __all__ = [
+    "BLOCK_SIZE",
     "Attention",
+    "LayerMask",
+    "MaskRule",
     "SequenceSplit",
     "active_split",
     "apply_rope",
+    "attend",
+    "block_mask",
+    "dense_mask",
     "document_causal_mask",
     "held_span",
+    "mask_mod",
     "needs_document_mask",
+    "prepare_masks",
     "rope_tables",
+    "set_attention_kernel",
     "set_sequence_split",
+    "visible",
     "whole_sequences",
 ]

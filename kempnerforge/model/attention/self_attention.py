@@ -1,12 +1,14 @@
-"""Grouped-query causal self-attention, with optional packed-document masking."""
+"""Grouped-query causal self-attention under its layer's mask rule (packed documents, a
+sliding window)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.attention.kernels import LayerMask, attend
+from kempnerforge.model.attention.masks import MaskRule, dense_mask
 from kempnerforge.model.attention.rope import apply_rope
 from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
@@ -34,13 +36,12 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """Boolean mask (batch, 1, seq, seq): True where query i may attend to key j.
 
     A key is visible when it is not in the future and belongs to the same document as the
-    query, so packed documents never see each other. The diagonal is always True, so no row is
-    fully masked. Built once per forward and shared by every layer.
+    query, so packed documents never see each other. The diagonal is always True, so no
+    row is fully masked. The dense form of MaskRule(documents=True) (masks.py), which
+    train.attention_kernel = "dense" attends with; O(seq**2) memory.
     """
-    seq_len = doc_ids.shape[1]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc_ids.device).tril()
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same_doc & causal)[:, None]
+    whole = (0, doc_ids.shape[1])
+    return dense_mask(MaskRule(documents=True), doc_ids, whole, whole)
 
 
 class Attention(nn.Module):
@@ -72,19 +73,13 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: LayerMask = None,
     ) -> torch.Tensor:
-        """Attend causally over x (batch, seq, dim); mask (from document_causal_mask) if given.
+        """Attend causally over x (batch, seq, dim) under ``mask``, this layer's mask from
+        prepare_masks (kernels.py): None for causality alone (SDPA's is_causal kernels).
 
         Under context parallelism x holds this rank's positions, cos and sin their rows,
-        and the mask covers the whole sequence.
-
-        Without a mask SDPA runs with is_causal=True, which admits the flash kernels, and
-        handles GQA itself (enable_gqa). With a mask, the CPU's flash kernel takes the mask
-        and grouped heads as they are; on a GPU the key/value heads are repeated first,
-        because the kernels that take a mask there (memory-efficient, cuDNN) do not accept
-        grouped heads, and a silent fall-back to the math kernel would materialize every
-        (seq, seq) score matrix.
+        and the mask covers the whole sequence, which attention sees after the exchange.
         """
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
@@ -95,17 +90,7 @@ class Attention(nn.Module):
         if split is not None:
             q = sequence_to_heads(q, split)
             k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        n_rep = q.shape[1] // k.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
-        elif x.device.type == "cpu":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1)
-        else:
-            if n_rep > 1:
-                k = k.repeat_interleave(n_rep, dim=1)
-                v = v.repeat_interleave(n_rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         out = out.transpose(1, 2)
         if split is not None:
             out = heads_to_sequence(out, split)

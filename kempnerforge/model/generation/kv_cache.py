@@ -2,8 +2,10 @@
 
 ``forward_cached`` runs only the new positions of a sequence: every block projects their
 queries, keys and values, stores the keys and values in the cache at their absolute
-positions, and attends from the new queries to all stored keys so far. The result equals
-the full forward's logits at those positions (fp32: to rounding).
+positions, and attends from the new queries to all stored keys so far, or, in a sliding
+layer (model.sliding_window), to those its window reaches. The result equals the full
+forward's logits at those positions (fp32: to rounding). The cache keeps every position's
+keys for every layer; a sliding layer reads only its window's.
 
 This is a separate path through the same modules; Transformer.forward, the training
 forward, is not involved and keeps its numerics, its compiled blocks and its FSDP hooks.
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.model.attention import Attention, apply_rope
+from kempnerforge.model.attention import Attention, MaskRule, apply_rope, dense_mask
 from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 
@@ -110,7 +112,8 @@ def forward_cached(
 
     The new tokens take absolute positions cache.position .. cache.position + new - 1
     (their RoPE rows), and each attends to every stored position and to the new ones up
-    to itself. Their keys and values are stored and cache.position advances by ``new``.
+    to itself (in a sliding layer, to those of its window). Their keys and values are
+    stored and cache.position advances by ``new``.
     MoE blocks route each token as in training, without a capacity limit and without
     recording router statistics (MoEFeedForward.forward_inference). ``last_only`` keeps
     only the last position's logits (batch, 1, vocab_size): a long prompt then never
@@ -129,15 +132,13 @@ def forward_cached(
             f"{cache.max_len} positions"
         )
     cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
-    mask = None
-    if start > 0 and new > 1:
-        # Query i sits at position start + i and sees keys 0 .. start + i.
-        queries = torch.arange(start, end, device=input_ids.device)
-        mask = torch.arange(end, device=input_ids.device)[None, :] <= queries[:, None]
+    cfg = model.cfg
+    keys = {w: _visible_keys(w, start, end, input_ids.device) for w in _windows(model)}
     h = model.embed(input_ids)
-    for index, block in enumerate(_blocks(model)):
+    for index, (name, block) in enumerate(_named_blocks(model)):
         x = block.attention_norm(h)
-        h = h + _attend(block.attention, x, cos, sin, cache, index, start, mask)
+        seen = keys[cfg.layer_window(int(name))]
+        h = h + _attend(block.attention, x, cos, sin, cache, index, start, seen)
         x = block.ffn_norm(h)
         feed_forward = block.feed_forward
         if isinstance(feed_forward, MoEFeedForward):
@@ -152,13 +153,44 @@ def forward_cached(
     return logits
 
 
-def _blocks(model: Transformer) -> list[TransformerBlock]:
+def _named_blocks(model: Transformer) -> list[tuple[str, TransformerBlock]]:
     blocks = []
-    for block in model.layers.values():
+    for name, block in model.layers.items():
         if not isinstance(block, TransformerBlock):
             raise TypeError(f"cached decoding runs TransformerBlocks, not {type(block).__name__}")
-        blocks.append(block)
+        blocks.append((name, block))
     return blocks
+
+
+def _blocks(model: Transformer) -> list[TransformerBlock]:
+    return [block for _, block in _named_blocks(model)]
+
+
+def _windows(model: Transformer) -> set[int]:
+    """The sliding windows of the model's layers (0: a layer that sees its whole past)."""
+    return {model.cfg.layer_window(int(name)) for name in model.layers}
+
+
+def _visible_keys(
+    window: int, start: int, end: int, device: torch.device
+) -> tuple[int, torch.Tensor | None, bool]:
+    """What new positions start .. end - 1 see through a layer with ``window`` (0: none):
+    (the first cached key any of them sees, the boolean mask of the new queries over the
+    keys from there, or None when no mask is needed, whether that is SDPA's is_causal).
+
+    One new position sees every key from the first; the first positions of a sequence see
+    their causal triangle unless the window binds inside it; otherwise the mask is the
+    window's rule over (new positions, keys from the first seen), at most new x (new +
+    window - 1) wide (masks.py).
+    """
+    first = max(0, start - window + 1) if window else 0
+    new = end - start
+    if new == 1:
+        return first, None, False
+    if start == 0 and (not window or new <= window):
+        return first, None, True
+    mask = dense_mask(MaskRule(window=window), None, (start, end), (first, end), device)
+    return first, mask, False
 
 
 def _attend(
@@ -169,18 +201,20 @@ def _attend(
     cache: KVCache,
     index: int,
     start: int,
-    mask: torch.Tensor | None,
+    seen: tuple[int, torch.Tensor | None, bool],
 ) -> torch.Tensor:
     """Attention.forward's computation for new positions start.. over the cached ones.
 
-    The first call (start 0) is the causal self-attention of the training forward. A
-    single new position sees every stored key, so needs no mask; several new positions
-    after stored ones take ``mask`` (SDPA's is_causal would align the causal triangle to
-    the first key, not to the new queries' positions). Grouped key/value heads are
-    repeated to the query heads when there are fewer.
+    ``seen`` (from _visible_keys) says which cached keys the new queries read and how:
+    from its first key on, under its mask, or causally (the first call of a sequence,
+    the training forward's self-attention; SDPA's is_causal would align the causal
+    triangle to the first key, not to the new queries' positions, so later calls with
+    several new positions take a mask). Grouped key/value heads are repeated to the
+    query heads when there are fewer.
     """
     batch, new, _ = x.shape
     end = start + new
+    first, mask, causal = seen
     head_dim = attention.head_dim
     q = attention.wq(x).view(batch, new, -1, head_dim)
     k = attention.wk(x).view(batch, new, -1, head_dim)
@@ -190,14 +224,11 @@ def _attend(
     keys[:, :, start:end] = k.transpose(1, 2)
     values[:, :, start:end] = v.transpose(1, 2)
     q = q.transpose(1, 2)
-    k_all = keys[:, :, :end].to(q.dtype)
-    v_all = values[:, :, :end].to(q.dtype)
+    k_all = keys[:, :, first:end].to(q.dtype)
+    v_all = values[:, :, first:end].to(q.dtype)
     n_rep = q.shape[1] // k_all.shape[1]
     if n_rep > 1:
         k_all = k_all.repeat_interleave(n_rep, dim=1)
         v_all = v_all.repeat_interleave(n_rep, dim=1)
-    if start == 0:
-        out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=new > 1)
-    else:
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal)
     return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))

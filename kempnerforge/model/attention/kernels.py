@@ -1,0 +1,193 @@
+"""Attention under a layer's mask rule, by the kernel the rule's mask was prepared for.
+
+Per batch, prepare_masks turns each distinct rule of the layers into one mask shared by
+the layers that use it: None for causality alone (SDPA's is_causal kernels, no mask), a
+FlexAttention BlockMask on a GPU, the CPU's Segments (flex has no CPU backward in this
+PyTorch), or with ``kernel="dense"`` a boolean (batch, 1, seq, seq) tensor. attend runs
+q, k and v through the kernel the mask's form names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from kempnerforge.core.logging import get_logger
+from kempnerforge.model.attention.masks import MaskRule, block_mask, dense_mask
+from kempnerforge.model.attention.segments import Segments, plan_segments, segments_attention
+
+logger = get_logger(__name__)
+
+MAX_COMPILED_SHAPES = 8
+"""Distinct (shape, rule) pairs compiled for FlexAttention in one process (torch's own
+recompile limit); later ones run eagerly, said once. A training run needs one or two."""
+
+LayerMask = torch.Tensor | BlockMask | Segments | None
+"""A layer's prepared mask: None (causal only), dense, a block mask or segments."""
+
+
+def set_attention_kernel(model: nn.Module, kernel: str) -> None:
+    """Make every module of ``model`` that prepares masks (a Transformer, a decoder inside
+    a larger model) prepare them for ``kernel`` (train.attention_kernel)."""
+    for module in model.modules():
+        if hasattr(module, "attention_kernel"):
+            # setattr: nn.Module.__setattr__ is typed for tensors and modules only.
+            setattr(module, "attention_kernel", kernel)  # noqa: B010
+
+
+def prepare_masks(
+    rules: Sequence[MaskRule],
+    doc_ids: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    kernel: str = "auto",
+) -> list[LayerMask]:
+    """One prepared mask per rule in ``rules`` (a layer's each), built once per distinct
+    rule and shared; ``doc_ids`` (batch, seq_len) covers the whole sequence when a rule
+    separates documents. On the meta device (a shape-only forward) every mask is None."""
+    prepared: dict[MaskRule, LayerMask] = {}
+    masks = []
+    for rule in rules:
+        if rule not in prepared:
+            prepared[rule] = _prepare(rule, doc_ids, batch, seq_len, device, kernel)
+        masks.append(prepared[rule])
+    return masks
+
+
+def _prepare(
+    rule: MaskRule,
+    doc_ids: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    kernel: str,
+) -> LayerMask:
+    if rule.is_causal or device.type == "meta":
+        return None
+    whole = (0, seq_len)
+    if device.type == "cuda" and kernel == "auto":
+        return block_mask(rule, doc_ids, whole, whole, device=device)
+    if device.type == "cpu" and kernel == "auto":
+        return plan_segments(rule, doc_ids, batch, seq_len)
+    # 'dense', or a device with neither (FlexAttention's backward is CUDA's alone).
+    return dense_mask(rule, doc_ids, whole, whole, device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LayerMask) -> torch.Tensor:
+    """Attention of q (batch, heads, seq, head_dim) over k and v (batch, kv_heads, seq,
+    head_dim; kv_heads divides heads) under ``mask``; (batch, heads, seq, head_dim).
+
+    Segments inside a traced (compiled) block become the dense mask: their pieces are
+    data the trace cannot follow, and the CPU has no compiled kernel with a backward.
+    """
+    grouped = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+    if isinstance(mask, Segments):
+        if not torch.compiler.is_compiling():
+            return segments_attention(q, k, v, mask)
+        mask = mask.dense().to(q.device)
+    if isinstance(mask, BlockMask):
+        return _FLEX(q, k, v, mask)
+    return _dense(q, k, v, mask)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with a boolean mask. The CPU's flash kernel takes the mask and grouped heads as
+    they are; on a GPU the key/value heads are repeated first, because the kernels that
+    take a mask there (memory-efficient, cuDNN) do not accept grouped heads, and a silent
+    fall-back to the math kernel would materialize every (seq, seq) score matrix."""
+    n_rep = q.shape[1] // k.shape[1]
+    if q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1)
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _compile_unavailable(device: torch.device) -> str | None:
+    """Why FlexAttention cannot be compiled here, or None when it can (a compile that
+    fails anyway is caught at its first call)."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    return None
+
+
+class _CompiledFlex:
+    """FlexAttention compiled once per (shape, rule) and reused; eager, said once, where
+    torch.compile is unavailable, fails, or past MAX_COMPILED_SHAPES."""
+
+    def __init__(self) -> None:
+        self.compiled = None
+        self.keys: set = set()
+        self.eager_reason: str | None = None
+        self.said: set[str] = set()
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
+    ) -> torch.Tensor:
+        grouped = q.shape[1] != k.shape[1]
+        if torch.compiler.is_compiling():  # inside a compiled block: traced with it
+            return _flex(flex_attention, q, k, v, mask, grouped)
+        key = (*q.shape, *k.shape, q.dtype, q.device, getattr(mask.mask_mod, "rule", None))
+        reason = self.eager_reason or _compile_unavailable(q.device)
+        if reason is None and key not in self.keys and len(self.keys) >= MAX_COMPILED_SHAPES:
+            reason = f"more than {MAX_COMPILED_SHAPES} shapes and rules compiled already"
+        if reason is not None:
+            self._say_once(reason)
+            return _flex(flex_attention, q, k, v, mask, grouped)
+        if self.compiled is None:
+            self.compiled = torch.compile(flex_attention, dynamic=False)
+        if key in self.keys:
+            return _flex(self.compiled, q, k, v, mask, grouped)
+        return self._compile_call(key, q, k, v, mask, grouped)
+
+    def _compile_call(self, key, q, k, v, mask: BlockMask, grouped: bool) -> torch.Tensor:
+        logger.info(
+            "attention: compiling FlexAttention for queries %s, keys %s, %s (once per shape "
+            "and mask rule; later calls reuse it)",
+            tuple(q.shape),
+            tuple(k.shape),
+            str(q.dtype).removeprefix("torch."),
+        )
+        started = time.perf_counter()
+        try:
+            out = _flex(self.compiled, q, k, v, mask, grouped)
+        except Exception as error:  # an inductor or Triton failure: eager from now on
+            self.eager_reason = f"compiling it failed ({type(error).__name__}: {error})"
+            self._say_once(self.eager_reason)
+            return _flex(flex_attention, q, k, v, mask, grouped)
+        self.keys.add(key)
+        logger.info(
+            "attention: FlexAttention's forward compiled in %.1f s (its backward compiles in "
+            "the first backward)",
+            time.perf_counter() - started,
+        )
+        return out
+
+    def _say_once(self, reason: str) -> None:
+        if reason not in self.said:
+            self.said.add(reason)
+            logger.warning(
+                "attention: FlexAttention runs eagerly (%s): each layer then holds its "
+                "(seq, seq) scores",
+                reason,
+            )
+
+
+def _flex(fn, q, k, v, mask: BlockMask, grouped: bool) -> torch.Tensor:
+    out = fn(q, k, v, block_mask=mask, enable_gqa=grouped)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+_FLEX = _CompiledFlex()
+"""The process's compiled FlexAttention (its compiled kernels are per process anyway)."""
