@@ -11,9 +11,11 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import (
     Attention,
+    RingDocuments,
     SequenceSplit,
     active_split,
     document_causal_mask,
+    ring_documents,
     rope_tables,
 )
 from kempnerforge.model.contract import DecoderStack, FamilyModel
@@ -46,7 +48,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | RingDocuments | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -72,7 +74,8 @@ class Transformer(FamilyModel):
         """The shape this model was built from."""
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: input_ids holds this rank's slice of each sequence
-        (doc_ids the whole sequence), so RoPE takes the slice's global positions."""
+        (doc_ids the whole sequence), so RoPE takes the slice's global positions (held_spans:
+        one span, or two under ring attention)."""
         # Build on meta and materialize once: the default inits of nn.Linear / nn.Embedding
         # would cost time and draw from the RNG, only to be overwritten by init_weights(). So
         # the weights depend on the seed alone, exactly as after meta + to_empty + init_weights.
@@ -200,7 +203,12 @@ class Transformer(FamilyModel):
         inside this forward.
         """
         cos, sin = self.rope(input_ids.shape[1])
-        mask = None if doc_ids is None else document_causal_mask(doc_ids)
+        split = active_split(self)
+        mask: torch.Tensor | RingDocuments | None = None
+        if doc_ids is not None and split is not None and split.ring > 1:
+            mask = ring_documents(doc_ids, split)  # a ring masks each pair of chunks itself
+        elif doc_ids is not None:
+            mask = document_causal_mask(doc_ids)
         h = self.run_layers(self.embed(input_ids), cos, sin, mask)
         if self.norm is None or self.output is None:
             return h
@@ -208,10 +216,14 @@ class Transformer(FamilyModel):
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (cos, sin) rows of positions 0 .. seq_len - 1, or under context
-        parallelism of this rank's slice of seq_len positions."""
+        parallelism of this rank's slice of seq_len positions (its spans, in order)."""
         split = active_split(self)
-        first = 0 if split is None else split.offset(seq_len)
-        return self.rope_cos[first : first + seq_len], self.rope_sin[first : first + seq_len]
+        spans = [(0, seq_len)] if split is None else split.spans(seq_len)
+        if len(spans) == 1:
+            (first, last), = spans
+            return self.rope_cos[first:last], self.rope_sin[first:last]
+        cos = torch.cat([self.rope_cos[a:b] for a, b in spans])
+        return cos, torch.cat([self.rope_sin[a:b] for a, b in spans])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> residual stream (batch, seq, dim); a stage without the
@@ -223,7 +235,7 @@ class Transformer(FamilyModel):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | RingDocuments | None = None,
         after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the blocks in index order over the residual stream ``h``.

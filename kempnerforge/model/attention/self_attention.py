@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.attention.ring import RingDocuments, ring_attention
 from kempnerforge.model.attention.rope import apply_rope
 from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
@@ -72,12 +73,13 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | RingDocuments | None = None,
     ) -> torch.Tensor:
         """Attend causally over x (batch, seq, dim); mask (from document_causal_mask) if given.
 
         Under context parallelism x holds this rank's positions, cos and sin their rows,
-        and the mask covers the whole sequence.
+        and the mask covers the whole sequence; under ring attention (a split with a
+        ring) the mask is the whole sequence's document ids (ring.py's RingDocuments).
 
         Without a mask SDPA runs with is_causal=True, which admits the flash kernels, and
         handles GQA itself (enable_gqa). With a mask, the CPU's flash kernel takes the mask
@@ -92,6 +94,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         split = active_split(self)
+        if split is not None and split.ring > 1:  # past the head count (ring.py)
+            assert mask is None or isinstance(mask, RingDocuments)
+            out = ring_attention(q, k, v, split, mask)
+            return self.wo(out.reshape(batch, seq_len, -1))
+        assert not isinstance(mask, RingDocuments)
         if split is not None:
             q = sequence_to_heads(q, split)
             k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)

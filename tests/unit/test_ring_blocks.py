@@ -1,0 +1,236 @@
+"""Ring attention's pieces in one process: the visibility rule, which chunk pairs a rule
+hides wholly (skipped) or not at all, the zigzag's even work, and the block kernels (the
+CPU's fused one and the math one other devices run) against one softmax in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kempnerforge.model.attention.ring import RingDocuments, RingPlan, _merge
+from kempnerforge.model.attention.ring_blocks import (
+    Block,
+    ChunkDocuments,
+    attend,
+    attend_backward,
+    math_attend,
+    math_attend_backward,
+    pair_block,
+    span_block,
+    visible,
+)
+from tests.support.tolerance import assert_reordered_close
+
+
+def test_a_key_is_visible_when_not_later_in_the_same_document_and_inside_the_window():
+    pos = torch.arange(6)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    seen = visible(pos, pos, doc, doc, window=2)[0]
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 1, 1, 0, 0, 0],  # position 0 is 2 back: outside a window of 2
+            [0, 0, 0, 1, 0, 0],  # a new document starts
+            [0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(seen, expected)
+    assert torch.equal(visible(pos, pos), torch.ones(6, 6, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "window", "block"),
+    [
+        ((8, 12), (12, 16), 0, Block.EMPTY),  # every key in the future
+        ((8, 12), (0, 4), 0, Block.FULL),
+        ((8, 12), (8, 12), 0, Block.CAUSAL),
+        ((8, 12), (0, 4), 5, Block.EMPTY),  # every key 5 or more back
+        ((8, 12), (4, 8), 8, Block.FULL),  # the farthest pair is 7 back
+        ((8, 12), (4, 8), 6, Block.MASKED),
+        ((8, 12), (8, 12), 4, Block.CAUSAL),
+        ((8, 12), (8, 12), 3, Block.MASKED),
+    ],
+)
+def test_positions_alone_decide_some_pairs_of_chunks(q, k, window, block):
+    assert span_block(q, k, window) is block
+    # The verdict is the rule's, position by position.
+    seen = visible(torch.arange(*q), torch.arange(*k), window=window)
+    if block is Block.EMPTY:
+        assert not seen.any()
+    if block is Block.FULL:
+        assert seen.all()
+    if block is Block.CAUSAL:
+        assert torch.equal(seen, torch.ones_like(seen).tril())
+
+
+def test_chunk_documents_tell_the_pairs_no_query_can_see():
+    """Two rows of 4 chunks of 4: where no row's ids meet, the pair is skipped; where
+    every row is one document on both sides, the documents add no mask."""
+    ids = torch.tensor(
+        [
+            [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3, 3],
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
+        ]
+    )
+    docs = ChunkDocuments.of(ids, 4)
+    assert docs.low == [[0, 0, 1, 3], [0, 0, 0, 1]]
+    assert docs.high == [[0, 0, 2, 3], [0, 0, 1, 1]]
+    assert docs.block(1, 0) is Block.FULL  # document 0 on both sides in both rows
+    assert docs.block(3, 0) is Block.EMPTY  # documents 3 and 1 against document 0
+    assert docs.block(3, 1) is Block.EMPTY
+    assert docs.block(2, 1) is Block.MASKED  # row 1: chunk 2 starts in document 0
+    assert docs.block(3, 2) is Block.MASKED  # row 1: document 1 on both sides
+    assert pair_block(Block.FULL, Block.EMPTY) is Block.EMPTY
+    assert pair_block(Block.CAUSAL, Block.FULL) is Block.CAUSAL
+    assert pair_block(Block.FULL, Block.MASKED) is Block.MASKED
+
+
+def _plan(ring: int, ring_rank: int, chunk: int, window: int = 0, ids=None) -> RingPlan:
+    documents = None
+    if ids is not None:
+        documents = RingDocuments(ids, ChunkDocuments.of(ids, 2 * ring))
+    # The plan's group and peers are only read when it passes blocks on.
+    return RingPlan(None, 0, 0, ring, ring_rank, chunk, documents, window)  # type: ignore[arg-type]
+
+
+def _work(plan: RingPlan) -> int:
+    """Query-key pairs the plan's kernel calls cover over the whole ring."""
+    total = 0
+    for step in range(plan.ring):
+        for call in plan.calls(step):
+            total += (call.rows.stop - call.rows.start) * (call.cols.stop - call.cols.start)
+    return total
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_zigzag_chunks_give_every_ring_rank_the_same_causal_work(ring):
+    """Causal attention: each rank computes its own block (3 calls: two causal chunk
+    pairs and the late chunk against the early one) and half of every other block (one
+    call): the same pairs of positions on every rank, a quarter of the rank's block per
+    step more than the causal half."""
+    chunk = 4
+    works = []
+    for rank in range(ring):
+        plan = _plan(ring, rank, chunk)
+        kinds = [call.block for call in plan.calls(0)]
+        assert sorted(k.value for k in kinds) == ["causal", "causal", "full"]
+        for step in range(1, ring):
+            (call,) = plan.calls(step)
+            assert call.block is Block.FULL
+        works.append(_work(plan))
+    assert len(set(works)) == 1
+    own = 2 * chunk * chunk + chunk * chunk  # two causal pairs (done whole) and one full
+    assert works[0] == own + (ring - 1) * 2 * chunk * chunk
+
+
+def test_pairs_a_rule_hides_wholly_are_not_computed():
+    """One document per chunk: no rank computes anything of another's block. A window of
+    one chunk: a rank sees only the chunks next to its own."""
+    ring, chunk = 4, 4
+    ids = torch.arange(2 * ring).repeat_interleave(chunk)[None]
+    for rank in range(ring):
+        plan = _plan(ring, rank, chunk, ids=ids)
+        assert all(plan.calls(step) == [] for step in range(1, ring))
+    windowed = _plan(ring, 1, chunk, window=chunk)  # chunks 1 and 6
+    visited = {plan_step for plan_step in range(ring) if windowed.calls(plan_step)}
+    # Its own block, and the blocks holding chunks 0 (ring rank 0) and 5 (ring rank 2).
+    assert visited == {0, 1, 3}
+
+
+def _reference(q, k, v, mask):
+    """One softmax over every key, in float64: (out, lse) with q (b, h, L, d)."""
+    n_rep = q.shape[1] // k.shape[1]
+    kd, vd = (t.double().repeat_interleave(n_rep, 1) for t in (k, v))
+    scores = q.double() @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, -math.inf)
+    return torch.softmax(scores, -1) @ vd, torch.logsumexp(scores, -1)
+
+
+def _terms(q, k, mask) -> int:
+    """The sums along the longest chain of one block's attention and its merge: the
+    scores' dot products (head_dim terms, whose rounding the exponential turns into a
+    relative error of each weight scaled by the largest |score|), the softmax's
+    normaliser and the weighted values (the keys each), the two blocks' merge (a
+    log-sum-exp and a rescaling); backward runs the chain again, then sums over the
+    queries for the key and value gradients (their rows)."""
+    scores = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], 1).mT
+    biggest = float(scores.abs().max()) / math.sqrt(q.shape[-1])
+    forward = math.ceil(q.shape[-1] * max(1.0, biggest)) + 2 * k.shape[2] + 4
+    return 2 * forward + q.shape[2]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("masking", ["causal", "documents"])
+def test_two_merged_key_blocks_and_their_backward_give_one_softmax(kernel, kv_heads, masking):
+    """Keys in two blocks, each attended with its own kernel call and merged by their
+    log-sum-exps in fp32, give one softmax's output over all of them; each block's
+    backward from the merged output and log-sum-exp gives its exact share of the
+    gradients. Rows that see no key of a block (a new document) must not disturb the
+    merge."""
+    torch.manual_seed(0)
+    b, h, length, d = 2, 4, 24, 8
+    q = torch.randn(b, h, length, d)
+    k, v = torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
+    pos = torch.arange(length)
+    ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 21])
+    mask = visible(pos, pos, ids, ids)[:, None] if masking == "documents" else visible(pos, pos)
+    want_out, want_lse = _reference(q, k, v, mask)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    grad = torch.randn(b, h, length, d)
+    F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True).backward(
+        grad.double()
+    )
+
+    out = torch.zeros(b, h, length, d)
+    lse = torch.full((b, h, length), -math.inf)
+    halves = [slice(0, length // 2), slice(length // 2, length)]
+    biases = []
+    for cols in halves:
+        seen = mask[..., cols].expand(b, 1, length, length // 2)
+        bias = torch.zeros(seen.shape).masked_fill(~seen, -math.inf)
+        biases.append(bias)
+        if kernel == "fused":
+            part_out, part_lse = attend(q, k[:, :, cols], v[:, :, cols], Block.MASKED, bias)
+        else:
+            part_out, part_lse = math_attend(q, k[:, :, cols], v[:, :, cols], False, bias)
+        part_lse = part_lse.masked_fill(~seen.any(-1), -math.inf)
+        _merge(out, lse, slice(0, length), part_out.masked_fill(~seen.any(-1)[..., None], 0), part_lse)
+    terms = _terms(q, k, mask)
+    assert_reordered_close(out, want_out.float(), terms=terms, dtype=torch.float32)
+    assert_reordered_close(lse, want_lse.float(), terms=terms, dtype=torch.float32)
+
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for cols, bias in zip(halves, biases, strict=True):
+        args = (grad, q, k[:, :, cols], v[:, :, cols], out, lse)
+        if kernel == "fused":
+            parts = attend_backward(*args, Block.MASKED, bias)
+        else:
+            parts = math_attend_backward(*args, False, bias)
+        dq += parts[0]
+        dk[:, :, cols] += parts[1]
+        dv[:, :, cols] += parts[2]
+    for got, want in ((dq, qd), (dk, kd), (dv, vd)):
+        assert_reordered_close(got, want.grad.float(), terms=terms, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+def test_the_causal_flag_is_one_causal_softmax(kernel):
+    """A causal block (the same positions both sides) with the kernel's own causal mask."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    want, want_lse = _reference(q, k, v, visible(torch.arange(16), torch.arange(16)))
+    if kernel == "fused":
+        out, lse = attend(q, k, v, Block.CAUSAL, None)
+    else:
+        out, lse = math_attend(q, k, v, True, None)
+    terms = _terms(q, k, torch.ones(1, dtype=torch.bool))
+    assert_reordered_close(out, want.float(), terms=terms, dtype=torch.float32)
+    assert_reordered_close(lse, want_lse.float(), terms=terms, dtype=torch.float32)
