@@ -77,9 +77,9 @@ class RuntimeContext:
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of mesh dimension ``name`` ('dp', 'dp_shard', 'dp_replicate',
-        'cp', 'dp_cp', 'dp_shard_cp', 'cp_ulysses', 'tp', 'pp', 'ep', 'efsdp') or 'world'; None where
-        there is nothing to reduce over (a single process, or a dimension of size 1), so
-        callers skip the collective."""
+        'cp', 'dp_cp', 'dp_shard_cp', 'cp_ulysses', 'tp', 'pp', 'ep', 'efsdp') or 'world';
+        None where there is nothing to reduce over (a single process, or a dimension of
+        size 1), so callers skip the collective."""
         if self.device_mesh is None:
             return None
         if name == "world":

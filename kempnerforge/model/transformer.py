@@ -220,7 +220,7 @@ class Transformer(FamilyModel):
         split = active_split(self)
         spans = [(0, seq_len)] if split is None else split.spans(seq_len)
         if len(spans) == 1:
-            (first, last), = spans
+            ((first, last),) = spans
             return self.rope_cos[first:last], self.rope_sin[first:last]
         cos = torch.cat([self.rope_cos[a:b] for a, b in spans])
         return cos, torch.cat([self.rope_sin[a:b] for a, b in spans])

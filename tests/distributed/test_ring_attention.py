@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.distributed.parallelize import apply_compile
 from kempnerforge.model.attention import (
     SequenceSplit,
     held_spans,
@@ -114,9 +115,10 @@ def test_ring_attention_gives_each_rank_its_rows_of_one_process_attention(cp):
                     raise AssertionError(f"ring, kv, docs, window = {case}: {name}: {e}") from e
 
 
-def _model_case(rank: int, world_size: int, ring: int) -> dict:
+def _model_case(rank: int, world_size: int, ring: int, compiled: bool = False) -> dict:
     """A GQA Transformer with packed documents, whole and as this rank's positions under
-    the ring: (logits, gradients summed over the ranks) against the whole run's."""
+    the ring (its blocks compiled with ``compiled``): (logits, gradients summed over the
+    ranks) against the whole run's."""
     torch.manual_seed(0)
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
     model = Transformer(cfg)
@@ -127,6 +129,9 @@ def _model_case(rank: int, world_size: int, ring: int) -> dict:
     whole_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     set_sequence_split(model, _split(rank, world_size, ring))
+    if compiled:
+        torch._dynamo.reset()
+        apply_compile(model, backend="aot_eager")
     mine = torch.cat([torch.arange(a, b) for a, b in held_spans(rank, world_size, 32, ring)])
     logits = model(ids[:, mine], doc_ids)
     logits.float().pow(2).sum().backward()
@@ -138,11 +143,13 @@ def _model_case(rank: int, world_size: int, ring: int) -> dict:
 
 
 def _model_cases(rank: int, world_size: int) -> list[dict]:
-    return [_model_case(rank, world_size, ring) for ring in (4, 2)]
+    cases = [(4, False), (2, False), (4, True)]
+    return [_model_case(rank, world_size, ring, compiled) for ring, compiled in cases]
 
 
 def test_a_model_under_a_ring_and_under_a_ring_of_ulysses_pairs_is_one_process():
-    """4 ranks as a ring of 4 and as a ring of 2 pairs that exchange heads: each rank's
+    """4 ranks as a ring of 4, as a ring of 2 pairs that exchange heads, and as a ring of
+    4 with compiled blocks (ring attention runs eagerly between their graphs): each rank's
     logits are its (zigzag) positions of the whole forward, RoPE at their global
     positions, and the gradients sum to the whole sequence's."""
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)

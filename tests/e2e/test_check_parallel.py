@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from kempnerforge.config.context_parallel import cp_degrees
+from kempnerforge.config.loader import load_config
 from tests.layouts.run_sweep import passed_layouts
 from tests.layouts.test_layout_sweep import recorded_layouts
 from tests.layouts.variants import sweep_argv
@@ -115,6 +117,19 @@ def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
     assert_every_layout_passes(proc, worlds)
 
 
+def test_ring_attention_layouts_past_the_head_count_match_one_process(tmp_path, builtin_cache):
+    """2 query and 2 key/value heads, so no head exchange over 4 ranks: a pure ring of 4
+    ('cp=4,ring=4'), and what 'auto' makes of cp = 4, a ring of 2 Ulysses pairs; the debug
+    config packs documents, so the ring masks them (document masking on)."""
+    heads = ["--model.n_heads=2", "--model.n_kv_heads=2"]
+    assert cp_degrees(load_config(DEBUG, [*TINY, *heads, "--distributed.cp=4"])) == (2, 2)
+    worlds = {"cp=4,ring=4": "4", "cp=4": "4"}
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "2", *heads, cwd=tmp_path, cache=builtin_cache
+    )
+    assert_every_layout_passes(proc, worlds)
+
+
 MUON = str(REPO / "configs" / "train" / "muon.toml")
 
 
@@ -171,10 +186,11 @@ def test_a_refused_layout_is_reported_with_its_config_error_and_exit_1(tmp_path,
 
 def test_every_accepted_two_process_layout_trains_as_one_process(tmp_path, builtin_cache):
     """The layout sweep's sample in the suite: the dense config with accumulation, every
-    layout of 2 processes (each mesh dimension, and pp with each schedule)."""
+    layout of 2 processes (each mesh dimension, pp with each schedule, cp with the head
+    exchange and as a ring)."""
     argv = sweep_argv("dense-accum", "--nproc", "2")  # the later --nproc wins
     proc = run_check_parallel(argv, tmp_path, builtin_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "sweep: 10 accepted layouts checked, 10 pass, 0 fail; 0 refused" in proc.stdout
+    assert "sweep: 11 accepted layouts checked, 11 pass, 0 fail; 0 refused" in proc.stdout
     passed = set(passed_layouts(proc.stdout))
-    assert len(passed) == 10 and passed <= recorded_layouts()["dense-accum"]
+    assert len(passed) == 11 and passed <= recorded_layouts()["dense-accum"]

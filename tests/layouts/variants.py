@@ -4,7 +4,8 @@ without gradient accumulation (document masking on, as the debug configs have it
 12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4, with
 document masking off, which pipeline stages need). Sizes are tiny so a run takes seconds:
 8 layers (a stage each at pp = 4 with 2 stages per rank), a batch of 12 (divided by every
-data-parallel degree up to 4) and a sequence that cp up to 4 divides."""
+data-parallel degree up to 4) and a sequence that cp up to 4 divides, also into the 2 x
+ring chunks of every ring."""
 
 from __future__ import annotations
 

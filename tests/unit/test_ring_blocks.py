@@ -201,7 +201,9 @@ def test_two_merged_key_blocks_and_their_backward_give_one_softmax(kernel, kv_he
         else:
             part_out, part_lse = math_attend(q, k[:, :, cols], v[:, :, cols], False, bias)
         part_lse = part_lse.masked_fill(~seen.any(-1), -math.inf)
-        _merge(out, lse, slice(0, length), part_out.masked_fill(~seen.any(-1)[..., None], 0), part_lse)
+        _merge(
+            out, lse, slice(0, length), part_out.masked_fill(~seen.any(-1)[..., None], 0), part_lse
+        )
     terms = _terms(q, k, mask)
     assert_reordered_close(out, want_out.float(), terms=terms, dtype=torch.float32)
     assert_reordered_close(lse, want_lse.float(), terms=terms, dtype=torch.float32)

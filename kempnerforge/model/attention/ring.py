@@ -27,8 +27,9 @@ plus one pass of fp32 gradients per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ from kempnerforge.model.attention.sequence_split import (
     sequence_to_heads,
 )
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 _KEYS_TAG, _GRADS_TAG = 1, 2
 """Point-to-point tags: the key/value blocks and the gradient accumulators that travel
 with them may be in flight between the same two ranks at once."""
@@ -74,7 +77,13 @@ def ring_documents(doc_ids: torch.Tensor, split: SequenceSplit) -> RingDocuments
     return RingDocuments(doc_ids, ChunkDocuments.of(doc_ids, 2 * split.ring))
 
 
-@torch.compiler.disable  # point-to-point sends do not trace: a compiled block breaks here
+def _eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` run eagerly inside a compiled block (a graph break around it): the ring's
+    point-to-point sends do not trace."""
+    return cast(Callable[_P, _R], torch.compiler.disable(fn))
+
+
+@_eager
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,7 +257,11 @@ def _block(
 
 
 def _merge(
-    out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: slice,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
 ) -> None:
     """Fold a block's (out, lse) into the running fp32 ``out`` and ``lse`` at ``rows``:
     softmax over the union of the keys, as one softmax over all of them gives."""
@@ -338,4 +351,3 @@ class _RingAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         dq, dk, dv = _ring_backward(dout, tuple(ctx.saved_tensors), ctx.plan)
         return dq, dk, dv, None
-

@@ -159,7 +159,11 @@ class VisionLanguageModel(FamilyModel):
         text = self.decoder.embed(input_ids)
         held = self.held_image_positions(input_ids.shape[1])
         if self.cross_attention is None:
-            h = torch.cat([*(image[:, part].to(text.dtype) for part in held), text], dim=1)
+            # An empty slice where the rank holds no image token keeps the adapter in every
+            # rank's graph: with a frozen decoder, backward must still run on every rank,
+            # whose attention exchanges gradients with the ranks that hold the image.
+            pieces = [image[:, part] for part in held] or [image[:, :0]]
+            h = torch.cat([*(piece.to(text.dtype) for piece in pieces), text], dim=1)
             h = self._run_decoder(h, None)
         else:
             blocks = self.cross_attention
