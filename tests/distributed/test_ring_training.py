@@ -55,17 +55,22 @@ def _assert_matches(ranks: list[dict], reference: dict, base: list[str], steps: 
     assert_layout_close(*norms, norm_terms=grad_norm_terms(config), **bound)
 
 
+RECOMPUTE = [*RING2, "--distributed.activation_checkpointing=full"]
+
+
 @pytest.mark.parametrize(
     ("layout", "ring"),
-    [(RING2, 2), (RING4, 4), (RING_OF_PAIRS, 2)],
-    ids=["ring2", "ring4", "ring2-of-ulysses-pairs"],
+    [(RING2, 2), (RING4, 4), (RING_OF_PAIRS, 2), (RECOMPUTE, 2)],
+    ids=["ring2", "ring4", "ring2-of-ulysses-pairs", "ring2-recompute"],
 )
 def test_ring_attention_trains_and_evaluates_like_one_process(
     base, reference, tmp_path, layout, ring
 ) -> None:
     """Each rank reads the whole batch and keeps its zigzag chunks (its rope positions and
-    labels with them); the documents mask each chunk pair as one process's mask does."""
-    world = 2 if layout is RING2 else 4
+    labels with them); the documents mask each chunk pair as one process's mask does.
+    With activation checkpointing, backward recomputes each block's forward, ring
+    included, on every rank in the same order."""
+    world = 2 if layout in (RING2, RECOMPUTE) else 4
     ranks = train_ranks(base, tmp_path, world, *layout, record_batches=True)
     _assert_matches(ranks, reference, base, STEPS)
     whole = torch.cat(reference["batches"])

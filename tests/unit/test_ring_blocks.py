@@ -174,6 +174,18 @@ def test_two_merged_key_blocks_and_their_backward_give_one_softmax(kernel, kv_he
     backward from the merged output and log-sum-exp gives its exact share of the
     gradients. Rows that see no key of a block (a new document) must not disturb the
     merge."""
+    _two_merged_blocks(kernel, kv_heads, masking, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("masking", ["causal", "documents"])
+def test_the_blocks_on_a_gpu_give_one_softmax(masking):
+    """On a GPU attend dispatches to the math kernel: the same comparison on CUDA tensors."""
+    _two_merged_blocks("dispatch", 2, masking, torch.device("cuda"))
+
+
+def _two_merged_blocks(kernel: str, kv_heads: int, masking: str, device: torch.device) -> None:
     torch.manual_seed(0)
     b, h, length, d = 2, 4, 24, 8
     q = torch.randn(b, h, length, d)
@@ -188,15 +200,16 @@ def test_two_merged_key_blocks_and_their_backward_give_one_softmax(kernel, kv_he
         grad.double()
     )
 
-    out = torch.zeros(b, h, length, d)
-    lse = torch.full((b, h, length), -math.inf)
+    q, k, v, grad, mask = (t.to(device) for t in (q, k, v, grad, mask))
+    out = torch.zeros(b, h, length, d, device=device)
+    lse = torch.full((b, h, length), -math.inf, device=device)
     halves = [slice(0, length // 2), slice(length // 2, length)]
     biases = []
     for cols in halves:
         seen = mask[..., cols].expand(b, 1, length, length // 2)
-        bias = torch.zeros(seen.shape).masked_fill(~seen, -math.inf)
+        bias = torch.zeros(seen.shape, device=device).masked_fill(~seen, -math.inf)
         biases.append(bias)
-        if kernel == "fused":
+        if kernel in ("fused", "dispatch"):
             part_out, part_lse = attend(q, k[:, :, cols], v[:, :, cols], Block.MASKED, bias)
         else:
             part_out, part_lse = math_attend(q, k[:, :, cols], v[:, :, cols], False, bias)
@@ -205,14 +218,14 @@ def test_two_merged_key_blocks_and_their_backward_give_one_softmax(kernel, kv_he
             out, lse, slice(0, length), part_out.masked_fill(~seen.any(-1)[..., None], 0), part_lse
         )
     terms = _terms(q, k, mask)
-    assert_reordered_close(out, want_out.float(), terms=terms, dtype=torch.float32)
-    assert_reordered_close(lse, want_lse.float(), terms=terms, dtype=torch.float32)
+    assert_reordered_close(out.cpu(), want_out.float(), terms=terms, dtype=torch.float32)
+    assert_reordered_close(lse.cpu(), want_lse.float(), terms=terms, dtype=torch.float32)
 
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for cols, bias in zip(halves, biases, strict=True):
         args = (grad, q, k[:, :, cols], v[:, :, cols], out, lse)
-        if kernel == "fused":
+        if kernel in ("fused", "dispatch"):
             parts = attend_backward(*args, Block.MASKED, bias)
         else:
             parts = math_attend_backward(*args, False, bias)
@@ -220,7 +233,7 @@ def test_two_merged_key_blocks_and_their_backward_give_one_softmax(kernel, kv_he
         dk[:, :, cols] += parts[1]
         dv[:, :, cols] += parts[2]
     for got, want in ((dq, qd), (dk, kd), (dv, vd)):
-        assert_reordered_close(got, want.grad.float(), terms=terms, dtype=torch.float32)
+        assert_reordered_close(got.cpu(), want.grad.float(), terms=terms, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("kernel", ["fused", "math"])
