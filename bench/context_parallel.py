@@ -14,8 +14,10 @@ attention over the whole sequence, no document mask, fp32.
 
 Memory: the increase of each rank's peak resident set (VmHWM, reset through
 /proc/self/clear_refs where Linux allows, else ru_maxrss) over its value just before the
-first pass, with the model and its inputs already resident; the largest over the ranks is
-reported. Time: wall clock of the second pass, slowest rank; tokens/s is --seq over it.
+first pass, with the model and its inputs already resident, which counts the transient
+buffers too (a ring's blocks in flight, the exchanged heads); and the activations, the
+bytes of the tensors the forward saves for backward (saved_tensors_hooks; each storage
+once, the weights left out); the largest over the ranks is reported for each. Time: wall clock of the second pass, slowest rank; tokens/s is --seq over it.
 The all-to-alls and the ring's point-to-point passes (each a send to the next ring rank
 and a receive from the previous) per pass are counted on rank 0. Prints one JSON line per
 cp degree.
@@ -104,13 +106,25 @@ def _rank(rank: int, cp: int, seq: int, workdir: str, attention: str, part: str)
     layer = model.layers["0"].attention
     hidden = torch.randn(1, len(mine), DEBUG_SHAPE["dim"], requires_grad=True)
 
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
     def one_pass() -> None:
-        if part == "attention":
-            cos, sin = model.rope(len(mine))
-            layer(hidden, cos, sin).sum().backward()
-        else:
-            logits = model(inputs)
-            F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+        # What the forward keeps for backward (the activations), weights left out.
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            if part == "attention":
+                cos, sin = model.rope(len(mine))
+                loss = layer(hidden, cos, sin).sum()
+            else:
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        loss.backward()
         if cp > 1:
             for param in model.parameters():
                 if param.grad is not None:
@@ -124,6 +138,7 @@ def _rank(rank: int, cp: int, seq: int, workdir: str, attention: str, part: str)
     before = _peak_kib()
     one_pass()
     peak_gib = (_peak_kib() - before) / 2**20
+    saved_gib = sum(saved.values()) / 2**30
     exchanges[0] = passes[0] = 0
     if cp > 1:
         dist.barrier()
@@ -131,7 +146,8 @@ def _rank(rank: int, cp: int, seq: int, workdir: str, attention: str, part: str)
     one_pass()
     elapsed = time.perf_counter() - started
     with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
-        record = {"peak_gib": peak_gib, "s": elapsed, "exchanges": exchanges[0]}
+        record = {"peak_gib": peak_gib, "saved_gib": saved_gib, "s": elapsed}
+        record["exchanges"] = exchanges[0]
         json.dump({**record, "ring_passes": passes[0]}, f)
     if cp > 1:
         dist.barrier()
@@ -154,6 +170,7 @@ def measure(cp: int, seq: int, attention: str = "ulysses", part: str = "model") 
         "part": part,
         "seq": seq,
         "peak_gib_per_rank": round(max(r["peak_gib"] for r in ranks), 3),
+        "saved_gib_per_rank": round(max(r["saved_gib"] for r in ranks), 3),
         "pass_s": round(seconds, 2),
         "tokens_per_sec": round(seq / seconds, 1),
         "all_to_alls_per_pass": ranks[0]["exchanges"],

@@ -279,7 +279,9 @@ def _ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged output (q's dtype) and log-sum-exp (fp32) of every block of the ring."""
     b, h, length, d = q.shape
-    out = torch.zeros(b, h, length, d, dtype=torch.float32, device=q.device)
+    # Laid out (batch, L, heads, d): the caller's transpose back is then a view, and the
+    # output projection's input shares its storage with what backward keeps.
+    out = torch.zeros(b, length, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
     lse = torch.full((b, h, length), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
     for step in range(plan.ring):
