@@ -58,9 +58,10 @@ class DistributedConfig:
     """How the cp ranks share attention: 'ulysses' (exchange heads for whole sequences,
     all-to-all: cp must divide each tp rank's query heads, and divide its key/value heads
     or be a multiple of them), 'ring' (key/value blocks passed around a ring of cp /
-    cp_ulysses ranks, each holding chunks i and 2 * ring - 1 - i of every sequence, which
-    the ring's 2 * ring chunks must split; any cp), or 'auto': 'ulysses' where the heads
-    allow cp, else 'ring' with the largest cp_ulysses they allow (docs/distributed.md)."""
+    cp_ulysses ranks; ring rank i holds chunks i and 2 * ring - 1 - i of 2 * ring equal
+    chunks of every sequence, so 2 * ring must divide it; the heads bound only
+    cp_ulysses), or 'auto': 'ulysses' where the heads allow cp, else 'ring' with the
+    largest cp_ulysses they allow (docs/distributed.md)."""
     cp_ulysses: int = 0
     """Ulysses ranks inside each ring rank (cp_attention 'ring' or 'auto'): consecutive cp
     ranks that exchange heads before the ring runs over their chunks, so cp = cp_ulysses
