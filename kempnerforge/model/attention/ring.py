@@ -21,8 +21,10 @@ on every rank). It keeps only this rank's q, k, v, output and log-sum-exp, and r
 ring again: each rank recomputes its share of each block's gradients from the merged
 output and log-sum-exp, keeps dq, and adds dk and dv into an accumulator that travels
 with the block; after the last step one more hop brings every block's accumulator home.
-Memory is O(sequence / cp) per rank; the cost is the forward's key/value passes again
-plus one pass of fp32 gradients per step.
+Memory is O(sequence / cp) per rank: its saved tensors, and in flight the block it
+attends and the next (double-buffered, so the pass hides behind the compute), one fp32
+accumulator and dq. The cost is the forward's key/value passes again plus one pass of
+fp32 gradients per step.
 """
 
 from __future__ import annotations
@@ -307,7 +309,13 @@ def _ring_backward(
     travelling: _Pending | None = None
     for step in range(plan.ring):
         incoming = plan.pass_on(kv, _KEYS_TAG) if step < plan.ring - 1 else None
-        grads = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        # This step's block's accumulator: a fresh one for the rank's own block, else the
+        # one upstream sent at the end of its last step, as this rank ended its own (one
+        # accumulator held, not two; only its transfer is not hidden behind compute).
+        if travelling is None:
+            grads = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        else:
+            grads = travelling.wait()
         for call in plan.calls(step):
             bias = plan.mask(call, q.dtype)[0] if call.block is Block.MASKED else None
             rows, cols = call.rows, call.cols
@@ -324,8 +332,6 @@ def _ring_backward(
             dq[:, :, rows] += dq_part
             grads[0][:, :, cols] += dk_part
             grads[1][:, :, cols] += dv_part
-        if travelling is not None:  # the accumulator of this step's block, from upstream
-            grads += travelling.wait()
         travelling = plan.pass_on(grads, _GRADS_TAG)
         if incoming is not None:
             kv = incoming.wait()
