@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kempnerforge.config.context_parallel import cp_ring
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import configure_logging
@@ -139,7 +140,7 @@ def measure(args: argparse.Namespace, overrides: list[str], run_dir: str) -> dic
     world_size = world_size_from_env()
     config.validate(world_size)
     preflight(config)  # e.g. train.float8 where FP8 cannot run: one line, before any build
-    runtime = init_runtime(config.distributed, config.train.device)
+    runtime = init_runtime(config.distributed, config.train.device, cp_ring(config))
     try:
         session = build_session(config, runtime)
         device, tc = runtime.device, config.train

@@ -70,11 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Any --section.field=value argument overrides CONFIG in every run, e.g. "
         "--model.n_layers=2. Layout keys: "
         + ", ".join(DEGREES)
-        + " (1 when not named) and schedule (distributed.pp_schedule). A pipeline layout "
+        + " (1 when not named; ring, a divisor of cp, runs ring attention with cp / ring "
+        "Ulysses ranks in each ring rank, and unnamed keeps the config's "
+        "distributed.cp_attention) and schedule (distributed.pp_schedule). A pipeline layout "
         "raises train.grad_accum_steps of every run to what it needs (a multiple of pp; "
         "2 * pp or more with dualpipev) and says so. --layouts all sweeps every layout of 2 "
         f"to --nproc processes (default {DEFAULT_SWEEP_NPROC}): each mesh, each pipeline "
-        "schedule, each expert-parallel degree of an MoE model; it runs the config as given, "
+        "schedule, each expert-parallel degree of an MoE model, each ring of a cp degree; it "
+        "runs the config as given, "
         "lists the layouts a launch refuses with the field at fault, and exits 0 when every "
         "other layout matches.",
     )

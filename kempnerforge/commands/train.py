@@ -110,6 +110,7 @@ def _train_under(
     allocator: AllocatorPlan | None,
 ) -> int:
     # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
+    from kempnerforge.config.context_parallel import cp_ring
     from kempnerforge.config.loader import load_config
     from kempnerforge.core.logging import configure_logging
     from kempnerforge.distributed.failure import describe_collective_failure, is_collective_failure
@@ -128,7 +129,7 @@ def _train_under(
     config = load_config(args.config, overrides)
     config.validate(world_size_from_env())
     preflight(config)
-    runtime = init_runtime(config.distributed, config.train.device)
+    runtime = init_runtime(config.distributed, config.train.device, cp_ring(config))
     ended_together = False  # every rank got to a return: leave the group in step
     try:
         with rank0_workspace(config, runtime):

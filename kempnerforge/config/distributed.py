@@ -27,6 +27,8 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 """Schedules that split each backward into its input and its weight gradients, and run
 the weight part where a rank would otherwise wait."""
 AC_MODES = ("none", "full", "selective")
+CP_ATTENTION = ("auto", "ulysses", "ring")
+"""How context-parallel ranks share attention (DistributedConfig.cp_attention)."""
 
 
 @dataclass
@@ -47,13 +49,24 @@ class DistributedConfig:
     (times cp) and model.num_experts; 1 to 2**31 - 1."""
     cp: int = 1
     """Context-parallel degree: each of these processes holds a 1/cp slice of every
-    sequence and attention exchanges heads for the whole sequence (all-to-all); they hold
-    the same weights and count as data-parallel peers in the gradient reduction. Must
-    divide train.seq_len (a vision-language model's decoder sequence instead: image
-    tokens + vlm.max_text_len with the joint decoder, vlm.max_text_len with
-    cross-attention) and each tp rank's query heads, and divide its key/value heads or be
-    a multiple of them (a head is then repeated to the ranks that share it); 1 to
-    2**31 - 1."""
+    sequence, and attention reaches the rest of it as cp_attention says; they hold the
+    same weights and count as data-parallel peers in the gradient reduction. Must divide
+    train.seq_len (a vision-language model's decoder sequence instead: image tokens +
+    vlm.max_text_len with the joint decoder, vlm.max_text_len with cross-attention); the
+    heads bound the Ulysses ranks (cp_ulysses); 1 to 2**31 - 1."""
+    cp_attention: str = "auto"
+    """How the cp ranks share attention: 'ulysses' (exchange heads for whole sequences,
+    all-to-all: cp must divide each tp rank's query heads, and divide its key/value heads
+    or be a multiple of them), 'ring' (key/value blocks passed around a ring of cp /
+    cp_ulysses ranks; ring rank i holds chunks i and 2 * ring - 1 - i of 2 * ring equal
+    chunks of every sequence, so 2 * ring must divide it; the heads bound only
+    cp_ulysses), or 'auto': 'ulysses' where the heads allow cp, else 'ring' with the
+    largest cp_ulysses they allow (docs/distributed.md)."""
+    cp_ulysses: int = 0
+    """Ulysses ranks inside each ring rank (cp_attention 'ring' or 'auto'): consecutive cp
+    ranks that exchange heads before the ring runs over their chunks, so cp = cp_ulysses
+    x ring; must divide cp, and the heads as cp does under 'ulysses'. 0 picks: cp under
+    'ulysses', 1 (a pure ring) under 'ring', the largest the heads allow under 'auto'."""
     pp: int = 1
     """Pipeline-parallel degree (processes along the pipeline); 1 to 2**31 - 1."""
     pp_schedule: str = "1f1b"
@@ -90,6 +103,9 @@ class DistributedConfig:
         check_positive("distributed.pp", self.pp, MAX_SIZE)
         check_positive("distributed.ep", self.ep, MAX_SIZE)
         check_positive("distributed.cp", self.cp, MAX_SIZE)
+        check_choice("distributed.cp_attention", self.cp_attention, CP_ATTENTION)
+        check_at_least("distributed.cp_ulysses", self.cp_ulysses, 0, MAX_SIZE)
+        self._check_cp_ulysses()
         check_choice("distributed.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         check_at_least("distributed.pp_stages_per_rank", self.pp_stages_per_rank, 0, 64)
         self._check_stages_per_rank()
@@ -110,6 +126,33 @@ class DistributedConfig:
         # backends; 30 days is longer than any job a scheduler keeps alive.
         check_positive("distributed.timeout_s", self.timeout_s, MAX_TIMEOUT_S)
         check_choice("distributed.backend", self.backend, ("auto", "gloo", "nccl"))
+
+    def _check_cp_ulysses(self) -> None:
+        """cp_ulysses against cp and cp_attention."""
+        cp, ulysses, attention = self.cp, self.cp_ulysses, self.cp_attention
+        if ulysses == 0:
+            return
+        if cp % ulysses:
+            raise ConfigError(
+                "distributed.cp_ulysses",
+                ulysses,
+                f"0 or a divisor of distributed.cp = {cp}",
+                "cp = cp_ulysses x the ring's ranks",
+            )
+        if attention == "ulysses" and ulysses != cp:
+            raise ConfigError(
+                "distributed.cp_ulysses",
+                ulysses,
+                f"0 or {cp} (distributed.cp) with cp_attention = 'ulysses'",
+                "set cp_attention = 'ring' for Ulysses ranks inside a ring",
+            )
+        if attention == "ring" and ulysses == cp and cp > 1:
+            raise ConfigError(
+                "distributed.cp_ulysses",
+                ulysses,
+                f"a divisor of distributed.cp = {cp} below it with cp_attention = 'ring'",
+                "cp_ulysses = cp leaves a ring of one rank; use cp_attention = 'ulysses'",
+            )
 
     def _check_stages_per_rank(self) -> None:
         """pp_stages_per_rank against what pp_schedule can run."""

@@ -41,13 +41,18 @@ class RuntimeContext:
     cp_rank: int = 0
     """This rank's place along ``cp``: it holds slice cp_rank of every sequence."""
     cp_size: int = 1
+    cp_ring: int = 1
+    """Ranks of the key/value ring among the cp ranks (distributed.cp_attention resolved:
+    config/context_parallel.py cp_degrees); 1 when attention exchanges heads only."""
     dp_mesh: Any = None
     """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D DeviceMesh."""
     cp_meshes: dict[str, Any] | None = None
     """With context parallelism (distributed.cp > 1): ``dp_cp`` (dp_replicate x dp_shard x
     cp flattened; the loss and token counts reduce over it) and ``dp_shard_cp`` (dp_shard x
     cp flattened; FSDP shards over it), kept here because slicing a flattened dimension
-    from the job's mesh is deprecated. None otherwise."""
+    from the job's mesh is deprecated; with a ring of Ulysses groups (1 < cp_ring < cp),
+    ``cp_ulysses``, the cp / cp_ring consecutive cp ranks that exchange heads. None
+    otherwise."""
     expert_mesh: Any = None
     """With expert parallelism (distributed.ep > 1): the ranks as a mesh of ``pp``,
     ``dp_replicate``, ``efsdp`` and ``ep``, where ``ep`` splits each dp_shard group
@@ -72,9 +77,9 @@ class RuntimeContext:
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of mesh dimension ``name`` ('dp', 'dp_shard', 'dp_replicate',
-        'cp', 'dp_cp', 'dp_shard_cp', 'tp', 'pp', 'ep', 'efsdp') or 'world'; None where
-        there is nothing to reduce over (a single process, or a dimension of size 1), so
-        callers skip the collective."""
+        'cp', 'dp_cp', 'dp_shard_cp', 'cp_ulysses', 'tp', 'pp', 'ep', 'efsdp') or 'world';
+        None where there is nothing to reduce over (a single process, or a dimension of
+        size 1), so callers skip the collective."""
         if self.device_mesh is None:
             return None
         if name == "world":
@@ -104,6 +109,8 @@ class RuntimeContext:
             return None  # not a dimension of the mesh (see DistributedConfig.mesh_shape)
         if name == "dp_shard_cp" and self.cp_size == 1:
             return self.device_mesh["dp_shard"]
+        if name == "cp_ulysses":
+            return None if self.cp_meshes is None else self.cp_meshes.get(name)
         if name in ("dp_cp", "dp_shard_cp"):
             assert self.cp_meshes is not None
             return self.cp_meshes[name]
@@ -125,19 +132,27 @@ def build_mesh(
     return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
-def build_cp_meshes(mesh: DeviceMesh, cfg: DistributedConfig) -> dict[str, DeviceMesh] | None:
-    """``dp_cp`` and ``dp_shard_cp`` (RuntimeContext.cp_meshes); None when distributed.cp
-    is 1. Collective over the world, like build_mesh.
+def build_cp_meshes(
+    mesh: DeviceMesh, cfg: DistributedConfig, cp_ring: int = 1
+) -> dict[str, DeviceMesh] | None:
+    """``dp_cp`` and ``dp_shard_cp``, and ``cp_ulysses`` for a ring of ``cp_ring`` Ulysses
+    groups (RuntimeContext.cp_meshes); None when distributed.cp is 1. Collective over the
+    world, like build_mesh.
 
     Context-parallel peers hold the same weights and their own tokens: the loss and token
     counts reduce over dp_cp, and FSDP shards and averages gradients over dp_shard_cp.
     """
     if cfg.cp == 1:
         return None
-    return {
+    meshes = {
         "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
     }
+    if 1 < cp_ring < cfg.cp:
+        # cp rank = ring rank * ulysses + place: the Ulysses ranks are consecutive.
+        split = mesh["cp"]._unflatten(0, (cp_ring, cfg.cp // cp_ring), ("cp_ring", "cp_ulysses"))
+        meshes["cp_ulysses"] = split["cp_ulysses"]
+    return meshes
 
 
 def build_expert_mesh(
@@ -181,8 +196,12 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
-    """Join the process group when launched with several processes; pick this rank's device."""
+def init_runtime(cfg: DistributedConfig, device_name: str, cp_ring: int = 1) -> RuntimeContext:
+    """Join the process group when launched with several processes; pick this rank's device.
+
+    ``cp_ring`` is the job's key/value ring (config/context_parallel.py cp_ring: it reads
+    the model's heads); 1, the default, is right for every job without one.
+    """
     world_size = world_size_from_env()
     rank = rank_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
@@ -222,9 +241,10 @@ def init_runtime(cfg: DistributedConfig, device_name: str) -> RuntimeContext:
         tp_size=mesh["tp"].size(),
         pp_rank=mesh["pp"].get_local_rank(),
         pp_size=mesh["pp"].size(),
-        cp_meshes=build_cp_meshes(mesh, cfg),
+        cp_meshes=build_cp_meshes(mesh, cfg, cp_ring),
         cp_rank=mesh["cp"].get_local_rank() if cfg.cp > 1 else 0,
         cp_size=cfg.cp,
+        cp_ring=cp_ring if cfg.cp > 1 else 1,
         side_group=dist.new_group(backend="gloo"),
     )
 

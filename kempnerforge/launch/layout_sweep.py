@@ -25,8 +25,8 @@ DEFAULT_SWEEP_NPROC = 4
 
 
 def layout_text(degrees: dict[str, int], schedule: str = "") -> str:
-    """'pp=2,dp_shard=2,ep=2,schedule=zbv': the degrees above 1, in mesh order, then ep and
-    the schedule; parse_layout reads it back."""
+    """'pp=2,dp_shard=2,ep=2,schedule=zbv': the degrees above 1, in mesh order, then ep, the
+    ring and the schedule; parse_layout reads it back."""
     items = [f"{key}={value}" for key, value in degrees.items() if value > 1]
     if schedule:
         items.append(f"schedule={schedule}")
@@ -46,15 +46,18 @@ def mesh_degrees(max_world: int) -> list[dict[str, int]]:
 
 def sweep_layouts(max_world: int, moe: bool) -> list[Layout]:
     """The layouts a sweep considers: every mesh of 2 to ``max_world`` processes, each
-    pipeline mesh once per schedule, and for a Mixture-of-Experts model each expert-parallel
+    pipeline mesh once per schedule, for a Mixture-of-Experts model each expert-parallel
     degree from 1 to the mesh's dp_shard * cp ranks (validation refuses the ones that do
-    not divide)."""
+    not divide), and with context parallelism the config's own cp attention and each ring
+    of 2 or more ranks that divides cp (cp / ring Ulysses ranks in each)."""
     layouts = []
     for degrees in mesh_degrees(max_world):
         schedules = PP_SCHEDULES if degrees["pp"] > 1 else ("",)
         eps = range(1, degrees["dp_shard"] * degrees["cp"] + 1) if moe else (1,)
-        for ep, schedule in itertools.product(eps, schedules):
-            named = {**degrees, "ep": ep}
+        cp = degrees["cp"]
+        rings = [0, *(ring for ring in range(2, cp + 1) if cp % ring == 0)]
+        for ep, ring, schedule in itertools.product(eps, rings, schedules):
+            named = {**degrees, "ep": ep, "ring": ring}
             layouts.append(Layout(layout_text(named, schedule), **named, schedule=schedule))
     return layouts
 

@@ -24,14 +24,15 @@ from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.metrics_file import METRICS_FILE, iter_rows
 
 PROG = "kempnerforge check-parallel"
-DEGREES = (*MESH_DIMS, "ep")
-"""The layout keys that take a degree: the mesh dimensions, and ep, which splits dp_shard."""
+DEGREES = (*MESH_DIMS, "ep", "ring")
+"""The layout keys that take a degree: the mesh dimensions; ep, which splits dp_shard; and
+ring, which splits cp (the key/value ring's ranks, cp / ring Ulysses ranks in each)."""
 LAYOUT_RULE = (
     "comma-separated key=value with keys "
     + ", ".join(DEGREES)
-    + " (integers >= 1) and schedule ("
+    + " (integers >= 1; ring a divisor of cp) and schedule ("
     + ", ".join(PP_SCHEDULES)
-    + "), e.g. 'dp_shard=2', 'pp=2,schedule=1f1b', 'dp_shard=2,ep=2' or 'cp=2'"
+    + "), e.g. 'dp_shard=2', 'pp=2,schedule=1f1b', 'dp_shard=2,ep=2', 'cp=2' or 'cp=4,ring=2'"
 )
 STDERR_TAIL_LINES = 20
 """Lines of a failed run's stderr shown under the table."""
@@ -53,7 +54,8 @@ COMMON_OVERRIDES = (
 @dataclass(frozen=True)
 class Layout:
     """One parallel layout to check: the five mesh degrees, the expert-parallel degree (a
-    divisor of dp_shard, so not a factor of the world size) and an optional PP schedule."""
+    divisor of dp_shard, so not a factor of the world size), the ring of context
+    parallelism (a divisor of cp, nor a factor) and an optional PP schedule."""
 
     text: str
     """The layout as given on the command line, e.g. 'pp=2,schedule=1f1b'."""
@@ -64,6 +66,10 @@ class Layout:
     """Context-parallel degree: cp ranks share each data-parallel rank's batch."""
     tp: int = 1
     ep: int = 1
+    ring: int = 0
+    """Ranks of the key/value ring among the cp ranks: 1 exchanges heads only
+    (distributed.cp_attention = 'ulysses'), more runs ring attention with cp / ring
+    Ulysses ranks in each ring rank; 0 keeps the config's choice ('auto' by default)."""
     schedule: str = ""
     """distributed.pp_schedule, or empty to keep the config's."""
 
@@ -84,7 +90,12 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """The --distributed.* overrides that select this layout."""
-        args = [f"--distributed.{dim}={getattr(self, dim)}" for dim in DEGREES]
+        args = [f"--distributed.{dim}={getattr(self, dim)}" for dim in DEGREES if dim != "ring"]
+        if self.ring == 1:
+            args.append("--distributed.cp_attention=ulysses")
+        elif self.ring > 1:
+            args.append("--distributed.cp_attention=ring")
+            args.append(f"--distributed.cp_ulysses={self.cp // self.ring}")
         if self.schedule:
             args.append(f"--distributed.pp_schedule={self.schedule}")
         return args
@@ -116,6 +127,8 @@ def parse_layout(text: str) -> Layout:
     layout = Layout(text, **values)  # type: ignore[arg-type]
     if layout.schedule and layout.pp < 2:
         raise ConfigError("--layouts", text, LAYOUT_RULE, "schedule needs pp >= 2")
+    if layout.ring and layout.cp % layout.ring:
+        raise ConfigError("--layouts", text, LAYOUT_RULE, "ring must divide cp")
     return layout
 
 

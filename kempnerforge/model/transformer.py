@@ -74,7 +74,8 @@ class Transformer(FamilyModel):
         """The shape this model was built from."""
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: input_ids holds this rank's slice of each sequence
-        (doc_ids the whole sequence), so RoPE takes the slice's global positions."""
+        (doc_ids the whole sequence), so RoPE takes the slice's global positions (held_spans:
+        one span, or two under ring attention)."""
         self.attention_kernel = "auto"
         """How attention applies its mask rules (train.attention_kernel; kernels.py)."""
         # Build on meta and materialize once: the default inits of nn.Linear / nn.Embedding
@@ -217,10 +218,14 @@ class Transformer(FamilyModel):
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (cos, sin) rows of positions 0 .. seq_len - 1, or under context
-        parallelism of this rank's slice of seq_len positions."""
+        parallelism of this rank's slice of seq_len positions (its spans, in order)."""
         split = active_split(self)
-        first = 0 if split is None else split.offset(seq_len)
-        return self.rope_cos[first : first + seq_len], self.rope_sin[first : first + seq_len]
+        spans = [(0, seq_len)] if split is None else split.spans(seq_len)
+        if len(spans) == 1:
+            ((first, last),) = spans
+            return self.rope_cos[first:last], self.rope_sin[first:last]
+        cos = torch.cat([self.rope_cos[a:b] for a, b in spans])
+        return cos, torch.cat([self.rope_sin[a:b] for a, b in spans])
 
     def attention_masks(
         self,
@@ -231,14 +236,17 @@ class Transformer(FamilyModel):
     ) -> dict[str, LayerMask]:
         """Each kept layer's prepared mask, by index: its rule (documents when doc_ids is
         given, its sliding window) prepared once per distinct rule for this model's
-        attention_kernel. ``seq_len`` is the length this rank holds; under context
-        parallelism the masks cover the whole sequence, whose doc_ids are whole."""
+        attention_kernel, or for the ring under ring attention. ``seq_len`` is the length
+        this rank holds; under context parallelism the masks cover the whole sequence,
+        whose doc_ids are whole."""
         split = active_split(self)
         whole = seq_len if split is None else seq_len * split.size
+        ring = 1 if split is None else split.ring
         documents = doc_ids is not None
         indices = list(self.layers)
         rules = [MaskRule(documents, self.cfg.layer_window(int(i))) for i in indices]
-        masks = prepare_masks(rules, doc_ids, batch, whole, device, self.attention_kernel)
+        kernel = self.attention_kernel
+        masks = prepare_masks(rules, doc_ids, batch, whole, device, kernel, ring)
         return dict(zip(indices, masks, strict=True))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.context_parallel import cp_ring
 from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
@@ -167,6 +168,8 @@ def build_session(
     resume, and to catch a stop signal during the build); fresh ones otherwise.
     """
     tc = config.train
+    # Our own invariant: the runtime's ring is the one the job's heads resolve to.
+    assert runtime.cp_ring == cp_ring(config), "init_runtime(..., cp_ring(config)) for this job"
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
     shards = runtime.mesh_size("dp_shard_cp") * runtime.tp_size * runtime.pp_size

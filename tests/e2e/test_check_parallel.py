@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from kempnerforge.config.context_parallel import cp_degrees
+from kempnerforge.config.loader import load_config
 from tests.layouts.run_sweep import passed_layouts
 from tests.layouts.test_layout_sweep import recorded_layouts
 from tests.layouts.variants import sweep_argv
@@ -45,8 +47,9 @@ def run_check_parallel(argv: list[str], cwd: pathlib.Path, cache: pathlib.Path):
 
 
 def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path, config: str = DEBUG):
-    """check-parallel of ``config`` shrunk to the TINY model."""
-    return run_check_parallel([config, *args, *TINY], cwd, cache)
+    """check-parallel of ``config`` shrunk to the TINY model; ``args`` come after TINY, so
+    they override it."""
+    return run_check_parallel([config, *TINY, *args], cwd, cache)
 
 
 def check_moe_layouts(layouts: list[str], cwd: pathlib.Path, cache: pathlib.Path):
@@ -116,18 +119,25 @@ def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
     assert_every_layout_passes(proc, worlds)
 
 
-def test_sliding_windows_match_one_process_under_context_and_pipeline_parallelism(
-    tmp_path, builtin_cache
+def test_rings_windows_and_pipelines_over_packed_documents_match_one_process(
+    tmp_path, builtin_cache, token_dirs
 ):
-    """Windows of 8 tokens in every other layer over packed documents: Ulysses context
-    parallelism (each rank attends its heads over the whole sequence) and two pipeline
-    stages (each masking its own layers from the step's document ids)."""
-    worlds = {"cp=2": "2", "pp=2": "2"}
+    """One check of the attention layouts over short packed documents (5 to 40 words, so
+    most rows hold two or more and document masking masks them) with 2 query and 2
+    key/value heads and windows of 8 tokens in every other layer (layer 0 slides, layer 1
+    sees the whole causal past of its document): Ulysses cp 2 (the heads allow it), a pure
+    ring of 4 ('cp=4,ring=4': no head exchange, each layer's rule masks the ring's chunk
+    pairs), what 'auto' makes of cp 4 with 2 heads, a ring of 2 Ulysses pairs (the
+    hybrid), and two pipeline stages that mask their own layers from the step's ids."""
+    heads = ["--model.n_heads=2", "--model.n_kv_heads=2"]
     windows = ["--model.sliding_window=8", "--model.sliding_window_pattern=2"]
-    proc = check_parallel(
-        "--layouts", *worlds, "--steps", "3", *windows, cwd=tmp_path, cache=builtin_cache
-    )
+    corpus = [f"--data.path={token_dirs[0]}", f"--data.eval_path={token_dirs[1]}"]
+    assert cp_degrees(load_config(DEBUG, [*TINY, *heads, "--distributed.cp=4"])) == (2, 2)
+    worlds = {"cp=2": "2", "cp=4,ring=4": "4", "cp=4": "4", "pp=2": "2"}
+    args = ["--layouts", *worlds, "--steps", "3", *heads, *windows, *corpus]
+    proc = check_parallel(*args, cwd=tmp_path, cache=builtin_cache)
     assert_every_layout_passes(proc, worlds)
+    assert "uses 2" in proc.stdout and "document_masking" not in proc.stdout
 
 
 MUON = str(REPO / "configs" / "train" / "muon.toml")
@@ -186,10 +196,11 @@ def test_a_refused_layout_is_reported_with_its_config_error_and_exit_1(tmp_path,
 
 def test_every_accepted_two_process_layout_trains_as_one_process(tmp_path, builtin_cache):
     """The layout sweep's sample in the suite: the dense config with accumulation, every
-    layout of 2 processes (each mesh dimension, and pp with each schedule)."""
+    layout of 2 processes (each mesh dimension, pp with each schedule, cp with the head
+    exchange and as a ring)."""
     argv = sweep_argv("dense-accum", "--nproc", "2")  # the later --nproc wins
     proc = run_check_parallel(argv, tmp_path, builtin_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "sweep: 10 accepted layouts checked, 10 pass, 0 fail; 0 refused" in proc.stdout
+    assert "sweep: 11 accepted layouts checked, 11 pass, 0 fail; 0 refused" in proc.stdout
     passed = set(passed_layouts(proc.stdout))
-    assert len(passed) == 10 and passed <= recorded_layouts()["dense-accum"]
+    assert len(passed) == 11 and passed <= recorded_layouts()["dense-accum"]

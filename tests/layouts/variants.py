@@ -6,7 +6,8 @@ document masking off, so these cover the unmasked path); and sliding windows in 
 other layer over packed documents with 12 micro-batches (document masking on: pipeline
 stages carry the document ids). Sizes are tiny so a run takes seconds: 8 layers (a stage
 each at pp = 4 with 2 stages per rank), a batch of 12 (divided by every data-parallel
-degree up to 4) and a sequence that cp up to 4 divides."""
+degree up to 4) and a sequence that cp up to 4 divides, also into the 2 x ring chunks of
+every ring."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kempnerforge.config.context_parallel import cp_ring
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import init_runtime, world_size_from_env
 from kempnerforge.training.build import build_session
@@ -39,7 +40,7 @@ def train_steps(
     """
     config = load_config(config_path, overrides)
     config.validate(world_size_from_env())
-    runtime = init_runtime(config.distributed, "cpu")
+    runtime = init_runtime(config.distributed, "cpu", cp_ring(config))
     session = build_session(config, runtime)
     record: dict[str, Any] = {
         "losses": [],
@@ -115,7 +116,7 @@ def sample_on_ranks(rank: int, world_size: int, overrides: list[str]) -> str | N
     context (and a vision-language model's image)."""
     config = load_config(None, overrides)
     config.validate(world_size_from_env())
-    session = build_session(config, init_runtime(config.distributed, "cpu"))
+    session = build_session(config, init_runtime(config.distributed, "cpu", cp_ring(config)))
     with session.tracker:
         run_training_loop(session, step=0, tokens_seen=0)
     return sample_text(session)

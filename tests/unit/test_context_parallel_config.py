@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from kempnerforge.config.context_parallel import cp_degrees
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError
 
 # The default model has 4 query heads and 4 key/value heads; train.seq_len is 256 there.
 GQA = ["--model.n_heads=4", "--model.n_kv_heads=2"]
+ULYSSES = ["--distributed.cp=2", "--distributed.cp_attention=ulysses"]
 # A vision-language job of 9 image tokens (a 3 x 3 grid) and 7 text tokens: 16 positions in
 # the joint decoder, 7 in the cross-attention decoder.
 VLM = [
@@ -29,16 +31,46 @@ VLM = [
             "distributed.cp = 3: expected a divisor of train.seq_len = 256",
         ),
         (
-            ["--model.dim=96", "--model.n_heads=6", "--model.n_kv_heads=3", "--distributed.cp=2"],
+            [*ULYSSES, "--model.dim=96", "--model.n_heads=6", "--model.n_kv_heads=3"],
             2,
             "distributed.cp = 2: expected a divisor or a multiple of model.n_kv_heads = 3 "
-            "(each context-parallel rank takes whole key/value heads, or one head",
+            "(each Ulysses rank takes whole key/value heads, or one head",
         ),
         (
-            [*GQA, "--distributed.cp=4", "--distributed.tp=2"],
+            [
+                *GQA,
+                "--distributed.cp=4",
+                "--distributed.tp=2",
+                "--distributed.cp_attention=ulysses",
+            ],
             8,
             "distributed.cp = 4: expected a divisor of model.n_heads / distributed.tp = "
-            "4 / 2 = 2 (attention gives each context-parallel rank whole query heads",
+            "4 / 2 = 2 (attention gives each Ulysses rank whole query heads of the full "
+            "sequence, so there can be at most as many as query heads; or "
+            "distributed.cp_attention = 'ring' (or 'auto')",
+        ),
+        (
+            [*GQA, "--distributed.cp=4", "--distributed.cp_ulysses=4", "--distributed.tp=2"],
+            8,
+            "distributed.cp = 4: expected a divisor of model.n_heads / distributed.tp",
+        ),
+        (
+            [
+                *GQA,
+                "--distributed.cp=8",
+                "--distributed.cp_attention=ring",
+                "--distributed.cp_ulysses=4",
+                "--distributed.tp=2",
+            ],
+            16,
+            "distributed.cp_ulysses = 4: expected a divisor of model.n_heads / distributed.tp "
+            "= 4 / 2 = 2",
+        ),
+        (
+            ["--distributed.cp=4", "--distributed.cp_attention=ring", "--train.seq_len=36"],
+            4,
+            "distributed.cp = 4: expected a layout whose ring of 4 ranks (cp / cp_ulysses) "
+            "cuts train.seq_len = 36 into 8 equal chunks",
         ),
         (
             [
@@ -135,3 +167,61 @@ def test_context_parallelism_splits_a_joint_decoder_sequence_the_text_alone_woul
     config = load_config(None, ["--distributed.cp=2", *VLM])
     config.validate(2)
     assert config.distributed.mesh_shape(2)["cp"] == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "degrees"),
+    [
+        ([*GQA, "--distributed.cp=4"], (4, 1)),  # the heads allow Ulysses: no ring
+        ([*GQA, "--distributed.cp=4", "--distributed.tp=2"], (2, 2)),  # 2 query heads a tp rank
+        (["--model.n_heads=4", "--distributed.cp=3", "--train.seq_len=48"], (1, 3)),
+        (["--model.n_heads=4", "--distributed.cp=8", "--train.seq_len=64"], (4, 2)),
+        ([*GQA, "--distributed.cp=4", "--distributed.cp_attention=ring"], (1, 4)),
+        ([*GQA, "--distributed.cp=4", "--distributed.cp_ulysses=2"], (2, 2)),
+        ([*GQA, "--distributed.cp=4", "--distributed.cp_attention=ulysses"], (4, 1)),
+    ],
+)
+def test_auto_exchanges_heads_where_they_allow_and_passes_the_rest_around_a_ring(
+    overrides, degrees
+):
+    """(Ulysses ranks, ring ranks): 'auto' keeps the head exchange where the heads allow
+    cp and takes the largest Ulysses group they allow inside a ring otherwise; 'ring' is a
+    pure ring unless cp_ulysses says otherwise."""
+    config = load_config(None, overrides)
+    config.validate(config.distributed.cp * config.distributed.tp)
+    assert cp_degrees(config) == degrees
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["--distributed.cp=4", "--distributed.cp_ulysses=3"],
+            "distributed.cp_ulysses = 3: expected 0 or a divisor of distributed.cp = 4",
+        ),
+        (
+            [
+                "--distributed.cp=4",
+                "--distributed.cp_attention=ulysses",
+                "--distributed.cp_ulysses=2",
+            ],
+            "distributed.cp_ulysses = 2: expected 0 or 4 (distributed.cp) with cp_attention = "
+            "'ulysses' (set cp_attention = 'ring' for Ulysses ranks inside a ring)",
+        ),
+        (
+            ["--distributed.cp=4", "--distributed.cp_attention=ring", "--distributed.cp_ulysses=4"],
+            "distributed.cp_ulysses = 4: expected a divisor of distributed.cp = 4 below it",
+        ),
+        (
+            ["--distributed.cp_attention=rings"],
+            "distributed.cp_attention = 'rings': expected one of 'auto', 'ulysses', 'ring' "
+            "(did you mean 'ring'?)",
+        ),
+    ],
+)
+def test_a_context_parallel_attention_choice_that_does_not_fit_cp_is_a_config_error(
+    overrides, message
+):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(message)

@@ -39,6 +39,22 @@ def test_parse_layout_takes_a_context_parallel_degree_that_shares_the_batch():
     assert pc.per_rank_batch_size(8, layout) == 4
 
 
+@pytest.mark.parametrize(
+    ("text", "attention"),
+    [
+        ("cp=4,ring=4", ["--distributed.cp_attention=ring", "--distributed.cp_ulysses=1"]),
+        ("cp=4,ring=2", ["--distributed.cp_attention=ring", "--distributed.cp_ulysses=2"]),
+        ("cp=4,ring=1", ["--distributed.cp_attention=ulysses"]),
+        ("cp=4", []),  # the config's own choice
+    ],
+)
+def test_parse_layout_takes_a_ring_inside_the_context_parallel_ranks(text, attention):
+    """ring splits cp, as ep splits dp_shard: the world is still the mesh's product."""
+    layout = pc.parse_layout(text)
+    assert layout.world_size == 4 and layout.dp == 1
+    assert [a for a in layout.overrides() if "cp_" in a] == attention
+
+
 def test_parse_layout_takes_an_expert_parallel_degree_inside_dp_shard():
     layout = pc.parse_layout("dp_shard=2,ep=2")
     assert layout.world_size == 2 and layout.dp == 2 and layout.ep == 2
@@ -59,6 +75,8 @@ def test_parse_layout_takes_an_expert_parallel_degree_inside_dp_shard():
         ("tp=2,tp=2", "'tp' is given twice"),
         ("pp=2,schedule=zigzag", "unknown schedule 'zigzag'"),
         ("schedule=1f1b", "schedule needs pp >= 2"),
+        ("cp=4,ring=3", "ring must divide cp"),
+        ("ring=2", "ring must divide cp"),
     ],
 )
 def test_parse_layout_refuses_bad_text_in_one_line(text, why):
@@ -286,13 +304,17 @@ def test_sweep_layouts_cover_every_mesh_schedule_and_expert_degree():
     from kempnerforge.launch.layout_sweep import sweep_layouts
 
     dense = [layout.text for layout in sweep_layouts(2, moe=False)]
-    # 5 mesh dimensions of 2, the pipeline one once per schedule (6).
-    assert len(dense) == len(set(dense)) == 4 + 6
+    # 5 mesh dimensions of 2, the pipeline one once per schedule (6), cp also as a ring.
+    assert len(dense) == len(set(dense)) == 4 + 6 + 1
     assert {"tp=2", "cp=2", "dp_shard=2", "dp_replicate=2", "pp=2,schedule=zbv"} <= set(dense)
+    assert "cp=2,ring=2" in dense
     moe = [layout.text for layout in sweep_layouts(2, moe=True)]
-    assert {"dp_shard=2,ep=2", "cp=2,ep=2"} <= set(moe) and len(moe) == len(dense) + 2
-    # Worlds of 3 and 4: 5 + 15 meshes, 1 + 5 of them pipelined.
-    assert len(sweep_layouts(4, moe=False)) == 60
+    expert = {"dp_shard=2,ep=2", "cp=2,ep=2", "cp=2,ep=2,ring=2"}
+    assert expert <= set(moe) and len(moe) == len(dense) + 3
+    # Worlds of 3 and 4: 5 + 15 meshes, 1 + 5 of them pipelined (60 with the config's cp
+    # attention); and the rings of each cp mesh: cp 2 in 5 meshes, the pipelined one once
+    # per schedule (4 + 6), cp 3 (1), cp 4 with rings of 2 and 4 (2).
+    assert len(sweep_layouts(4, moe=False)) == 60 + 4 + 6 + 1 + 2
     for layout in sweep_layouts(4, moe=True):  # each text reads back as its layout
         assert pc.parse_layout(layout.text) == layout
 

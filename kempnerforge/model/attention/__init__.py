@@ -2,7 +2,8 @@
 (causal, packed documents, sliding windows: `masks.py`, for any query range and key range)
 and the kernels that apply them (`kernels.py`: SDPA's causal kernels, FlexAttention block
 masks, the CPU's per-document `segments.py`, a dense mask), rotary positions, and context
-parallelism's exchange of sequence slices.
+parallelism's exchange of sequence slices (heads, and past the head count a ring of
+key/value blocks under the same rules: `ring.py`, `ring_blocks.py`).
 
 Modules outside this folder import these names from here, never from its modules.
 """
@@ -21,8 +22,12 @@ from kempnerforge.model.attention.masks import (
     block_mask,
     dense_mask,
     mask_mod,
+    tile_documents,
+    tile_table,
     visible,
 )
+from kempnerforge.model.attention.ring import ring_attention
+from kempnerforge.model.attention.ring_blocks import RingMask, ring_masks
 from kempnerforge.model.attention.rope import apply_rope, rope_tables
 from kempnerforge.model.attention.self_attention import (
     Attention,
@@ -32,7 +37,8 @@ from kempnerforge.model.attention.self_attention import (
 from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
     active_split,
-    held_span,
+    held_parts,
+    held_spans,
     set_sequence_split,
     whole_sequences,
 )
@@ -42,6 +48,7 @@ __all__ = [
     "Attention",
     "LayerMask",
     "MaskRule",
+    "RingMask",
     "SequenceSplit",
     "active_split",
     "apply_rope",
@@ -49,13 +56,18 @@ __all__ = [
     "block_mask",
     "dense_mask",
     "document_causal_mask",
-    "held_span",
+    "held_parts",
+    "held_spans",
     "mask_mod",
     "needs_document_mask",
     "prepare_masks",
+    "ring_attention",
+    "ring_masks",
     "rope_tables",
     "set_attention_kernel",
     "set_sequence_split",
+    "tile_documents",
+    "tile_table",
     "visible",
     "whole_sequences",
 ]

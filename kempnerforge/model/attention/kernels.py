@@ -4,7 +4,8 @@ Per batch, prepare_masks turns each distinct rule of the layers into one mask sh
 the layers that use it: None for causality alone (SDPA's is_causal kernels, no mask), a
 FlexAttention BlockMask on a GPU, the CPU's Segments (flex has no CPU backward in this
 PyTorch), or with ``kernel="dense"`` a boolean (batch, 1, seq, seq) tensor. attend runs
-q, k and v through the kernel the mask's form names.
+q, k and v through the kernel the mask's form names. Under ring attention every rule,
+causal included, becomes a RingMask (ring_blocks.py), which ring.py applies itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kempnerforge.core.logging import get_logger
 from kempnerforge.model.attention.masks import MaskRule, block_mask, dense_mask
+from kempnerforge.model.attention.ring_blocks import RingMask, ring_masks
 from kempnerforge.model.attention.segments import Segments, plan_segments, segments_attention
 
 logger = get_logger(__name__)
@@ -28,8 +30,9 @@ MAX_COMPILED_SHAPES = 8
 """Distinct (shape, rule) pairs compiled for FlexAttention in one process (torch's own
 recompile limit); later ones run eagerly, said once. A training run needs one or two."""
 
-LayerMask = torch.Tensor | BlockMask | Segments | None
-"""A layer's prepared mask: None (causal only), dense, a block mask or segments."""
+LayerMask = torch.Tensor | BlockMask | Segments | RingMask | None
+"""A layer's prepared mask: None (causal only), dense, a block mask, segments, or the
+rule as ring attention applies it."""
 
 
 def set_attention_kernel(model: nn.Module, kernel: str) -> None:
@@ -48,10 +51,15 @@ def prepare_masks(
     seq_len: int,
     device: torch.device,
     kernel: str = "auto",
+    ring: int = 1,
 ) -> list[LayerMask]:
     """One prepared mask per rule in ``rules`` (a layer's each), built once per distinct
     rule and shared; ``doc_ids`` (batch, seq_len) covers the whole sequence when a rule
-    separates documents. On the meta device (a shape-only forward) every mask is None."""
+    separates documents. On the meta device (a shape-only forward) every mask is None.
+    With ``ring`` > 1 (ring attention's ranks) each is a RingMask over 2 * ring chunks of
+    the sequence, whatever ``kernel`` says: the ring runs its own block kernels."""
+    if ring > 1 and device.type != "meta":
+        return list(ring_masks(rules, doc_ids, seq_len, ring))
     prepared: dict[MaskRule, LayerMask] = {}
     masks = []
     for rule in rules:
@@ -87,6 +95,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LayerMask) -
     Segments inside a traced (compiled) block become the dense mask: their pieces are
     data the trace cannot follow, and the CPU has no compiled kernel with a backward.
     """
+    assert not isinstance(mask, RingMask), "ring attention applies a RingMask (ring.py)"
     grouped = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)

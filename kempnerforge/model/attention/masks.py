@@ -3,9 +3,11 @@ window), as a function of query and key positions and document ids, and the form
 kernels take it in: a dense boolean mask, a FlexAttention mask_mod and a block mask.
 
 Every form is built for a (query range, key range) pair of global positions, so a kernel
-that attends one block of queries to one block of keys at a time (a ring of key/value
-blocks) builds its own pair's mask from the same rule. ``doc_ids`` always covers the
-whole sequence (batch, seq): position p's document is ``doc_ids[:, p]``.
+that attends one block of queries to one block of keys at a time (ring attention's
+key/value blocks) builds its own pair's mask from the same rule, and tile_table tells
+which pairs the rule hides wholly, leaves whole, or masks by causality alone.
+``doc_ids`` always covers the whole sequence (batch, seq): position p's document is
+``doc_ids[:, p]``.
 """
 
 from __future__ import annotations
@@ -113,20 +115,24 @@ def block_mask(
 ) -> BlockMask:
     """FlexAttention's BlockMask of the rule for queries ``q_range`` and keys ``k_range``.
 
-    Each (query tile, key tile) pair is classified from its first and last positions and,
-    for a document rule, the least and greatest document id in each tile: empty when no
-    query of one can see a key of the other, full when every query sees every key, partial
-    (the mask_mod decides per position) otherwise. A tile cut short by the end of a range
-    is never full. The tiles' table is (batch, queries / block_size, keys / block_size), so
-    memory grows with seq**2 / block_size**2, never with seq**2; no (seq, seq) tensor is
-    made. Exact for any document ids, tightest when each document is contiguous.
+    Each (query tile, key tile) pair is classified by tile_table: empty pairs are left
+    out, full ones run without the mask_mod, partial ones (the mask_mod decides per
+    position) with it. A tile cut short by the end of a range is never full. The tiles'
+    table is (batch, queries / block_size, keys / block_size), so memory grows with
+    seq**2 / block_size**2, never with seq**2; no (seq, seq) tensor is made.
     """
     device = doc_ids.device if doc_ids is not None else device
-    some, every = _tile_table(rule, doc_ids, q_range, k_range, block_size, device)
-    partial = some & ~every
+    q_docs = k_docs = None
+    if rule.documents:
+        if doc_ids is None:
+            raise ValueError("a document rule needs doc_ids")
+        q_docs = tile_documents(doc_ids[:, q_range[0] : q_range[1]], block_size)
+        k_docs = tile_documents(doc_ids[:, k_range[0] : k_range[1]], block_size)
+    table = tile_table(rule, q_range, k_range, block_size, q_docs, k_docs, device)
+    partial = table.some & ~table.every
     q_len, k_len = q_range[1] - q_range[0], k_range[1] - k_range[0]
     kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(every)
+    full_num, full_idx = _ordered(table.every)
     return BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,
@@ -138,6 +144,59 @@ def block_mask(
     )
 
 
+@dataclass(frozen=True)
+class TileTable:
+    """What a rule makes of each (query tile, key tile) pair, boolean (batch or 1, query
+    tiles, key tiles)."""
+
+    some: torch.Tensor
+    """Some query of the query tile sees some key of the key tile (else: skip the pair)."""
+    every: torch.Tensor
+    """Every query sees every key (no mask needed)."""
+    causal: torch.Tensor
+    """The same positions on both sides and causality alone masks them (a causal
+    kernel's pair, no mask tensor)."""
+
+
+def tile_table(
+    rule: MaskRule,
+    q_range: Range,
+    k_range: Range,
+    size: int,
+    q_docs: torch.Tensor | None = None,
+    k_docs: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> TileTable:
+    """The rule's verdict on tiles of ``size`` positions of ``q_range`` against those of
+    ``k_range``, from each tile's first and last position and, for a document rule, its
+    least and greatest document id (``q_docs``, ``k_docs``: tile_documents of the ranges'
+    ids): exact for any document ids, tightest when each document is contiguous. A
+    FlexAttention block mask asks it of 128-position tiles (block_mask), ring attention
+    of its chunks (ring_blocks.py)."""
+    q_first, q_last = _tile_bounds(*q_range, size, device)
+    k_first, k_last = _tile_bounds(*k_range, size, device)
+    qa, qb = q_first[:, None], q_last[:, None]
+    ka, kb = k_first[None, :], k_last[None, :]
+    some = ka <= qb
+    # Whether nothing but causality hides a key of the pair from a query of it.
+    only_causal = torch.ones_like(some)
+    if rule.window:
+        some = some & (qa - kb < rule.window)
+        only_causal = only_causal & (qb - ka < rule.window)
+    some, only_causal = some[None], only_causal[None]
+    if rule.documents:
+        if q_docs is None or k_docs is None:
+            raise ValueError("a document rule needs the tiles' document ids")
+        q_lo, q_hi = q_docs[0][:, :, None], q_docs[1][:, :, None]
+        k_lo, k_hi = k_docs[0][:, None, :], k_docs[1][:, None, :]
+        some = some & (q_lo <= k_hi) & (k_lo <= q_hi)
+        only_causal = only_causal & (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    whole = (qb - qa + 1 == size) & (kb - ka + 1 == size)
+    every = only_causal & ((kb <= qa) & whole)[None]
+    causal = only_causal & ((qa == ka) & (qb == kb))[None]
+    return TileTable(some, every, causal)
+
+
 def _tile_bounds(start: int, stop: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """First and last position of each tile of ``size`` positions over [start, stop)."""
     first = torch.arange(start, stop, size, device=device)
@@ -145,48 +204,17 @@ def _tile_bounds(start: int, stop: int, size: int, device) -> tuple[torch.Tensor
     return first, last
 
 
-def _tile_table(
-    rule: MaskRule,
-    doc_ids: torch.Tensor | None,
-    q_range: Range,
-    k_range: Range,
-    size: int,
-    device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(some, every), boolean (batch, query tiles, key tiles): whether some query of the
-    query tile sees some key of the key tile, and whether every query sees every key."""
-    q_first, q_last = _tile_bounds(*q_range, size, device)
-    k_first, k_last = _tile_bounds(*k_range, size, device)
-    qa, qb = q_first[:, None], q_last[:, None]
-    ka, kb = k_first[None, :], k_last[None, :]
-    some = ka <= qb
-    every = (kb <= qa) & (qb - qa + 1 == size) & (kb - ka + 1 == size)
-    if rule.window:
-        some = some & (qa - kb < rule.window)
-        every = every & (qb - ka < rule.window)
-    some, every = some[None], every[None]
-    if rule.documents:
-        if doc_ids is None:
-            raise ValueError("a document rule needs doc_ids")
-        q_lo, q_hi = _tile_doc_range(doc_ids[:, q_range[0] : q_range[1]], size)
-        k_lo, k_hi = _tile_doc_range(doc_ids[:, k_range[0] : k_range[1]], size)
-        q_lo, q_hi = q_lo[:, :, None], q_hi[:, :, None]
-        k_lo, k_hi = k_lo[:, None, :], k_hi[:, None, :]
-        some = some & (q_lo <= k_hi) & (k_lo <= q_hi)
-        every = every & (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
-    return some, every
-
-
-def _tile_doc_range(doc_ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least and greatest document id of each tile of ``size`` positions, (batch, tiles);
-    a last, partial tile is padded with its own last id."""
+def tile_documents(doc_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """Least and greatest document id of each tile of ``size`` positions of ``doc_ids``
+    (batch, length), stacked: (2, batch, tiles); a last, partial tile is padded with its
+    own last id."""
     batch, length = doc_ids.shape
     tiles = -(-length // size)
     pad = tiles * size - length
     if pad:
         doc_ids = torch.cat([doc_ids, doc_ids[:, -1:].expand(batch, pad)], dim=1)
     tiled = doc_ids.view(batch, tiles, size)
-    return tiled.amin(-1), tiled.amax(-1)
+    return torch.stack([tiled.amin(-1), tiled.amax(-1)])
 
 
 def _ordered(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention.kernels import LayerMask, attend
 from kempnerforge.model.attention.masks import MaskRule, dense_mask
+from kempnerforge.model.attention.ring import ring_attention
+from kempnerforge.model.attention.ring_blocks import RingMask
 from kempnerforge.model.attention.rope import apply_rope
 from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
@@ -79,7 +81,9 @@ class Attention(nn.Module):
         prepare_masks (kernels.py): None for causality alone (SDPA's is_causal kernels).
 
         Under context parallelism x holds this rank's positions, cos and sin their rows,
-        and the mask covers the whole sequence, which attention sees after the exchange.
+        and the mask covers the whole sequence, which attention sees after the exchange;
+        under ring attention (a split with a ring) the mask is the layer's RingMask, which
+        ring.py applies to each pair of chunks.
         """
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
@@ -87,6 +91,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         split = active_split(self)
+        if split is not None and split.ring > 1:  # past the head count (ring.py)
+            assert isinstance(mask, RingMask), "a ring's masks come from prepare_masks(ring=)"
+            out = ring_attention(q, k, v, split, mask)
+            return self.wo(out.reshape(batch, seq_len, -1))
+        assert not isinstance(mask, RingMask)
         if split is not None:
             q = sequence_to_heads(q, split)
             k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)

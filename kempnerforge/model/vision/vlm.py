@@ -17,7 +17,7 @@ from kempnerforge.config.vlm import (
     VLMConfig,
     resolve_vision,
 )
-from kempnerforge.model.attention import SequenceSplit, active_split, held_span
+from kempnerforge.model.attention import SequenceSplit, active_split, held_parts
 from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.heads import HeadLoss, HeadLossSpec
 from kempnerforge.model.transformer import Transformer, flops_per_token
@@ -159,7 +159,11 @@ class VisionLanguageModel(FamilyModel):
         text = self.decoder.embed(input_ids)
         held = self.held_image_positions(input_ids.shape[1])
         if self.cross_attention is None:
-            h = torch.cat([image[:, held].to(text.dtype), text], dim=1)
+            # An empty slice where the rank holds no image token keeps the adapter in every
+            # rank's graph: with a frozen decoder, backward must still run on every rank,
+            # whose attention exchanges gradients with the ranks that hold the image.
+            pieces = [image[:, part] for part in held] or [image[:, :0]]
+            h = torch.cat([*(piece.to(text.dtype) for piece in pieces), text], dim=1)
             h = self._run_decoder(h, None)
         else:
             blocks = self.cross_attention
@@ -169,30 +173,34 @@ class VisionLanguageModel(FamilyModel):
                 return blocks[key](hidden, image) if key in blocks else hidden
 
             h = self._run_decoder(text, cross_attend)
-        return self.decoder.apply_head(h[:, held.stop - held.start :], labels, loss_spec)
+        image_held = sum(part.stop - part.start for part in held)
+        return self.decoder.apply_head(h[:, image_held:], labels, loss_spec)
 
-    def held_image_positions(self, text_len: int) -> slice:
-        """The image tokens this rank's decoder sequence holds, for ``text_len`` text ids.
+    def held_image_positions(self, text_len: int) -> list[slice]:
+        """The parts of the image tokens this rank's decoder sequence holds, in order, for
+        ``text_len`` text ids.
 
         All of them (none with cross-attention) on whole sequences. Under context
         parallelism the sequence of image tokens then ``max_text_len`` text positions is
-        split as slice_batch splits it (held_span): the rank holds a contiguous part of
-        it, possibly image tokens only or text only, and ``text_len`` must be its text.
+        split as slice_batch splits it (held_parts): the rank holds one or two spans of it
+        in order, so its image tokens come before its text, possibly image tokens only or
+        text only, and ``text_len`` must be its text.
         """
         split = active_split(self)
         image_len = self.num_image_tokens
         if split is None:
-            return slice(0, image_len)
+            return [slice(0, image_len)] if image_len else []
         seq_len = image_len + self.max_text_len
-        text = held_span(split.rank, split.size, seq_len, image_len, seq_len)
-        if text.stop - text.start != text_len:
+        where = (split.rank, split.size, seq_len)
+        text = sum(p.stop - p.start for p in held_parts(*where, image_len, seq_len, split.ring))
+        if text != text_len:
             raise ValueError(
                 f"input_ids has {text_len} positions; under context parallelism cp rank "
-                f"{split.rank} of {split.size} holds {text.stop - text.start} of the "
+                f"{split.rank} of {split.size} holds {text} of the "
                 f"{image_len} image + {self.max_text_len} text positions (vlm.max_text_len; "
                 "slice whole captions with slice_batch)"
             )
-        return held_span(split.rank, split.size, seq_len, 0, image_len)
+        return held_parts(*where, 0, image_len, split.ring)
 
     def _run_decoder(self, h: torch.Tensor, after_layer: AfterLayer | None) -> torch.Tensor:
         """The decoder's blocks over the residual stream h, causal, RoPE from position 0
