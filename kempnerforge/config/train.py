@@ -103,7 +103,8 @@ class TrainConfig:
     said once, where torch.compile is unavailable) or, on the CPU, where FlexAttention
     has no backward, through SDPA's flash kernel one document or window band at a time;
     memory O(seq) either way. 'dense': a (batch, 1, seq, seq) boolean mask through SDPA,
-    O(seq**2) memory, for comparison."""
+    O(seq**2) memory, for comparison. Ring attention (a distributed.cp ring) applies each
+    rule with its own block kernels whatever this says (a warning says so for 'dense')."""
     float8: bool = False
     """Run the Transformer blocks' linear layers (attention and dense or shared-expert
     feed-forward projections) as FP8 matmuls with dynamic tensorwise scaling, through

@@ -80,7 +80,7 @@ def parallelize_model(
     tensor parallelism ``plan.compile`` is ignored, with a warning: a compiled
     tensor-parallel block fails in backward in this PyTorch version.
     """
-    set_attention_kernel(model, plan.attention_kernel)
+    _set_attention_kernel(model, runtime, plan.attention_kernel)
     if runtime.tp_size > 1:
         # Pipeline stages pass plain tensors, also on a rank that holds both the embedding
         # and the head (a V-shaped schedule's rank 0): judge by the stages, not the model.
@@ -121,6 +121,20 @@ def parallelize_model(
         plan.activation_checkpointing,
         compiled,
     )
+
+
+def _set_attention_kernel(model: FamilyModel, runtime: RuntimeContext, kernel: str) -> None:
+    """train.attention_kernel on the model, with a warning where a ring leaves it unused:
+    ring attention applies each layer's rule with its own block kernels."""
+    set_attention_kernel(model, kernel)
+    if kernel != "auto" and runtime.cp_ring > 1:
+        logger.warning(
+            "train.attention_kernel = %r does nothing to ring attention (distributed.cp "
+            "runs a ring of %d ranks): the ring applies each layer's mask rule with its own "
+            "block kernels; only the whole-sequence sample uses it",
+            kernel,
+            runtime.cp_ring,
+        )
 
 
 def _compile_allowed(runtime: RuntimeContext) -> bool:

@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
+from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.attention import MaskRule, dense_mask, prepare_masks, visible
 from kempnerforge.model.attention.ring import Call, RingPlan, _merge
 from kempnerforge.model.attention.ring_blocks import (
@@ -22,6 +25,7 @@ from kempnerforge.model.attention.ring_blocks import (
     math_attend_backward,
     ring_masks,
 )
+from kempnerforge.model.transformer import Transformer
 from tests.support.tolerance import assert_reordered_close
 
 
@@ -263,3 +267,21 @@ def test_the_causal_flag_is_one_causal_softmax(kernel):
     terms = _terms(q, k, torch.ones(1, dtype=torch.bool))
     assert_reordered_close(out, want.float(), terms=terms, dtype=torch.float32)
     assert_reordered_close(lse, want_lse.float(), terms=terms, dtype=torch.float32)
+
+
+def test_the_dense_kernel_under_a_ring_is_set_and_said_to_do_nothing_to_the_ring(caplog):
+    """train.attention_kernel reaches the model (the whole-sequence sample reads it), and
+    under a ring, whose block kernels apply every rule, 'dense' warns that the ring
+    ignores it; 'auto' says nothing."""
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=32)
+    for kernel, warned in (("dense", True), ("auto", False)):
+        caplog.clear()
+        model = Transformer(cfg)
+        with caplog.at_level("WARNING", logger="kempnerforge.distributed.parallelize"):
+            plan = ParallelPlan(attention_kernel=kernel)
+            parallelize_model(model, RuntimeContext(cp_ring=2), plan)
+        assert model.attention_kernel == kernel
+        said = [r.getMessage() for r in caplog.records if "ring attention" in r.getMessage()]
+        assert len(said) == warned
+        if warned:
+            assert said[0].startswith("train.attention_kernel = 'dense' does nothing")
