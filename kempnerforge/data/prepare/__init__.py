@@ -1,14 +1,32 @@
 """Preparing corpora (prepare-data): reading raw text and conversation inputs, tokenizing them
 in worker processes, and writing a prepared directory, whole or as shards.
 
-Modules outside this folder import these names from here, never from its modules.
+Modules outside this folder import these names from here, never from its modules. The corpus
+writer (prepare_data, write_corpus) is imported on first use: it brings numpy, the tokenizers
+and chat rendering, and the command line's parser, which reads only the formats table, must
+build without them (`kempnerforge --help` imports neither numpy nor torch).
 """
 
 from __future__ import annotations
 
-from kempnerforge.data.prepare.corpus import prepare_data, write_corpus
+from typing import TYPE_CHECKING, Any
+
 from kempnerforge.data.prepare.formats import INPUT_FORMATS, InputFormat, check_format_options
 from kempnerforge.data.prepare.sources import SUPPORTED
+
+if TYPE_CHECKING:
+    from kempnerforge.data.prepare.corpus import prepare_data, write_corpus
+
+_CORPUS_NAMES = ("prepare_data", "write_corpus")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CORPUS_NAMES:
+        from kempnerforge.data.prepare import corpus
+
+        return getattr(corpus, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "INPUT_FORMATS",
