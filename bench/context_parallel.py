@@ -125,7 +125,9 @@ def _rank(rank: int, cp: int, seq: int, workdir: str, attention: str, part: str)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             if part == "attention":
                 cos, sin = model.rope(length)
-                loss = layer(hidden[:, :length], cos, sin).sum()
+                # The layer's mask as the model prepares it (a RingMask under a ring).
+                mask = model.attention_masks(None, 1, length, hidden.device)["0"]
+                loss = layer(hidden[:, :length], cos, sin, mask).sum()
             else:
                 logits = model(inputs[:, :length])
                 targets = labels[:, :length].flatten()
