@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -61,20 +62,18 @@ exit "${!rc_var:-0}"
 
 
 def _free_port_for_job_id() -> int:
-    """A job id whose MASTER_PORT (15000 + id % 15000) is free on this machine."""
-    for _ in range(100):
+    """A job id whose MASTER_PORT (15000 + id % 15000) is free on this machine. The port is
+    drawn at random: the kernel's ephemeral ports lie above this range, and a fixed order
+    would give tests running side by side (pytest-xdist workers) the same port."""
+    ports = list(range(15000, 30000))
+    random.SystemRandom().shuffle(ports)
+    for port in ports:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if 15000 <= port < 30000:
-            return port - 15000
-    with socket.socket() as s:  # the kernel kept answering outside the range: pick one
-        for port in range(29999, 15000, -7):
             try:
                 s.bind(("127.0.0.1", port))
-                return port - 15000
             except OSError:
                 continue
+            return port - 15000
     raise RuntimeError("no free port in 15000..29999")
 
 
