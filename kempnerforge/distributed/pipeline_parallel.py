@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from kempnerforge.config.distributed import DistributedConfig
 from kempnerforge.config.model import ModelConfig
@@ -360,7 +359,8 @@ def _without_z_loss(bundle: PipelineBundle) -> Iterator[None]:
         bundle.loss.loss_fn = loss_fn
 
 
-class _Stage(PipelineStage):
+@functools.cache
+def _stage_class() -> type:
     """torch's PipelineStage without the start-up sends between two stages of one rank.
 
     torch 2.11's schedules open their first step with a batched send and receive between
@@ -368,11 +368,17 @@ class _Stage(PipelineStage):
     stages 1 and 2 on one rank). gloo cannot send to its own rank ("Pair is not
     connected"), and two stages of one rank hand their tensors over in memory anyway, so
     those sends are left out. Later torch opens the step otherwise and never asks for them.
+    Defined on first use: torch.distributed.pipelining imports the compiler stack, which a
+    run without pipelining never needs.
     """
+    from torch.distributed.pipelining import PipelineStage
 
-    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        ops = super()._get_init_p2p_neighbors_ops()
-        return [op for op in ops if op.group_peer != self.group_rank]
+    class _Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+            ops = super()._get_init_p2p_neighbors_ops()
+            return [op for op in ops if op.group_peer != self.group_rank]
+
+    return _Stage
 
 
 def build_pipeline(
@@ -403,7 +409,7 @@ def build_pipeline(
     group = runtime.group("pp")
     # Typed loosely: the schedules take a list of torch's private stage base class.
     stages: list[Any] = [
-        _Stage(module, stage_id, num_stages, runtime.device, group=group)
+        _stage_class()(module, stage_id, num_stages, runtime.device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
     loss = _ScaledLoss(loss_fn)

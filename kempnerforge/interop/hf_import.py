@@ -21,6 +21,7 @@ from kempnerforge.interop.folders import staged
 from kempnerforge.interop.hf import import_hf
 from kempnerforge.interop.hf_model_checks import ARCH_FIELDS, TRAINING_FIELDS
 from kempnerforge.interop.hf_state import copy_into
+from kempnerforge.model.meta import on_meta
 from kempnerforge.model.transformer import build_model
 
 MODEL_TOML = "model.toml"
@@ -35,7 +36,7 @@ def write_imported(source: Path, out: Path, overrides: list[str]) -> tuple[Path,
     the table's path and the checkpoint's. ``overrides`` are --model.<field>=... only."""
     model_cfg, state = import_hf(source)
     model_cfg = apply_model_overrides(model_cfg, overrides)
-    with torch.device("meta"):
+    with on_meta():
         model = build_model(model_cfg)
     model.to_empty(device="cpu")
     model.tie_head()

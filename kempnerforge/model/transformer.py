@@ -20,6 +20,7 @@ from kempnerforge.model.attention import (
 )
 from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.heads import HeadLoss, HeadLossSpec, head_loss
+from kempnerforge.model.meta import on_meta
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.norm import RMSNorm
@@ -82,7 +83,7 @@ class Transformer(FamilyModel):
         # would cost time and draw from the RNG, only to be overwritten by init_weights(). So
         # the weights depend on the seed alone, exactly as after meta + to_empty + init_weights.
         device = torch.get_default_device()
-        with torch.device("meta"):
+        with on_meta():
             self._build(cfg)
         self.to_empty(device=device)
         self.init_weights()
@@ -347,7 +348,7 @@ def init_std(cfg: ModelConfig, name: str) -> float | None:
 def build_model(cfg: ModelConfig) -> Transformer:
     """Construct the Transformer for cfg on the current default device, initialized.
 
-    Call it under `with torch.device("meta"):` to get shapes without memory; then
+    Call it under `with on_meta():` (model/meta.py) to get shapes without memory; then
     to_empty(device=...) and init_weights() make it real.
     """
     return Transformer(cfg)

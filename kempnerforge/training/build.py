@@ -25,6 +25,7 @@ from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.profiling import build_profiler
 from kempnerforge.metrics.tracker import MetricsTracker
+from kempnerforge.model.meta import on_meta
 from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.optim.scheduler import build_scheduler
 from kempnerforge.resilience.nan import NaNDetector
@@ -88,7 +89,7 @@ def build_rank_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     stages: a pipeline rank keeps only the layers of its stages (the job's ModelLayout
     decides).
     """
-    with torch.device("meta"):
+    with on_meta():
         rank_model = layout_of(config.distributed).build_on_meta(config, runtime)
     if config.train.float8:
         # Before parallelize_model: checkpointing, compile and FSDP wrap the FP8 modules.

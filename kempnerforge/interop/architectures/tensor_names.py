@@ -24,6 +24,7 @@ import torch
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.interop.hf_files import CONFIG_JSON, HFFolderError
+from kempnerforge.model.meta import on_meta
 from kempnerforge.model.transformer import Transformer
 
 
@@ -75,7 +76,7 @@ def shared_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """Our state dict's tensor shapes for ``cfg``, from a model built on the meta device."""
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     return {name: value.shape for name, value in model.state_dict().items()}
 

@@ -29,9 +29,8 @@ fp32 gradients per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,7 @@ from kempnerforge.model.attention.sequence_split import (
     kv_sequence_to_heads,
     sequence_to_heads,
 )
+from kempnerforge.model.eager import run_eagerly
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -56,13 +56,7 @@ _KEYS_TAG, _GRADS_TAG = 1, 2
 with them may be in flight between the same two ranks at once."""
 
 
-def _eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` run eagerly inside a compiled block (a graph break around it): the ring's
-    point-to-point sends do not trace."""
-    return cast(Callable[_P, _R], torch.compiler.disable(fn))
-
-
-@_eager
+@run_eagerly  # the ring's point-to-point sends do not trace
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, mask: RingMask
 ) -> torch.Tensor:

@@ -10,13 +10,14 @@ tests and the benchmark compare against.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from kempnerforge.model.eager import run_eagerly
 
 EXPERT_COMPUTE = ("auto", "grouped_mm", "padded_bmm", "looped")
 """How GroupedExperts computes: 'looped' (one matmul per expert) is the reference the tests
@@ -209,10 +210,7 @@ def _eager_grouped_mm(
     return _ContiguousGrad.apply(out)
 
 
-_grouped_mm = cast(
-    Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    torch.compiler.disable(_eager_grouped_mm),
-)
+_grouped_mm = run_eagerly(_eager_grouped_mm)
 """The grouped matmul, run eagerly inside a compiled block: the compiler's shape rules for
 this op accept bf16 only (the CUDA kernel's rule), while the CPU kernel also runs fp32."""
 

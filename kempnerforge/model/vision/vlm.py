@@ -20,6 +20,7 @@ from kempnerforge.config.vlm import (
 from kempnerforge.model.attention import SequenceSplit, active_split, held_parts
 from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.heads import HeadLoss, HeadLossSpec
+from kempnerforge.model.meta import on_meta
 from kempnerforge.model.transformer import Transformer, flops_per_token
 from kempnerforge.model.vision.adapter import ImageAdapter, build_adapter
 from kempnerforge.model.vision.cross_attention import GatedCrossAttentionBlock
@@ -71,7 +72,7 @@ class VisionLanguageModel(FamilyModel):
         """Under context parallelism: the decoder's sequence (image tokens, then the text)
         is split over the cp ranks as a text model's is; shared with the decoder."""
         device = torch.get_default_device()
-        with torch.device("meta"):
+        with on_meta():
             self._build(model_cfg, encoder_cfg, adapter_cfg, vlm_cfg, spec)
         self.to_empty(device=device)
         self.init_weights()

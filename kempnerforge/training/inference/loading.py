@@ -34,6 +34,7 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkp
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
+from kempnerforge.model.meta import on_meta
 from kempnerforge.storage.files import write_file
 from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.training.families import family_of
@@ -169,7 +170,7 @@ def load_for_inference(job: InferenceJob) -> torch.nn.Module:
     no optimizer, scheduler, train state or RNG is read).
     """
     family = family_of(job.config)
-    with torch.device("meta"):
+    with on_meta():
         model = family.build_model(job.config)
     model.to_empty(device=job.runtime.device)
     family.fill_unsaved(model)  # only what the checkpoint does not hold
