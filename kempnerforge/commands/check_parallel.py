@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kempnerforge.core.errors import ConfigError
+from kempnerforge.launch.layout_batches import batches, run_batch
 from kempnerforge.launch.layout_sweep import (
     ALL_LAYOUTS,
     DEFAULT_SWEEP_NPROC,
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list the layouts a launch accepts and the ones it refuses (with the field at "
         "fault), and run nothing",
+    )
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="one launch per layout; by default the layouts of one world size train one "
+        "after another in one launch (each run still builds everything from the config and "
+        "the seed; a failed run is rerun in a launch of its own)",
     )
     parser.add_argument(
         "--runs-dir",
@@ -257,8 +265,14 @@ def _check(args: argparse.Namespace, overrides: list[str], layouts: list[Layout]
                 f"the single-process reference run failed; its last lines:\n{outcome.output_tail}"
             )
             return 2 if outcome.returncode == 2 else 1
-        for layout in (layout for layout in layouts if layout not in refused):
-            outcome = run_one(train_command(args.config, layout, run_args(layout)), layout)
+        accepted = [layout for layout in layouts if layout not in refused]
+        batched: dict[Layout, RunOutcome] = {}
+        for batch in [] if args.fresh_processes else batches(accepted):
+            batched |= run_batch(args.config, batch, run_args, dirs, root)
+        for layout in accepted:
+            outcome = batched.get(layout) or run_one(
+                train_command(args.config, layout, run_args(layout)), layout
+            )
             comparisons.append(_compare(layout, outcome, dirs[layout], dirs[REFERENCE], args))
     comparisons.sort(key=lambda c: layouts.index(c.layout))  # in the order they were named
     _report(comparisons, args, len(refusals) if plan.sweep else None)

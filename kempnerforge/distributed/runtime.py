@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,10 +252,30 @@ def init_runtime(cfg: DistributedConfig, device_name: str, cp_ring: int = 1) -> 
 
 
 _left_a_process_group = False
+_runs_share_the_world = False
+
+
+@contextlib.contextmanager
+def runs_sharing_the_world_group() -> Iterator[None]:
+    """Inside this block, runs of one process join the same world group one after another:
+    init_runtime joins the group that exists, and teardown_runtime leaves the run's own
+    groups (its mesh dimensions, its side group) but not the world.
+
+    A backend cannot join the world a second time in one process (the second rendezvous
+    reads the first one's addresses), so a process that trains several runs in turn (the
+    layout batches of check-parallel) keeps its first world group for all of them.
+    """
+    global _runs_share_the_world
+    _runs_share_the_world = True
+    try:
+        yield
+    finally:
+        _runs_share_the_world = False
 
 
 def teardown_runtime(runtime: RuntimeContext, *, together: bool = False) -> None:
-    """Leave the process group, if this process joined one.
+    """Leave the process group, if this process joined one (inside
+    runs_sharing_the_world_group: the run's own groups only).
 
     ``together`` (a run that ended normally on every rank) first waits at a barrier, so
     no rank tears its connections down while a peer still uses them: a peer's backend
@@ -263,8 +285,21 @@ def teardown_runtime(runtime: RuntimeContext, *, together: bool = False) -> None
     if dist.is_available() and dist.is_initialized():
         if together and runtime.side_group is not None:
             dist.barrier(group=runtime.side_group)
+        if _runs_share_the_world:
+            _leave_all_but_the_world()
+            return
         dist.destroy_process_group()
         _left_a_process_group = True
+
+
+def _leave_all_but_the_world() -> None:
+    """Destroy every process group but the world (every rank calls this in step, after a
+    barrier): the groups a run's meshes made hold connections and backend threads."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d.GroupMember.WORLD
+    for group in [g for g in distributed_c10d._world.pg_map if g is not world]:
+        dist.destroy_process_group(group)
 
 
 def left_a_process_group() -> bool:

@@ -11,14 +11,9 @@ from typing import Any
 
 import torch
 
-SINGLE_STAGE: dict[str, str] = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-"""Schedules that run one stage per rank, by the name of their torch class."""
-MULTI_STAGE: dict[str, str] = {
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+SINGLE_STAGE = ("gpipe", "1f1b")
+"""Schedules that run one stage per rank."""
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 """Schedules that run several stages per rank (the V-shaped ones exactly two, placed by
 stages_of_rank with v_shaped=True: torch's V schedules assume that placement)."""
 
@@ -35,14 +30,24 @@ def build_schedule(
     Gradients are not scaled by the micro-batch count (``scale_grads=False``): ``loss``
     carries the step's normalisation.
     """
-    import torch.distributed.pipelining as pipelining
-
     if name in SINGLE_STAGE:
         if len(stages) != 1:
             raise ValueError(f"pp_schedule {name!r} runs one stage per rank, not {len(stages)}")
-        schedule = getattr(pipelining, SINGLE_STAGE[name])
-        return schedule(stages[0], num_microbatches, loss_fn=loss, scale_grads=False)
+        return _schedule_class(name)(stages[0], num_microbatches, loss_fn=loss, scale_grads=False)
     if name not in MULTI_STAGE:
         raise ValueError(f"unknown pp_schedule {name!r}: one of {[*SINGLE_STAGE, *MULTI_STAGE]}")
-    schedule = getattr(pipelining, MULTI_STAGE[name])
-    return schedule(stages, num_microbatches, loss_fn=loss, scale_grads=False)
+    return _schedule_class(name)(stages, num_microbatches, loss_fn=loss, scale_grads=False)
+
+
+def _schedule_class(name: str) -> Any:
+    """torch's class of schedule ``name``."""
+    from torch.distributed import pipelining
+
+    return {
+        "gpipe": pipelining.ScheduleGPipe,
+        "1f1b": pipelining.Schedule1F1B,
+        "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+        "interleaved_zb": pipelining.ScheduleInterleavedZeroBubble,
+        "zbv": pipelining.ScheduleZBVZeroBubble,
+        "dualpipev": pipelining.ScheduleDualPipeV,
+    }[name]

@@ -100,6 +100,46 @@ def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
     assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
 
 
+CRASHING_HOOK = """
+import os, signal
+from kempnerforge.training.hooks import TrainingHook
+
+class CrashUnderTensorParallelism(TrainingHook):
+    def on_train_begin(self, config):
+        self.tp = config.distributed.tp
+
+    def on_step_end(self, ctx):
+        if self.tp > 1 and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_layout_that_crashes_in_a_batch_is_rerun_alone_and_the_rest_still_checked(
+    tmp_path, builtin_cache
+):
+    """The two-process layouts train in one launch; rank 1 of the tp=2 run dies after its
+    first step. The layout before it keeps its batched result, and tp=2 and the layout
+    after it run one launch each: tp=2 fails there too (its own launch names the rank and
+    the signal) and cp=2 still passes."""
+    (tmp_path / "crashing_hook.py").write_text(CRASHING_HOOK)
+    worlds = ["dp_shard=2", "tp=2", "cp=2"]
+    hooks = '--train.hooks=["crashing_hook:CrashUnderTensorParallelism"]'
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "2", hooks, cwd=tmp_path, cache=builtin_cache
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "one launch of 2 processes for 3 layouts: dp_shard=2, tp=2, cp=2" in out
+    assert "the launch ended at tp=2" in out and "run one launch each" in out
+    # dp_shard=2 is reported once, from the batch; tp=2 and cp=2 from launches of their own.
+    assert out.count("  dp_shard=2 (2 processes): ok") == 1
+    assert "  tp=2 (2 processes): exit code" in out
+    assert "  cp=2 (2 processes): ok" in out
+    rows = table_rows(out)
+    assert [rows[layout][-1] for layout in worlds] == ["PASS", "FAIL", "PASS"]
+    assert "rank 1 ended with signal SIGKILL (torchrun)" in out
+
+
 def test_expert_parallel_moe_layouts_match_one_process(tmp_path, builtin_cache):
     worlds = {"dp_shard=2,ep=2": "2", "dp_shard=2": "2"}
     assert_every_layout_passes(check_moe_layouts(list(worlds), tmp_path, builtin_cache), worlds)

@@ -346,3 +346,30 @@ def test_main_lists_accepted_and_refused_layouts_without_running_them(tmp_path, 
     assert "tp=3 (3 processes): REFUSED distributed.tp = 3: expected a divisor of" in out
     assert "accepted (1): tp=2" in out
     assert not (tmp_path / "reference").exists()
+
+
+def test_batches_group_layouts_by_world_size_and_leave_lone_ones_out():
+    from kempnerforge.launch.layout_batches import batches
+
+    layouts = [pc.parse_layout(t) for t in ("dp_shard=2", "pp=2,tp=2", "tp=2", "cp=4", "cp=2")]
+    assert [[layout.text for layout in batch] for batch in batches(layouts)] == [
+        ["dp_shard=2", "tp=2", "cp=2"],
+        ["pp=2,tp=2", "cp=4"],
+    ]
+    assert batches(layouts[:2]) == []
+
+
+def test_a_batch_command_runs_the_batch_module_under_torchrun():
+    from kempnerforge.launch.layout_batches import BATCH_MODULE, batch_command
+
+    command = batch_command("/runs/batch_2.json", 2)
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        BATCH_MODULE,
+        "/runs/batch_2.json",
+    ]
+    assert BATCH_MODULE == "kempnerforge.commands.layout_batch"
