@@ -19,6 +19,10 @@ MOE_AUX_LEVELS = ("token", "sequence")
 MOE_BIAS_SCHEDULES = ("constant", "linear_warmup", "cosine_decay")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 """model.layer_types' entries, as Hugging Face configs name them."""
+QK_NORMS = ("none", "per_head", "projection")
+"""model.qk_norm's choices."""
+NORM_PLACEMENTS = ("pre", "post")
+"""model.norm_placement's choices."""
 
 
 @dataclass
@@ -28,10 +32,25 @@ class ModelConfig:
     n_layers: int = 4
     """Number of Transformer blocks; 1 to 2**31 - 1."""
     n_heads: int = 4
-    """Number of attention (query) heads; must divide dim and give an even head size."""
+    """Number of attention (query) heads; unless model.head_size is set, must divide dim
+    and give an even head size."""
     n_kv_heads: int | None = None
     """Number of key/value heads for grouped-query attention; must divide n_heads. None
     means n_heads (plain MHA)."""
+    head_size: int | None = None
+    """Channels per attention head when it is not dim / n_heads (Hugging Face's
+    ``head_dim``: Qwen3 uses 128 at every width, so n_heads * head_size may differ from
+    dim); even, since RoPE rotates pairs; 2 to 2**31 - 1. None derives dim / n_heads."""
+    qk_norm: str = "none"
+    """RMSNorm of the queries and keys before RoPE, keeping attention logits bounded.
+    'per_head': one gain of head size shared by every head, each head normalised on its
+    own (Qwen3). 'projection': gains over the whole query projection (n_heads heads) and
+    the whole key projection (kv heads), each token's projection normalised as one vector
+    (OLMo 2). 'none': no norm (Llama)."""
+    norm_placement: str = "pre"
+    """Where each block's RMSNorms sit. 'pre': on each sublayer's input, h = x +
+    attention(norm(x)) (Llama). 'post': on each sublayer's output before the residual
+    add, h = x + norm(attention(x)), with no norm on the inputs (OLMo 2)."""
     vocab_size: int = 259
     """Rows of the embedding table, in tokens; must be >= the tokenizer's vocabulary (byte
     tokenizer: 259); at most 2**31 - 1."""
@@ -135,11 +154,30 @@ class ModelConfig:
                 "a width whose derived SwiGLU hidden size is at most 2**31 - 1",
                 f"dim, ffn_multiplier and multiple_of give {self.hidden_dim}",
             )
-        if self.dim % self.n_heads:
-            raise ConfigError("model.n_heads", self.n_heads, f"a divisor of model.dim = {self.dim}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 "model.n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads = {self.n_heads}"
+            )
+        self._check_heads()
+        check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
+        check_choice("model.norm_placement", self.norm_placement, NORM_PLACEMENTS)
+
+    def _check_heads(self) -> None:
+        """The head size: explicit and even, or derived from a width n_heads divides into
+        even heads."""
+        if self.head_size is not None:
+            check_positive("model.head_size", self.head_size, MAX_SIZE)
+            if self.head_size % 2:
+                raise ConfigError(
+                    "model.head_size", self.head_size, "an even size (RoPE rotates pairs)"
+                )
+            return
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                "model.n_heads",
+                self.n_heads,
+                f"a divisor of model.dim = {self.dim}",
+                "or set model.head_size",
             )
         if (self.dim // self.n_heads) % 2:
             raise ConfigError(
@@ -156,8 +194,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.dim // self.n_heads
+        """Width of one attention head: model.head_size, or dim / n_heads when unset."""
+        return self.dim // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def hidden_dim(self) -> int:
@@ -275,12 +313,12 @@ class ModelConfig:
         """Exact parameter count of the decoder this config builds, a tied matrix once.
 
         Counts what kempnerforge.model.transformer creates, without building it: the token
-        embedding, per block the bias-free attention projections (wq and wo dim x dim, wk and
-        wv dim x kv_heads * head_dim), the feed-forward (three SwiGLU matrices dim x
-        hidden_dim; in an MoE block the router dim x num_experts plus every routed and
-        shared expert's three matrices), two RMSNorm gains, then the final norm and the
-        output head unless tied. Cheap enough to size memory at build time before any
-        tensor exists.
+        embedding, per block the bias-free attention projections (wq and wo dim x n_heads *
+        head_dim, wk and wv dim x kv_heads * head_dim), the query and key norms' gains
+        (model.qk_norm), the feed-forward (three SwiGLU matrices dim x hidden_dim; in an
+        MoE block the router dim x num_experts plus every routed and shared expert's three
+        matrices), two RMSNorm gains, then the final norm and the output head unless tied.
+        Cheap enough to size memory at build time before any tensor exists.
         """
         return self._count_params(active=False)
 
@@ -294,6 +332,10 @@ class ModelConfig:
         q_width = self.n_heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
         attention = 2 * self.dim * q_width + 2 * self.dim * kv_width
+        if self.qk_norm == "per_head":
+            attention += 2 * self.head_dim
+        elif self.qk_norm == "projection":
+            attention += q_width + kv_width
         dense_ffn = 3 * self.dim * self.hidden_dim
         expert = 3 * self.dim * self.expert_hidden_dim
         routed = self.moe_top_k if active else self.num_experts

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -20,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from kempnerforge.distributed.blocks import transformer_blocks
 from kempnerforge.model.contract import DecoderStack, FamilyModel
+from kempnerforge.model.norm import HeadRMSNorm, ProjectionRMSNorm
 
 
 def apply_tp(
@@ -29,7 +36,8 @@ def apply_tp(
 
     Attention wq/wk/wv and feed-forward w1/w3 split their output features (column-wise),
     wo and w2 their input features (row-wise), so each block needs one reduction after
-    attention and one after the feed-forward. The embedding is split by vocabulary rows
+    attention and one after the feed-forward. Query and key norms (model.qk_norm) follow
+    the heads they normalise (block_plan). The embedding is split by vocabulary rows
     and the head by vocabulary columns (unevenly when tp does not divide the vocabulary);
     the head's own forward gathers whole logits, while the model's loss from labels is
     vocabulary-parallel (model/heads/vocab_parallel_loss.py). A tied embedding stays one
@@ -45,9 +53,8 @@ def apply_tp(
     stages = model.decoder_stacks()
     if sequence_parallel is None:
         sequence_parallel = all(has_both_ends(stage) for stage in stages)
-    block_plan = _sequence_parallel_block_plan() if sequence_parallel else _plain_block_plan()
     for _, block in transformer_blocks(model):
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
     for stage in stages:
         _apply_tp_to_ends(stage, tp_mesh, sequence_parallel)
 
@@ -86,9 +93,65 @@ def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+BLOCK_NORMS = ("attention_norm", "attention_post_norm", "ffn_norm", "ffn_post_norm")
+"""A block's own norms on the residual stream, those model.norm_placement gives it."""
+
+
+def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan of one block: the projections' (plain or sequence-parallel), a style for
+    each norm the block has (model.norm_placement decides which exist) and for the query
+    and key norms of its attention (model.qk_norm).
+
+    A head-sized norm ('per_head') sees this rank's heads, split along the head axis
+    (dim 2 of (batch, seq, heads, head_dim)): its gain stays whole and the gain's gradient
+    is summed over the ranks' heads. A norm over the whole projection ('projection') must
+    take its mean square over every rank's heads: ProjectionNormParallel splits its gain
+    with the projection's columns and lets DTensor reduce the statistic.
+    """
+    plan = _sequence_parallel_block_plan() if sequence_parallel else _plain_block_plan()
+    norm_style = SequenceParallel() if sequence_parallel else ReplicatedParallel()
+    for name, child in block.named_children():
+        if name in BLOCK_NORMS and child is not None:
+            plan[name] = norm_style
+    for name, module in block.named_modules():
+        if isinstance(module, HeadRMSNorm):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif isinstance(module, ProjectionRMSNorm):
+            plan[name] = ProjectionNormParallel()
+    return plan
+
+
+class ProjectionNormParallel(ParallelStyle):
+    """A norm over a column-wise projection's whole output, on that output's shard: the
+    gain is split as the projection's columns are, the input is taken as this rank's
+    columns of the whole, and the norm (model/norm.py's ProjectionRMSNorm) reduces its
+    mean square over the ranks through DTensor. Plain tensors in and out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        input_fn: Any = _channels_inputs  # typed loosely, as in ReplicatedParallel
+        return distribute_module(
+            module, device_mesh, _shard_channels, input_fn=input_fn, output_fn=_local_output
+        )
+
+
+def _shard_channels(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
+        module.register_parameter(p_name, sharded)
+
+
+def _channels_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
 def _plain_block_plan() -> dict[str, ParallelStyle]:
     """Projections sharded, activations replicated in and out of each sublayer (the norms
-    too, as replicated DTensors).
+    too, as replicated DTensors: block_plan adds them).
 
     Each sublayer turns its input into one Replicate DTensor that its column-wise
     projections share: their input gradients then add up as partial sums, and the
@@ -98,8 +161,6 @@ def _plain_block_plan() -> dict[str, ParallelStyle]:
     """
     whole = Replicate()
     return {
-        "attention_norm": ReplicatedParallel(),
-        "ffn_norm": ReplicatedParallel(),
         "attention": PrepareModuleInput(
             input_layouts=(whole, None, None, None),
             desired_input_layouts=(whole, None, None, None),
@@ -116,16 +177,16 @@ def _plain_block_plan() -> dict[str, ParallelStyle]:
 
 
 def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
-    """The plain plan plus sequence-sharded norms and residual stream.
+    """The plain plan with the residual stream split along the sequence (the norms on
+    their sequence shard: block_plan adds them).
 
     Attention is called as attention(x, cos, sin, mask): only x is gathered along the
     sequence; the RoPE tables and the mask are already whole on every rank. The row-wise
     projections reduce-scatter back onto the sequence shard and return a DTensor, so the
-    residual add sees DTensors on both sides.
+    residual add sees DTensors on both sides (a post-norm between them runs on the shard).
     """
     sequence = Shard(1)
     return {
-        "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
             input_layouts=(sequence, None, None, None),
             desired_input_layouts=(Replicate(), None, None, None),
@@ -134,7 +195,6 @@ def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=sequence, use_local_output=False),
-        "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(
             input_layouts=(sequence,), desired_input_layouts=(Replicate(),)
         ),

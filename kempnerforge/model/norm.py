@@ -1,4 +1,5 @@
-"""RMSNorm: the scale-only normalization used before every sublayer."""
+"""RMSNorm: the scale-only normalization of the blocks, and its form over a whole attention
+projection or each head (model.qk_norm)."""
 
 from __future__ import annotations
 
@@ -27,4 +28,30 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each attention head on its own (model.qk_norm = 'per_head'), over the
+    last dim of (batch, seq, heads, head_dim): one gain shared by every head. Its own
+    class so tensor parallelism knows its input holds the rank's heads along dim 2."""
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over a whole attention projection (all its heads as one vector per token),
+    written out in elementary operations instead of the fused kernel.
+
+    Under tensor parallelism each rank holds some heads of the projection, and the mean
+    square must still span all of them: with the input and gain as DTensors split along
+    the channels (distributed/tensor_parallel.py), the sum below is a partial sum that
+    DTensor reduces over the ranks before the root, which a fused kernel would instead
+    answer by gathering the whole projection. Without sharding it computes what RMSNorm
+    computes, to rounding.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        # The sum over the whole width (x.shape is the global one for a DTensor).
+        mean_square = xf.pow(2).sum(-1, keepdim=True) / x.shape[-1]
+        out = xf * torch.rsqrt(mean_square + self.eps) * self.weight.float()
         return out.to(x.dtype)

@@ -29,20 +29,28 @@ from kempnerforge.model.weight_init import fill_parameter, parameter_seed
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+    """One block: attention then feed-forward, each in a residual branch normalised as
+    model.norm_placement says: 'pre', h = x + attention(norm(x)) (Llama); 'post', h = x +
+    norm(attention(x)) (OLMo 2). The norms a placement does not use are None, so they hold
+    no weights."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        """Normalizes the attention input."""
+        pre = cfg.norm_placement == "pre"
+        self.attention_norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
+        """Normalizes the attention input ('pre')."""
         self.attention = Attention(cfg)
         """Grouped-query causal self-attention."""
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        """Normalizes the feed-forward input."""
+        self.attention_post_norm = None if pre else RMSNorm(cfg.dim, cfg.norm_eps)
+        """Normalizes the attention output before the residual add ('post')."""
+        self.ffn_norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
+        """Normalizes the feed-forward input ('pre')."""
         self.feed_forward: SwiGLU | MoEFeedForward = (
             MoEFeedForward(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg.dim, cfg.hidden_dim)
         )
         """SwiGLU feed-forward, or routed experts in an MoE block (see model/moe/layer.py)."""
+        self.ffn_post_norm = None if pre else RMSNorm(cfg.dim, cfg.norm_eps)
+        """Normalizes the feed-forward output before the residual add ('post')."""
 
     def forward(
         self,
@@ -51,8 +59,24 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         mask: LayerMask = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return self.residuals(x, lambda y: self.attention(y, cos, sin, mask), self.feed_forward)
+
+    def residuals(
+        self,
+        x: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+        feed_forward: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The block's two residual branches around ``attend`` and ``feed_forward``, with
+        the norms where model.norm_placement puts them. The cached decoder passes its own
+        attention (over the cache), so both paths share one wiring."""
+        h = x + _maybe_norm(self.attention_post_norm, attend(_maybe_norm(self.attention_norm, x)))
+        out = feed_forward(_maybe_norm(self.ffn_norm, h))
+        return h + _maybe_norm(self.ffn_post_norm, out)
+
+
+def _maybe_norm(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class Transformer(FamilyModel):
@@ -312,7 +336,7 @@ class Transformer(FamilyModel):
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token at seq_len: 6 * N + 12 * n_layers * dim * seq_len.
+    """Training FLOPs per token at seq_len: 6 * N + 12 * n_layers * width * seq_len.
 
     N is every weight that takes part in a token's matmuls: the active parameters (an MoE
     block counts its router, its top_k routed experts and its shared experts, not every
@@ -320,13 +344,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     included. A forward pass costs 2
     FLOPs per multiply-add, so 2 * N for the weights, and backward costs twice the forward
     (grads w.r.t. inputs and weights), hence 6 * N. Attention adds, per layer and token,
-    QK^T and AV at seq_len * dim multiply-adds each: 2 * 2 * seq_len * dim forward, times 3
-    for forward plus backward. The causal mask's skipped half is not subtracted, matching
-    the usual MFU convention. From the config, so a sharded or pipelined rank that holds
-    part of the model reports the whole model's cost.
+    QK^T and AV at seq_len * width multiply-adds each, width being the heads' total width
+    n_heads * head_dim (the model's dim unless model.head_size sets it apart): 2 * 2 *
+    seq_len * width forward, times 3 for forward plus backward. The causal mask's skipped
+    half is not subtracted, matching the usual MFU convention. From the config, so a
+    sharded or pipelined rank that holds part of the model reports the whole model's cost.
     """
     n = cfg.num_active_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def init_std(cfg: ModelConfig, name: str) -> float | None:

@@ -2,12 +2,13 @@
 joint decoder, and cross-attention with accumulation), each
 without gradient accumulation (document masking on, as the debug configs have it) and with
 12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4;
-document masking off, so these cover the unmasked path); and sliding windows in every
+document masking off, so these cover the unmasked path); sliding windows in every
 other layer over packed documents with 12 micro-batches (document masking on: pipeline
-stages carry the document ids). Sizes are tiny so a run takes seconds: 8 layers (a stage
-each at pp = 4 with 2 stages per rank), a batch of 12 (divided by every data-parallel
-degree up to 4) and a sequence that cp up to 4 divides, also into the 2 x ring chunks of
-every ring."""
+stages carry the document ids); and the dense config with query and key norms per head
+(Qwen3). Sizes are tiny
+so a run takes seconds: 8 layers (a stage each at pp = 4 with 2 stages per rank), a batch
+of 12 (divided by every data-parallel degree up to 4) and a sequence that cp up to 4
+divides, also into the 2 x ring chunks of every ring."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ _NO_ACCUM = ["--train.grad_accum_steps=1"]
 _ACCUM = ["--train.grad_accum_steps=12", "--data.document_masking=false"]
 _DENSE = [*_TINY, "--train.seq_len=48"]
 _MOE = [*_DENSE, "--model.moe_expert_hidden_dim=32"]
+# Query and key norms per head of 32 channels, 4 x 32 wider than dim 64 (Qwen3).
+_QK_HEAD = ["--model.qk_norm=per_head", "--model.head_size=32"]
 # Windows of 16 of the 48 positions in every other layer (Gemma 2, GPT-OSS).
 _WINDOWS = ["--model.sliding_window=16", "--model.sliding_window_pattern=2"]
 # The joint decoder's sequence is the image's 16 tokens and 32 of text: 48; cross-attention
@@ -38,6 +41,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "window-accum": (
         "configs/train/debug.toml",
         [*_DENSE, "--model.n_kv_heads=2", *_WINDOWS, "--train.grad_accum_steps=12"],
+    ),
+    "qk-norm-head": (
+        "configs/train/debug.toml",
+        [*_DENSE, "--model.n_kv_heads=4", *_QK_HEAD, *_NO_ACCUM],
     ),
     "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),

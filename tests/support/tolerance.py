@@ -75,10 +75,11 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     """The sizes summed along the longest chain of sums through a Transformer's forward
     and its backward, the ``terms`` for comparing two ways of running it.
 
-    Per block: the attention norm (dim), q/k/v (dim), the scores (head_dim), the softmax
-    and the weighted values (seq_len each), the output projection (dim), the feed-forward
-    norm (dim) and the feed-forward in (dim) and out (its hidden width, plus top_k and a
-    shared expert summed per token in an MoE block). Then the final norm and the head (dim
+    Per block: the attention norm (dim), q/k/v (dim), a query or key norm (its width), the
+    scores (head_dim), the softmax and the weighted values (seq_len each), the output
+    projection (the heads' width), the feed-forward norm (dim) and the feed-forward in
+    (dim) and out (its hidden width, plus top_k and a shared expert summed per token in an
+    MoE block). Then the final norm and the head (dim
     each) and the loss's softmax (vocab). The backward runs the same chain back: twice.
     """
     if cfg.is_moe:
@@ -88,7 +89,11 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
         ffn_out = width + cfg.moe_top_k + 1
     else:
         ffn_out = cfg.hidden_dim
-    block = 5 * cfg.dim + cfg.head_dim + 2 * seq_len + ffn_out
+    # The output projection sums the heads' width; query and key norms their own width.
+    heads_width = cfg.n_heads * cfg.head_dim
+    qk_norm = {"none": 0, "per_head": cfg.head_dim, "projection": heads_width}[cfg.qk_norm]
+    block = 4 * cfg.dim + max(cfg.dim, heads_width) + qk_norm + cfg.head_dim + 2 * seq_len
+    block += ffn_out
     forward = cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size
     return 2 * forward if backward else forward
 

@@ -345,17 +345,17 @@ def test_export_refuses_a_config_the_model_was_not_built_from(tmp_path):
 
 
 def test_export_refuses_a_model_field_it_does_not_know(tmp_path):
-    """A feature added to ModelConfig later (here a query/key norm) stops the export
+    """A feature added to ModelConfig later (here an attention bias) stops the export
     until the exporter learns it, instead of vanishing from the written model."""
 
     @dataclasses.dataclass
-    class WithQKNorm(ModelConfig):
-        qk_norm: bool = False
+    class WithBias(ModelConfig):
+        attention_bias: bool = False
 
-    cfg = WithQKNorm(**TINY, qk_norm=True)
+    cfg = WithBias(**TINY, attention_bias=True)
     with pytest.raises(ConfigError) as info:
         export_hf(random_model(tiny_cfg()), cfg, tmp_path / "hf")
-    assert info.value.field == "model.qk_norm"
+    assert info.value.field == "model.attention_bias"
     assert not (tmp_path / "hf").exists()
 
 

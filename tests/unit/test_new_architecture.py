@@ -204,7 +204,7 @@ def test_an_unregistered_architecture_is_refused_by_name(tmp_path):
         import_hf(folder)
     message = str(error.value)
     assert "config.json: model_type = 'fused_llama'" in message
-    assert "expected one of llama, mixtral, qwen2_moe, glm4_moe" in message
+    assert "expected one of llama, mistral, qwen3, olmo2, mixtral, qwen2_moe, glm4_moe" in message
     with pytest.raises(ConfigError) as info:
         export_hf(random_model(cfg), cfg, tmp_path / "again", model_type="fused_llama")
     assert info.value.field == "model_type"
@@ -216,19 +216,19 @@ def test_a_model_type_is_registered_once():
 
 
 def test_a_field_added_to_the_model_needs_an_architecture_that_lists_it():
-    """A ModelConfig field added later (here a query/key norm) is refused by every
+    """A ModelConfig field added later (here an attention bias) is refused by every
     architecture that does not list it in own_fields, and taken by one that does."""
 
     @dataclasses.dataclass
-    class WithQKNorm(ModelConfig):
-        qk_norm: bool = False
+    class WithBias(ModelConfig):
+        attention_bias: bool = False
 
-    cfg = WithQKNorm(**TINY, qk_norm=True)
+    cfg = WithBias(**TINY, attention_bias=True)
     with pytest.raises(ConfigError) as info:
         ARCHITECTURES.for_config(cfg)
-    assert info.value.field == "model.qk_norm"
-    assert ARCHITECTURES.for_config(WithQKNorm(**TINY)) is LLAMA
-    listing = dataclasses.replace(FUSED_LLAMA, own_fields=("qk_norm",))
+    assert info.value.field == "model.attention_bias"
+    assert ARCHITECTURES.for_config(WithBias(**TINY)) is LLAMA
+    listing = dataclasses.replace(FUSED_LLAMA, own_fields=("attention_bias",))
     ARCHITECTURES.register(listing)
     try:
         assert ARCHITECTURES.for_config(cfg) is listing

@@ -142,38 +142,55 @@ def rope_theta(hf: HFConfig, partial_default: float = 1.0, theta_default: Any = 
 
 
 def common_model_fields(
-    hf: HFConfig, *, llama_defaults: bool, partial_default: float = 1.0
+    hf: HFConfig,
+    *,
+    llama_defaults: bool,
+    partial_default: float = 1.0,
+    explicit_head_dim: bool = False,
 ) -> dict[str, Any]:
     """ModelConfig fields from the keys every architecture shares; refuses what we cannot build.
 
     With ``llama_defaults`` an absent key takes Llama's long-standing default (key/value
     heads = heads, eps 1e-6, RoPE base 10000); otherwise the keys that decide the function
     must be present (save_pretrained always writes them), since class defaults differ.
+    With ``explicit_head_dim`` (a class whose attention reads config.json's head_dim) a
+    head_dim other than hidden_size / num_attention_heads becomes model.head_size.
     """
     dim, heads = hf.get_int("hidden_size"), hf.get_int("num_attention_heads")
     required: Any = _REQUIRED
     kv_heads = hf.get_int("num_key_value_heads", heads if llama_defaults else required)
-    if heads <= 0 or dim % heads:
-        raise hf.error("num_attention_heads", f"expected a divisor of hidden_size = {dim}")
-    head_dim = hf.data.get("head_dim")
-    if head_dim is not None and head_dim != dim // heads:
-        raise hf.error(
-            "head_dim",
-            f"expected hidden_size / num_attention_heads = {dim // heads}: kempnerforge "
-            "derives the head size from the width",
-        )
+    head_size = _head_size(hf, dim, heads, explicit_head_dim)
     hf.require("hidden_act", "silu", "silu", "kempnerforge's feed-forward is SwiGLU (SiLU gate)")
     return {
         "dim": dim,
         "n_layers": hf.get_int("num_hidden_layers"),
         "n_heads": heads,
         "n_kv_heads": None if kv_heads == heads else kv_heads,
+        "head_size": head_size,
         "vocab_size": hf.get_int("vocab_size"),
         "max_seq_len": hf.get_int("max_position_embeddings", 2048),
         "rope_theta": rope_theta(hf, partial_default, 10000.0 if llama_defaults else None),
         "norm_eps": hf.get_float("rms_norm_eps", 1e-6 if llama_defaults else required),
         "tie_embeddings": hf.get_bool("tie_word_embeddings", False),
     }
+
+
+def _head_size(hf: HFConfig, dim: int, heads: int, explicit: bool) -> int | None:
+    """model.head_size of config.json's head_dim: None when it is absent or equals
+    hidden_size / num_attention_heads; otherwise the value, if the class reads it."""
+    head_dim = hf.data.get("head_dim")
+    if head_dim is None or (heads > 0 and dim % heads == 0 and head_dim == dim // heads):
+        if heads <= 0 or dim % heads:
+            raise hf.error("num_attention_heads", f"expected a divisor of hidden_size = {dim}")
+        return None
+    if not explicit:
+        derived = f" = {dim // heads}" if heads > 0 and dim % heads == 0 else ""
+        raise hf.error(
+            "head_dim",
+            f"expected hidden_size / num_attention_heads{derived}: kempnerforge derives "
+            "this class's head size from the width",
+        )
+    return hf.get_int("head_dim")
 
 
 def build_model_config(fields: dict[str, Any], hf: HFConfig) -> ModelConfig:

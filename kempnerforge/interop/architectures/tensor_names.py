@@ -1,15 +1,17 @@
 """The tensor names every architecture here shares with ours, and HFTensors, which hands a
 folder's tensors out by name with their shapes checked.
 
-Llama, Mixtral, Qwen2-MoE and GLM-4-MoE compute the same attention block as our Transformer,
-so their embedding, attention, norm and head tensors (and a dense layer's feed-forward) map
-one to one:
+Llama, Mistral, Qwen3, OLMo 2, Mixtral, Qwen2-MoE and GLM-4-MoE compute the same attention
+block as our Transformer (with the query and key norms and the norm placement the decoder
+options choose), so their embedding, attention, norm and head tensors (and a dense layer's
+feed-forward) map one to one:
 
 - RoPE: both rotate the two halves of each head (channel i with channel i + head_dim / 2)
   with inverse frequencies theta ** (-2i / head_dim), so q and k need no permutation;
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in fp32, eps inside the root;
 - attention: softmax(q k^T / sqrt(head_dim)) v, query head h reading key/value head
-  h // (n_heads / n_kv_heads), no biases;
+  h // (n_heads / n_kv_heads), no biases; a query or key norm before RoPE, over each
+  head or over the whole projection, with the same RMSNorm;
 - SwiGLU: our w2(silu(w1 x) * w3 x) is down_proj(silu(gate_proj x) * up_proj x).
 
 Both store nn.Linear weights as (out, in), so these tensors are copied, never transposed.
@@ -39,12 +41,30 @@ def outer_pairs(tied: bool) -> list[tuple[str, str]]:
     return pairs
 
 
-def block_pairs(index: int) -> list[tuple[str, str]]:
-    """(our name, Hugging Face name) of layer ``index``'s attention and its two norms."""
+BLOCK_NORMS = {
+    "pre": (("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")),
+    "post": (
+        ("attention_post_norm", "post_attention_layernorm"),
+        ("ffn_post_norm", "post_feedforward_layernorm"),
+    ),
+}
+"""(our name, Hugging Face name) of a block's two norms, by model.norm_placement. The names
+follow the place, not the order: Llama's post_attention_layernorm normalises the
+feed-forward's input, OLMo 2's the attention's output."""
+
+
+def block_pairs(cfg: ModelConfig, index: int) -> list[tuple[str, str]]:
+    """(our name, Hugging Face name) of layer ``index``'s attention (with its query and key
+    norms when model.qk_norm has them: self_attn.q_norm / k_norm in every class that has
+    them, Qwen3 and OLMo 2) and its two norms."""
     ours, hf = f"layers.{index}.", f"model.layers.{index}."
     pairs = [(f"{ours}attention.w{p}.weight", f"{hf}self_attn.{p}_proj.weight") for p in "qkvo"]
-    pairs.append((f"{ours}attention_norm.weight", f"{hf}input_layernorm.weight"))
-    pairs.append((f"{ours}ffn_norm.weight", f"{hf}post_attention_layernorm.weight"))
+    if cfg.qk_norm != "none":
+        pairs += [
+            (f"{ours}attention.{p}_norm.weight", f"{hf}self_attn.{p}_norm.weight") for p in "qk"
+        ]
+    for our_norm, hf_norm in BLOCK_NORMS[cfg.norm_placement]:
+        pairs.append((f"{ours}{our_norm}.weight", f"{hf}{hf_norm}.weight"))
     return pairs
 
 
@@ -68,7 +88,7 @@ def shared_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     layer (every layer of a dense model; an MoE layer's tensors are its architecture's)."""
     pairs = outer_pairs(cfg.tie_embeddings)
     for index in range(cfg.n_layers):
-        pairs += block_pairs(index)
+        pairs += block_pairs(cfg, index)
         if not cfg.is_moe_layer(index):
             pairs += dense_ffn_pairs(index)
     return pairs

@@ -19,6 +19,7 @@ from kempnerforge.model.attention.sequence_split import (
     kv_sequence_to_heads,
     sequence_to_heads,
 )
+from kempnerforge.model.norm import HeadRMSNorm, ProjectionRMSNorm, RMSNorm
 
 
 def needs_document_mask(doc_ids: torch.Tensor | None) -> bool:
@@ -47,7 +48,8 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with n_kv_heads <= n_heads key/value heads (GQA), RoPE on q and k.
+    """Multi-head attention with n_kv_heads <= n_heads key/value heads (GQA), RoPE on q and k,
+    and optionally an RMSNorm of q and k before RoPE (model.qk_norm).
 
     Query head h reads key/value head h // (n_heads / n_kv_heads). Head counts are read from
     the projected shapes, not the config, so a tensor-parallel shard (fewer local heads) runs
@@ -66,9 +68,40 @@ class Attention(nn.Module):
         """Value projection (kv_heads heads)."""
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         """Output projection into the residual stream; its init is depth-scaled."""
+        self.qk_norm = cfg.qk_norm
+        """model.qk_norm: which of q_norm / k_norm's forms this layer has, if any."""
+        self.q_norm: RMSNorm | None = None
+        """Query norm: a head-sized gain ('per_head') or the projection's ('projection')."""
+        self.k_norm: RMSNorm | None = None
+        """Key norm, as q_norm over the key/value heads."""
+        if cfg.qk_norm == "per_head":
+            self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm == "projection":
+            self.q_norm = ProjectionRMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = ProjectionRMSNorm(cfg.kv_heads * cfg.head_dim, cfg.norm_eps)
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: x is this rank's slice of each sequence, and the
         heads are exchanged for the whole sequence around attention (sequence_split.py)."""
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of x (batch, seq, dim), each (batch, seq, heads,
+        head_dim): projected, q and k normalised (model.qk_norm) and rotated by the RoPE
+        rows cos and sin. The cached decoder (generation/kv_cache.py) shares it."""
+        batch, seq_len, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "projection":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq_len, -1, self.head_dim)
+        k = k.view(batch, seq_len, -1, self.head_dim)
+        v = v.view(batch, seq_len, -1, self.head_dim)
+        if self.qk_norm == "per_head":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(
         self,
@@ -86,10 +119,7 @@ class Attention(nn.Module):
         ring.py applies to each pair of chunks.
         """
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         split = active_split(self)
         if split is not None and split.ring > 1:  # past the head count (ring.py)
             assert isinstance(mask, RingMask), "a ring's masks come from prepare_masks(ring=)"

@@ -16,12 +16,13 @@ device: not FSDP-sharded, tensor-parallel or expert-parallel, not a pipeline sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.model.attention import Attention, MaskRule, apply_rope, dense_mask
+from kempnerforge.model.attention import Attention, MaskRule, dense_mask
 from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 
@@ -136,15 +137,22 @@ def forward_cached(
     keys = {w: _visible_keys(w, start, end, input_ids.device) for w in _windows(model)}
     h = model.embed(input_ids)
     for index, (name, block) in enumerate(_named_blocks(model)):
-        x = block.attention_norm(h)
         seen = keys[cfg.layer_window(int(name))]
-        h = h + _attend(block.attention, x, cos, sin, cache, index, start, seen)
-        x = block.ffn_norm(h)
+        attend = partial(
+            _attend,
+            attention=block.attention,
+            cos=cos,
+            sin=sin,
+            cache=cache,
+            index=index,
+            start=start,
+            seen=seen,
+        )
         feed_forward = block.feed_forward
         if isinstance(feed_forward, MoEFeedForward):
-            h = h + feed_forward.forward_inference(x)
+            h = block.residuals(h, attend, feed_forward.forward_inference)
         else:
-            h = h + feed_forward(x)
+            h = block.residuals(h, attend, feed_forward)
     cache.position = end
     if last_only:
         h = h[:, -1:]
@@ -194,8 +202,8 @@ def _visible_keys(
 
 
 def _attend(
-    attention: Attention,
     x: torch.Tensor,
+    attention: Attention,
     cos: torch.Tensor,
     sin: torch.Tensor,
     cache: KVCache,
@@ -203,7 +211,8 @@ def _attend(
     start: int,
     seen: tuple[int, torch.Tensor | None, bool],
 ) -> torch.Tensor:
-    """Attention.forward's computation for new positions start.. over the cached ones.
+    """Attention.forward's computation for new positions start.. over the cached ones
+    (Attention.project makes their queries, keys and values as training does).
 
     ``seen`` (from _visible_keys) says which cached keys the new queries read and how:
     from its first key on, under its mask, or causally (the first call of a sequence,
@@ -215,11 +224,7 @@ def _attend(
     batch, new, _ = x.shape
     end = start + new
     first, mask, causal = seen
-    head_dim = attention.head_dim
-    q = attention.wq(x).view(batch, new, -1, head_dim)
-    k = attention.wk(x).view(batch, new, -1, head_dim)
-    v = attention.wv(x).view(batch, new, -1, head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attention.project(x, cos, sin)
     keys, values = cache.keys[index], cache.values[index]
     keys[:, :, start:end] = k.transpose(1, 2)
     values[:, :, start:end] = v.transpose(1, 2)
