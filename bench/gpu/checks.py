@@ -114,6 +114,25 @@ def check_moe(work: Path, dry_run: bool) -> Result:
     }
 
 
+# The decoder options of the open families (docs/interop.md), each on the debug config.
+FAMILY_CASES = {
+    "qwen3": ["--model.qk_norm=per_head", "--model.head_size=64", "--model.n_kv_heads=2"],
+    "mistral": ["--model.sliding_window=128", "--model.n_kv_heads=2"],
+    "olmo2": ["--model.qk_norm=projection", "--model.norm_placement=post"],
+}
+
+
+def check_families(work: Path, dry_run: bool) -> Result:
+    """Each open family's decoder options through `kempnerforge train` (query and key norms
+    per head or over the projection, norms after each sublayer, a sliding window on every
+    layer): each case trains with finite losses."""
+    steps = 4 if dry_run else 20
+    return {
+        name: trains("debug.toml", work / name, steps, dry_run, *extra)
+        for name, extra in FAMILY_CASES.items()
+    }
+
+
 def check_head_loss(work: Path, dry_run: bool) -> Result:
     """The chunked head loss against whole logits with a 128k vocabulary under bf16
     autocast: the same loss and gradients up to bf16 rounding."""
@@ -369,6 +388,7 @@ def check_pytest_gpu(work: Path, dry_run: bool) -> Result:
 
 CHECKS: dict[str, Callable[[Path, bool], Result]] = {
     "moe": check_moe,
+    "families": check_families,
     "head_loss": check_head_loss,
     "checkpoint": check_checkpoint,
     "vlm": check_vlm,

@@ -213,6 +213,7 @@ def plan(run: Run) -> list[Part | list[Part]]:
         mfu_part("8b_compiled_selective_ac", eight, dry, 120, compile=True, ac="selective"),
         [
             check_part("moe", run, 60),
+            check_part("families", run, 45),
             check_part("head_loss", run, 20),
             check_part("checkpoint", run, 70),
             check_part("vlm", run, 25),
