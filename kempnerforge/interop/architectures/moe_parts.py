@@ -25,7 +25,8 @@ NO_SHARED_EXPERTS = Requirement(
     "moe_shared_experts",
     lambda cfg: cfg.moe_shared_experts == 0,
     "0 for a softmax-router export",
-    "Mixtral has no shared experts and Qwen2-MoE scales its shared expert by a learned "
+    "Mixtral and Qwen3-MoE have no shared experts and Qwen2-MoE scales its shared expert "
+    "by a learned "
     "sigmoid gate; no Hugging Face class with standard attention adds ungated shared "
     "experts to a softmax router",
 )
