@@ -155,7 +155,8 @@ class WarmProcess:
         self._encoding = encoding or locale.getpreferredencoding(False)
         self._errors = errors or "strict"
         self._pumps: list[threading.Thread] | None = None
-        self._output: dict[int, list[bytes]] = {}
+        self._output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self._communicated: tuple[Any, Any] | None = None
         ours, theirs = [], []  # descriptors this side keeps / hands over and closes
         child_in, self.stdin = self._stream(stdin, 0, "wb", bufsize, ours, theirs)
         child_out, self.stdout = self._stream(stdout, 1, "rb", bufsize, ours, theirs)
@@ -237,6 +238,8 @@ class WarmProcess:
     ) -> tuple[Any, Any]:
         """Feed ``input``, read stdout and stderr to their end, wait; as Popen.communicate,
         a call after TimeoutExpired carries on where the first left off."""
+        if self._communicated is not None:
+            return self._communicated
         if self._pumps is None:
             self._pumps = self._start_pumps(input)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -248,18 +251,18 @@ class WarmProcess:
             self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
-        return self._collected(self.stdout), self._collected(self.stderr)
+        self._communicated = (self._collected("stdout"), self._collected("stderr"))
+        return self._communicated
 
     def _start_pumps(self, input: str | bytes | None) -> list[threading.Thread]:
         pumps = []
         if self.stdin is not None:
             pumps.append(threading.Thread(target=self._feed, args=(input,), daemon=True))
-        for stream in (self.stdout, self.stderr):
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
             if stream is not None:
-                chunks = self._output.setdefault(stream.fileno(), [])
-                pumps.append(
-                    threading.Thread(target=_drain, args=(stream.fileno(), chunks), daemon=True)
-                )
+                drain = (stream.fileno(), self._output[name])
+                pumps.append(threading.Thread(target=_drain, args=drain, daemon=True))
         for pump in pumps:
             pump.start()
         return pumps
@@ -271,10 +274,11 @@ class WarmProcess:
                 self.stdin.write(input)  # type: ignore[arg-type]
             self.stdin.close()
 
-    def _collected(self, stream: IO | None) -> Any:
+    def _collected(self, name: str) -> Any:
+        stream = getattr(self, name)
         if stream is None:
             return None
-        data = b"".join(self._output.get(stream.fileno(), []))
+        data = b"".join(self._output[name])
         stream.close()
         if not self._text:
             return data
