@@ -78,7 +78,7 @@ _SUPPORTED = {"cwd", "env", "stdin", "stdout", "stderr", "text", "universal_newl
               "encoding", "errors", "start_new_session", "bufsize"}  # fmt: skip
 
 
-def popen(args: Sequence[str], **kwargs: Any) -> WarmProcess | subprocess.Popen:
+def popen(args: Sequence[str], **kwargs: Any) -> Process:
     """subprocess.Popen(args, **kwargs), forked from the warm server when ``args`` is
     `python -m kempnerforge ...` and nothing about the launch needs a fresh interpreter."""
     args = list(args)
@@ -309,6 +309,10 @@ class WarmProcess:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._status.close()
+
+
+Process = WarmProcess | subprocess.Popen
+"""What popen returns: either drives the same way."""
 
 
 def _drain(fd: int, chunks: list[bytes]) -> None:
