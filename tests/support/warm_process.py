@@ -27,18 +27,27 @@ What differs from a fresh interpreter, and why it does not change what a test se
   forkserver and its resource tracker are unset as in a fresh interpreter; spawn children
   see a `__main__` of kempnerforge/__main__.py, as after `python -m`.
 - Randomness: `random` reseeds itself in a forked child, numpy's global generator is
-  reseeded by the child; torch's default seed is a constant anyway. The string hash seed
-  is the server's for every child of one server (runs within a test compare alike; the
-  suite's fresh-interpreter tests and the unit tests keep varying it).
+  reseeded by the child; torch's default seed is a constant anyway. String hashing keeps
+  the server's seed in every child of one server, where fresh interpreters draw one each:
+  set orders agree between the runs of one pytest process and still differ between
+  pytest processes (and runs), so an order dependence still shows, less often.
 - The parent pid is the server's, which reaps the child at once: no zombie lingers until
   the test waits. The child's stdin is the caller's (none given: this process's), as with
   subprocess; /proc/<pid>/cmdline shows the server's command line.
+- The package (and tests.support) is the one the server imported from this checkout,
+  where a fresh interpreter outside it would import the installed one: the same files
+  wherever the package is installed in development mode, as the suite expects.
+- Import-time objects are frozen out of the garbage collector (gc.freeze): they are never
+  garbage, and it spares each child scanning and copying them.
 - Import-time warnings were printed (once, to the server's stderr) when the server
   imported; every command imports after cli.main has set its warning filters anyway.
 - Objects reachable only at interpreter teardown are not finalised: CPython gives no
   promise to finalise them either, and every command closes its files before it returns.
 
-`KF_TEST_FRESH_PROCESSES=1` sends every command to a fresh interpreter, to compare.
+A command that re-executes itself (train and eval do, once, to preload tcmalloc where it
+is installed) becomes a fresh interpreter from there on: the same pid and streams, only
+the saving is lost. `KF_TEST_FRESH_PROCESSES=1` sends every command to a fresh
+interpreter, to compare.
 """
 
 from __future__ import annotations
