@@ -63,7 +63,10 @@ def free_port() -> int:
 def start_lighthouse(port: int, join_timeout_ms: int = 200) -> Process:
     """`kempnerforge lighthouse` on ``port``: quorums form ``join_timeout_ms`` after the
     first group asks (0.2 s by default), and a group silent for 1 s is left out."""
-    process = popen(
+    # A fresh interpreter, not the warm launcher: test_a_lighthouse_restarted_mid_run_costs_no_step
+    # relies on a restarted lighthouse being away for its start-up, long enough for the
+    # groups' next quorum to fail; a forked one is back before they notice.
+    process = subprocess.Popen(
         [
             sys.executable, "-m", "kempnerforge", "lighthouse", f"--port={port}",
             "--min-replicas=1", f"--join-timeout-ms={join_timeout_ms}",
