@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 from kempnerforge.config.loader import load_config, save_config
+from tests.support import warm_process
 from tests.support.dist import run_distributed
 from tests.support.metrics_rows import read_rows
 from tests.support.tiny import layout_run
@@ -114,7 +114,7 @@ def test_ranks_that_do_not_divide_the_eval_batch_evaluate_it_once(base, tmp_path
 def _standalone_eval(run: pathlib.Path) -> dict:
     """`kempnerforge eval` of the run's last checkpoint in one process: its eval.json."""
     checkpoint = run / "checkpoints" / f"step_{STEPS}"
-    result = subprocess.run(
+    result = warm_process.run(
         [
             sys.executable, "-m", "kempnerforge", "eval", str(run / "config.toml"),
             f"--checkpoint={checkpoint}", "--distributed.dp_shard=-1",

@@ -21,6 +21,7 @@ from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.metrics_rows import events
 from tests.support.tiny import tiny_run
+from tests.support.warm_process import popen
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def _token_dir(root: pathlib.Path) -> str:
     return str(root / "tokens")
 
 
-def _train(run_dir: pathlib.Path, data: str, cache: pathlib.Path, **env: str) -> subprocess.Popen:
+def _train(run_dir: pathlib.Path, data: str, cache: pathlib.Path, **env: str):
     # The tiny model: what is under test is the checkpoint's commit, not the training.
     args = tiny_run(
         run_dir,
@@ -54,7 +55,7 @@ def _train(run_dir: pathlib.Path, data: str, cache: pathlib.Path, **env: str) ->
         "--data.eval_path=",
         "--eval.interval=0",
     )
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-m", "kempnerforge", "train", DEBUG, *args],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(cache), **env},

@@ -21,6 +21,7 @@ from kempnerforge.training.workspace import RUN_MARKER
 from tests.support.metrics_rows import train_rows
 from tests.support.small_disks import no_small_disks
 from tests.support.tiny import tiny_run
+from tests.support.warm_process import popen
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +45,12 @@ def tiny(run_dir: pathlib.Path, token_dirs: tuple[str, str], *extra: str) -> lis
     ]
 
 
-def cli(*args: str, cache: pathlib.Path | None = None, command: str = "") -> subprocess.Popen:
+def cli(*args: str, cache: pathlib.Path | None = None, command: str = ""):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if cache is not None:
         env["KEMPNERFORGE_CACHE"] = str(cache)
     argv = [command] if command else [sys.executable, "-m", "kempnerforge"]
-    return subprocess.Popen(
+    return popen(
         [*argv, *args],
         cwd=REPO,
         env=env,

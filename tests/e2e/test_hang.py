@@ -14,6 +14,7 @@ import pytest
 from kempnerforge.resilience import exit_codes
 from tests.support.faults import SLEEP_AT_ENV, SLEEP_RANK_ENV
 from tests.support.tiny import tiny_run
+from tests.support.warm_process import popen
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -49,7 +50,7 @@ def _start_ranks(run_dir: Path, overrides: list[str], env_extra: dict[str, str])
         }
         log = open(run_dir.parent / f"rank{rank}.log", "w")  # noqa: SIM115 (the child's)
         procs.append(
-            subprocess.Popen(
+            popen(
                 [sys.executable, "-m", "kempnerforge", "train", DEBUG, *overrides],
                 cwd=REPO,
                 env=env,

@@ -1,9 +1,9 @@
 """End to end: a user prepares three corpora, trains a phased mixture, evaluates, errs.
 
-Everything goes through `python -m kempnerforge` in subprocesses, configured by a TOML
-file written the way a user would write one. Independent subprocesses (the four
-prepare-data runs, the bad-input runs) are started together so the file stays quick on
-two cores: most of each run is importing torch.
+Everything goes through `python -m kempnerforge` in subprocesses (forked from the warm
+server, tests.support.warm_process), configured by a TOML file written the way a user
+would write one. Independent subprocesses (the four prepare-data runs, the bad-input runs)
+are started together, so their waits overlap.
 """
 
 from __future__ import annotations

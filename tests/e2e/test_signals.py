@@ -23,6 +23,7 @@ from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.resilience import exit_codes
 from tests.support.metrics_rows import train_rows
+from tests.support.warm_process import WarmProcess, popen
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def cache(builtin_cache) -> pathlib.Path:
 class Run:
     """A `kempnerforge train` subprocess whose output goes to files (no pipe can fill up)."""
 
-    proc: subprocess.Popen
+    proc: WarmProcess | subprocess.Popen
     run_dir: pathlib.Path
     stdout: pathlib.Path
     stderr: pathlib.Path
@@ -86,7 +87,7 @@ class Run:
         logs = run_dir.parent
         stdout, stderr = logs / f"{run_dir.name}.out", logs / f"{run_dir.name}.err"
         with open(stdout, "a") as out, open(stderr, "a") as err:
-            proc = subprocess.Popen(
+            proc = popen(
                 command, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=own_group
             )
         return cls(proc, run_dir, stdout, stderr)

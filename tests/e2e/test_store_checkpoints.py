@@ -21,6 +21,7 @@ from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import events
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_steps
+from tests.support.warm_process import popen
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +180,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_previous_checkpoint(s3, token_
     args = cli_train(tmp_path / "run", token_dirs, "--train.max_steps=9", *every)
     env = {**os.environ, **server.environment(str(tmp_path)), "OMP_NUM_THREADS": "2"}
     with server.faulting("/killed/step_6/", "stall"):
-        run = subprocess.Popen(
+        run = popen(
             [sys.executable, "-m", "kempnerforge", *args, f"--checkpoint.dir={url}"],
             cwd=pathlib.Path(__file__).parents[2],
             env=env,

@@ -17,6 +17,7 @@ import torch
 from kempnerforge.training.hooks import StepContext, TrainingHook
 from tests.support.metrics_rows import read_rows, train_rows
 from tests.support.tiny import tiny_run
+from tests.support.warm_process import Process, popen
 
 REPO = pathlib.Path(__file__).parents[2]
 DEBUG = str(REPO / "configs" / "train" / "debug.toml")
@@ -59,9 +60,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(port: int, join_timeout_ms: int = 200) -> subprocess.Popen:
+def start_lighthouse(port: int, join_timeout_ms: int = 200) -> Process:
     """`kempnerforge lighthouse` on ``port``: quorums form ``join_timeout_ms`` after the
     first group asks (0.2 s by default), and a group silent for 1 s is left out."""
+    # A fresh interpreter, not the warm launcher: test_a_lighthouse_restarted_mid_run_costs_no_step
+    # relies on a restarted lighthouse being away for its start-up, long enough for the
+    # groups' next quorum to fail; a forked one is back before they notice.
     process = subprocess.Popen(
         [
             sys.executable, "-m", "kempnerforge", "lighthouse", f"--port={port}",
@@ -112,7 +116,7 @@ def start_group(
     processes: int = 1,
     pause_s: float = 0.5,
     slow_while: pathlib.Path | None = None,
-) -> subprocess.Popen:
+) -> Process:
     """`kempnerforge train` as replica group ``group`` (under torchrun for several
     ``processes``), pausing ``pause_s`` after each step (while ``slow_while`` exists, when
     given); its output goes to ``log``."""
@@ -130,7 +134,7 @@ def start_group(
             "--max_restarts=0",
         ]  # fmt: skip
     with open(log, "a") as out:
-        return subprocess.Popen(
+        return popen(
             [*launcher, "-m", "kempnerforge", "train", *args],
             cwd=REPO,
             env=env,
@@ -139,7 +143,7 @@ def start_group(
         )
 
 
-def wait_for_step(run_dir: pathlib.Path, step: int, process: subprocess.Popen, limit_s=120.0):
+def wait_for_step(run_dir: pathlib.Path, step: int, process: Process, limit_s=120.0):
     """Block until ``run_dir`` logged a training row at ``step`` or later."""
     deadline = time.monotonic() + limit_s
     while not any(r["step"] >= step for r in train_rows(run_dir, live=True)):
@@ -148,7 +152,7 @@ def wait_for_step(run_dir: pathlib.Path, step: int, process: subprocess.Popen, l
         time.sleep(0.05)
 
 
-def finish(process: subprocess.Popen, log: pathlib.Path, limit_s: float = 180.0) -> None:
+def finish(process: Process, log: pathlib.Path, limit_s: float = 180.0) -> None:
     """Wait for a group to end; fail with its log's tail unless it exited 0."""
     try:
         code = process.wait(timeout=limit_s)
@@ -167,7 +171,7 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def kill(process: subprocess.Popen) -> None:
+def kill(process: Process) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait()
 
@@ -196,7 +200,7 @@ class ReplicaJob:
         self.args = group_args(job_dir, data, self.port, *extra, num_groups=num_groups)
         self.logs = [job_dir / f"g{g}.log" for g in range(num_groups)]
         self.join_timeout_ms = join_timeout_ms
-        self.groups: dict[int, subprocess.Popen] = {}
+        self.groups: dict[int, Process] = {}
         self.processes = processes
         self.pause_s = pause_s
         self.slow_while = job_dir / "slow_steps"
