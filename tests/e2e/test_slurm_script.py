@@ -132,6 +132,23 @@ def test_each_rank_gets_its_torchrun_environment_and_a_finished_run_exits_0(tmp_
     ]
 
 
+def test_a_port_held_on_the_node_moves_the_rendezvous_to_the_next_free_one(tmp_path):
+    """The job id's port is in use on the first node (a job whose id is equal modulo
+    15000, a launcher still leaving): the script says so and takes a free one."""
+    job_id = _free_port_for_job_id()
+    with socket.socket() as holder:
+        holder.bind(("", 15000 + job_id))
+        holder.listen()
+        env = {"SLURM_JOB_ID": str(job_id)}
+        proc = start(tmp_path, "cfg.toml", fake_trainer=True, env_extra=env)
+        out, _ = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, out
+    moved = [line for line in out.splitlines() if line.startswith(f"port {15000 + job_id} ")]
+    assert len(moved) == 1 and "is in use on" in moved[0], out
+    taken = int(moved[0].rsplit(" ", 1)[1])
+    assert taken != 15000 + job_id and 15000 <= taken < 30000
+
+
 @pytest.mark.parametrize(
     ("codes", "restarts", "expected_rc", "requeued", "message"),
     [
