@@ -119,12 +119,21 @@ FAMILY_CASES = {
     "qwen3": ["--model.qk_norm=per_head", "--model.head_size=64", "--model.n_kv_heads=2"],
     "mistral": ["--model.sliding_window=128", "--model.n_kv_heads=2"],
     "olmo2": ["--model.qk_norm=projection", "--model.norm_placement=post"],
+    "gemma3": [
+        *("--model.norm_placement=sandwich", "--model.zero_centered_norms=true"),
+        *("--model.qk_norm=per_head", "--model.ffn_activation=gelu_tanh"),
+        *("--model.embedding_multiplier=16.0", "--model.attention_scale_size=48"),
+        *("--model.sliding_window=128", "--model.sliding_window_pattern=2"),
+        *("--model.rope_local_theta=10000", "--model.rope_scaling=linear"),
+        "--model.rope_scaling_factor=8",
+    ],
 }
 
 
 def check_families(work: Path, dry_run: bool) -> Result:
     """Each open family's decoder options through `kempnerforge train` (query and key norms
     per head or over the projection, norms after each sublayer, a sliding window on every
+    layer, Gemma 3's sandwich of zero-centred norms with GeGLU and a RoPE per kind of
     layer): each case trains with finite losses."""
     steps = 4 if dry_run else 20
     return {

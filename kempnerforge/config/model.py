@@ -21,8 +21,14 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 """model.layer_types' entries, as Hugging Face configs name them."""
 QK_NORMS = ("none", "per_head", "projection")
 """model.qk_norm's choices."""
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 """model.norm_placement's choices."""
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+"""model.ffn_activation's choices: the gate's nonlinearity in the gated feed-forward."""
+ROPE_SCALINGS = ("none", "linear")
+"""model.rope_scaling's choices."""
+MAX_MULTIPLIER = 1e4
+"""Largest model.embedding_multiplier: sqrt of a width of 1e8 channels."""
 
 
 @dataclass
@@ -50,7 +56,8 @@ class ModelConfig:
     norm_placement: str = "pre"
     """Where each block's RMSNorms sit. 'pre': on each sublayer's input, h = x +
     attention(norm(x)) (Llama). 'post': on each sublayer's output before the residual
-    add, h = x + norm(attention(x)), with no norm on the inputs (OLMo 2)."""
+    add, h = x + norm(attention(x)), with no norm on the inputs (OLMo 2). 'sandwich': on
+    both, h = x + norm(attention(norm(x))), four norms per block (Gemma 2 and 3)."""
     vocab_size: int = 259
     """Rows of the embedding table, in tokens; must be >= the tokenizer's vocabulary (byte
     tokenizer: 259); at most 2**31 - 1."""
@@ -127,6 +134,36 @@ class ModelConfig:
     replaces model.sliding_window_pattern (which must stay 0). Empty: the pattern
     decides."""
 
+    zero_centered_norms: bool = False
+    """Store every RMSNorm gain as its offset from 1: the norm scales by 1 + weight and the
+    weights start at 0 (Gemma). The function is the same as a plain gain of 1 + weight,
+    but a gain near 1 kept as its small offset keeps its precision in bf16, and weight
+    decay pulls it towards 1 instead of 0."""
+    ffn_activation: str = "silu"
+    """The gate's nonlinearity in the dense gated feed-forward, w2(act(w1 x) * w3 x):
+    'silu' (SwiGLU: Llama, Qwen, Mistral, OLMo) or 'gelu_tanh' (GeGLU with the tanh
+    approximation of GELU: Gemma). MoE experts compute SiLU, so an MoE model keeps
+    'silu'."""
+    attention_scale_size: int | None = None
+    """Attention logits are q.k / sqrt(attention_scale_size) instead of / sqrt(head
+    size) (Gemma 3's query_pre_attn_scalar: 168 for 27B, whose heads are 128 wide); the
+    queries are scaled by sqrt(head size / attention_scale_size) after RoPE, so every
+    attention kernel keeps its default scale. None: the head size. 1 to 2**31 - 1."""
+    embedding_multiplier: float = 1.0
+    """The token embedding's output is multiplied by this, rounded to the activations'
+    dtype first (Gemma: sqrt(dim), which bf16 rounds, e.g. 55.43 to 55.5 at width 3072).
+    > 0 and at most 1e4."""
+    rope_scaling: str = "none"
+    """RoPE's frequency scaling for contexts past the trained length. 'linear': every
+    inverse frequency divided by model.rope_scaling_factor (positions interpolated;
+    Gemma 3's global layers, factor 8). 'none': plain RoPE."""
+    rope_scaling_factor: float = 1.0
+    """The factor of model.rope_scaling; 1 when it is 'none'. > 0 and at most 1e4."""
+    rope_local_theta: float = 0.0
+    """RoPE base of the sliding-window layers, without model.rope_scaling (Gemma 3's
+    rope_local_base_freq, 10000, beside a global rope_theta of 1e6); > 0 needs sliding
+    layers (model.sliding_window). 0: every layer rotates by model.rope_theta."""
+
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
             check_positive(f"model.{name}", getattr(self, name), MAX_SIZE)
@@ -161,6 +198,39 @@ class ModelConfig:
         self._check_heads()
         check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
         check_choice("model.norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        self._check_gemma_options()
+
+    def _check_gemma_options(self) -> None:
+        """Rules of the activation, attention scale, embedding multiplier and RoPE fields."""
+        check_choice("model.ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
+        if self.is_moe and self.ffn_activation != "silu":
+            raise ConfigError(
+                "model.ffn_activation",
+                self.ffn_activation,
+                "'silu' for an MoE model (model.num_experts > 0)",
+                "the experts compute SwiGLU; a GeGLU applies to dense models only",
+            )
+        if self.attention_scale_size is not None:
+            check_positive("model.attention_scale_size", self.attention_scale_size, MAX_SIZE)
+        check_positive("model.embedding_multiplier", self.embedding_multiplier, MAX_MULTIPLIER)
+        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        check_positive("model.rope_scaling_factor", self.rope_scaling_factor, MAX_MULTIPLIER)
+        if self.rope_scaling == "none" and self.rope_scaling_factor != 1.0:
+            raise ConfigError(
+                "model.rope_scaling_factor",
+                self.rope_scaling_factor,
+                "1.0 when model.rope_scaling is 'none'",
+                "set model.rope_scaling (e.g. 'linear') for the factor to apply",
+            )
+        check_at_least("model.rope_local_theta", self.rope_local_theta, 0.0, 1e10)
+        sliding = any(self.layer_window(i) for i in range(self.n_layers))
+        if self.rope_local_theta and not sliding:
+            raise ConfigError(
+                "model.rope_local_theta",
+                self.rope_local_theta,
+                "0 when no layer slides",
+                "it is the RoPE base of the sliding-window layers: set model.sliding_window",
+            )
 
     def _check_heads(self) -> None:
         """The head size: explicit and even, or derived from a width n_heads divides into
@@ -277,6 +347,22 @@ class ModelConfig:
                 else "no layer of model.layer_types uses the window",
             )
 
+    @property
+    def rope_kinds(self) -> int:
+        """How many RoPE tables the model keeps: 2 when sliding layers rotate by their own
+        base (model.rope_local_theta), else 1."""
+        return 2 if self.rope_local_theta else 1
+
+    def layer_rope(self, index: int) -> int:
+        """Which RoPE table layer ``index`` rotates by: 1 for a sliding layer with its own
+        base (model.rope_local_theta), else 0 (model.rope_theta and model.rope_scaling)."""
+        return 1 if self.rope_local_theta and self.layer_window(index) else 0
+
+    @property
+    def block_norms(self) -> int:
+        """RMSNorms on a block's residual branches: 4 for 'sandwich', else 2."""
+        return 4 if self.norm_placement == "sandwich" else 2
+
     def layer_window(self, index: int) -> int:
         """The sliding window of layer ``index`` (0-based); 0 when it attends to the whole
         causal past."""
@@ -317,7 +403,8 @@ class ModelConfig:
         head_dim, wk and wv dim x kv_heads * head_dim), the query and key norms' gains
         (model.qk_norm), the feed-forward (three SwiGLU matrices dim x hidden_dim; in an
         MoE block the router dim x num_experts plus every routed and shared expert's three
-        matrices), two RMSNorm gains, then the final norm and the output head unless tied.
+        matrices), two RMSNorm gains (four for model.norm_placement = 'sandwich'), then
+        the final norm and the output head unless tied.
         Cheap enough to size memory at build time before any tensor exists.
         """
         return self._count_params(active=False)
@@ -343,7 +430,7 @@ class ModelConfig:
         blocks = 0
         for index in range(self.n_layers):
             ffn = moe_ffn if self.is_moe_layer(index) else dense_ffn
-            blocks += attention + ffn + 2 * self.dim
+            blocks += attention + ffn + self.block_norms * self.dim
         embedding = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return embedding + blocks + self.dim + head

@@ -39,6 +39,13 @@ ARCH_FIELDS = (
     "sliding_window",
     "sliding_window_pattern",
     "layer_types",
+    "zero_centered_norms",
+    "ffn_activation",
+    "attention_scale_size",
+    "embedding_multiplier",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_local_theta",
 )
 """ModelConfig fields that shape the weights or the function they compute."""
 TRAINING_FIELDS = (
@@ -142,9 +149,16 @@ def function_fields(cfg: ModelConfig) -> dict[str, Any]:
         "model.norm_eps": cfg.norm_eps,
         "model.tie_embeddings": cfg.tie_embeddings,
         "model.num_experts": cfg.num_experts,
+        "model.zero_centered_norms": cfg.zero_centered_norms,
+        "model.attention_scale_size": cfg.attention_scale_size or cfg.head_dim,
+        "model.embedding_multiplier": cfg.embedding_multiplier,
+        "model.rope_scaling": cfg.rope_scaling,
+        "model.rope_scaling_factor": cfg.rope_scaling_factor,
+        "model.rope_local_theta": cfg.rope_local_theta,
     }
     if cfg.num_moe_layers < cfg.n_layers:
         values["model.ffn_hidden_dim"] = cfg.hidden_dim
+        values["model.ffn_activation"] = cfg.ffn_activation
     if cfg.is_moe:
         values["model.moe_top_k"] = cfg.moe_top_k
         values["model.moe_router"] = cfg.moe_router

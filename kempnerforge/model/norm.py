@@ -13,21 +13,31 @@ class RMSNorm(nn.Module):
 
     The statistics are computed in fp32 and the result is cast back to the input dtype, so a
     bf16 activation stream never squares and averages thousands of values in bf16.
+
+    With ``zero_centered`` (model.zero_centered_norms) the weight holds the gain's offset
+    from 1 and starts at 0: the gain applied is 1 + weight, added in fp32.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
         """Added to the mean square before the reciprocal square root."""
-        self.weight = nn.Parameter(torch.ones(dim))
-        """Per-channel gain, initialized to 1."""
+        self.gain_offset = 1.0 if zero_centered else 0.0
+        """Added to the weight to give the gain: 1 for a zero-centred weight, else 0."""
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.gain_offset))
+        """Per-channel gain (or its offset from 1), initialized to a gain of 1."""
 
     def reset_parameters(self) -> None:
         """Set the gain back to 1 (also after materializing a meta-device model)."""
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, 1.0 - self.gain_offset)
+
+    def gain(self) -> torch.Tensor:
+        """The per-channel gain in fp32: the weight, plus 1 when zero-centred."""
+        weight = self.weight.float()
+        return weight + self.gain_offset if self.gain_offset else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.gain(), self.eps)
         return out.to(x.dtype)
 
 
@@ -53,5 +63,5 @@ class ProjectionRMSNorm(RMSNorm):
         xf = x.float()
         # The sum over the whole width (x.shape is the global one for a DTensor).
         mean_square = xf.pow(2).sum(-1, keepdim=True) / x.shape[-1]
-        out = xf * torch.rsqrt(mean_square + self.eps) * self.weight.float()
+        out = xf * torch.rsqrt(mean_square + self.eps) * self.gain()
         return out.to(x.dtype)

@@ -31,26 +31,30 @@ from kempnerforge.model.weight_init import fill_parameter, parameter_seed
 class TransformerBlock(nn.Module):
     """One block: attention then feed-forward, each in a residual branch normalised as
     model.norm_placement says: 'pre', h = x + attention(norm(x)) (Llama); 'post', h = x +
-    norm(attention(x)) (OLMo 2). The norms a placement does not use are None, so they hold
-    no weights."""
+    norm(attention(x)) (OLMo 2); 'sandwich', both (Gemma). The norms a placement does not
+    use are None, so they hold no weights."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        pre = cfg.norm_placement == "pre"
-        self.attention_norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
-        """Normalizes the attention input ('pre')."""
-        self.attention = Attention(cfg)
+        pre = cfg.norm_placement in ("pre", "sandwich")
+        post = cfg.norm_placement in ("post", "sandwich")
+        self.attention_norm = block_norm(cfg) if pre else None
+        """Normalizes the attention input ('pre', 'sandwich')."""
+        self.attention = Attention(cfg, index)
         """Grouped-query causal self-attention."""
-        self.attention_post_norm = None if pre else RMSNorm(cfg.dim, cfg.norm_eps)
-        """Normalizes the attention output before the residual add ('post')."""
-        self.ffn_norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
-        """Normalizes the feed-forward input ('pre')."""
+        self.attention_post_norm = block_norm(cfg) if post else None
+        """Normalizes the attention output before the residual add ('post', 'sandwich')."""
+        self.ffn_norm = block_norm(cfg) if pre else None
+        """Normalizes the feed-forward input ('pre', 'sandwich')."""
         self.feed_forward: SwiGLU | MoEFeedForward = (
-            MoEFeedForward(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg.dim, cfg.hidden_dim)
+            MoEFeedForward(cfg)
+            if cfg.is_moe_layer(index)
+            else SwiGLU(cfg.dim, cfg.hidden_dim, cfg.ffn_activation)
         )
-        """SwiGLU feed-forward, or routed experts in an MoE block (see model/moe/layer.py)."""
-        self.ffn_post_norm = None if pre else RMSNorm(cfg.dim, cfg.norm_eps)
-        """Normalizes the feed-forward output before the residual add ('post')."""
+        """Gated feed-forward (model.ffn_activation), or routed experts in an MoE block (see
+        model/moe/layer.py)."""
+        self.ffn_post_norm = block_norm(cfg) if post else None
+        """Normalizes the feed-forward output before the residual add ('post', 'sandwich')."""
 
     def forward(
         self,
@@ -73,6 +77,11 @@ class TransformerBlock(nn.Module):
         h = x + _maybe_norm(self.attention_post_norm, attend(_maybe_norm(self.attention_norm, x)))
         out = feed_forward(_maybe_norm(self.ffn_norm, h))
         return h + _maybe_norm(self.ffn_post_norm, out)
+
+
+def block_norm(cfg: ModelConfig) -> RMSNorm:
+    """An RMSNorm over the residual stream's width, zero-centred as the model's are."""
+    return RMSNorm(cfg.dim, cfg.norm_eps, zero_centered=cfg.zero_centered_norms)
 
 
 def _maybe_norm(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
@@ -114,21 +123,26 @@ class Transformer(FamilyModel):
 
     def _build(self, cfg: ModelConfig) -> None:
         """Create the submodules and RoPE buffers, uninitialized; the head is tied later."""
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        """Token id -> residual-stream vector (None on a stage after the first)."""
+        self.tok_embeddings: nn.Embedding | None = TokenEmbedding(
+            cfg.vocab_size, cfg.dim, cfg.embedding_multiplier
+        )
+        """Token id -> residual-stream vector, times model.embedding_multiplier (None on a
+        stage after the first)."""
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         """The Transformer blocks by index, applied in index order."""
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: RMSNorm | None = block_norm(cfg)
         """Final normalization before the output head (None on a stage without the head)."""
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         """Residual stream -> vocabulary logits; its weight is tok_embeddings' when tied."""
-        half = cfg.head_dim // 2
+        shape = (cfg.rope_kinds, cfg.max_seq_len, cfg.head_dim // 2)
         self.rope_cos: torch.Tensor
-        """RoPE cosines, (max_seq_len, head_dim // 2), fp32; not checkpointed."""
+        """RoPE cosines, (rope kinds, max_seq_len, head_dim // 2), fp32; not checkpointed.
+        Table 0 serves every layer, or with model.rope_local_theta the full-attention
+        layers and table 1 the sliding ones (ModelConfig.layer_rope)."""
         self.rope_sin: torch.Tensor
-        """RoPE sines, (max_seq_len, head_dim // 2), fp32; not checkpointed."""
-        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+        """RoPE sines, laid out as rope_cos."""
+        self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
 
     def decoder_stacks(self) -> list[DecoderStack]:
         """Itself: the text model is one stack of blocks with both ends (or, on a pipeline
@@ -191,8 +205,14 @@ class Transformer(FamilyModel):
         this one as a submodule passes the submodule's path (``"decoder."``), so each
         parameter's draw follows its name in the enclosing model's state dict.
         """
+        gains = {
+            f"{name}.weight": 1.0 - module.gain_offset
+            for name, module in self.named_modules()
+            if isinstance(module, RMSNorm)
+        }
         for name, param in self.named_parameters():
-            fill_parameter(param, self._init_std(name), parameter_seed(seed, prefix + name))
+            seed_of_name = parameter_seed(seed, prefix + name)
+            fill_parameter(param, self._init_std(name), seed_of_name, constant=gains.get(name, 1.0))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -202,9 +222,9 @@ class Transformer(FamilyModel):
         for module in self.modules():
             if isinstance(module, Router) and module.expert_bias is not None:
                 module.expert_bias.zero_()
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for kind, (cos, sin) in enumerate(model_rope_tables(cfg, self.rope_cos.device)):
+            self.rope_cos[kind].copy_(cos)
+            self.rope_sin[kind].copy_(sin)
 
     def forward(
         self,
@@ -243,14 +263,15 @@ class Transformer(FamilyModel):
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (cos, sin) rows of positions 0 .. seq_len - 1, or under context
-        parallelism of this rank's slice of seq_len positions (its spans, in order)."""
+        parallelism of this rank's slice of seq_len positions (its spans, in order); each
+        (rope kinds, positions, head_dim // 2), every layer taking its own table."""
         split = active_split(self)
         spans = [(0, seq_len)] if split is None else split.spans(seq_len)
         if len(spans) == 1:
             ((first, last),) = spans
-            return self.rope_cos[first:last], self.rope_sin[first:last]
-        cos = torch.cat([self.rope_cos[a:b] for a, b in spans])
-        return cos, torch.cat([self.rope_sin[a:b] for a, b in spans])
+            return self.rope_cos[:, first:last], self.rope_sin[:, first:last]
+        cos = torch.cat([self.rope_cos[:, a:b] for a, b in spans], dim=1)
+        return cos, torch.cat([self.rope_sin[:, a:b] for a, b in spans], dim=1)
 
     def attention_masks(
         self,
@@ -352,6 +373,51 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     n = cfg.num_active_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+class TokenEmbedding(nn.Embedding):
+    """The token embedding, its output times a multiplier (model.embedding_multiplier).
+
+    The multiplier is rounded to the output's dtype before the product, as Gemma's
+    reference computes it (sqrt(3072) = 55.43 is 55.5 in bf16). A plain Python number
+    times the output keeps every layout's form of the output (a DTensor under tensor
+    parallelism) as it is. A multiplier of 1 costs nothing."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, multiplier: float = 1.0) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.multiplier = multiplier
+        """model.embedding_multiplier."""
+        self._rounded = {
+            dtype: float(torch.tensor(multiplier, dtype=dtype, device="cpu"))
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        }
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input)
+        if self.multiplier == 1.0:
+            return out
+        return out * self._rounded.get(out.dtype, self.multiplier)
+
+
+def model_rope_tables(
+    cfg: ModelConfig, device: torch.device | str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (cos, sin) table of each RoPE kind of ``cfg`` (ModelConfig.layer_rope): the
+    global one (model.rope_theta with model.rope_scaling), then, with
+    model.rope_local_theta, the sliding layers' (unscaled)."""
+    tables = [
+        rope_tables(
+            cfg.head_dim,
+            cfg.max_seq_len,
+            cfg.rope_theta,
+            device,
+            scaling=cfg.rope_scaling,
+            factor=cfg.rope_scaling_factor,
+        )
+    ]
+    if cfg.rope_local_theta:
+        tables.append(rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, device))
+    return tables
 
 
 def init_std(cfg: ModelConfig, name: str) -> float | None:

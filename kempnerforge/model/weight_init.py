@@ -113,13 +113,16 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_parameter(param: torch.Tensor, std: float | None, seed: int) -> None:
+def fill_parameter(
+    param: torch.Tensor, std: float | None, seed: int, *, constant: float = 1.0
+) -> None:
     """Fill ``param`` with normal(0, std), drawn tile by tile from generators derived from
-    ``seed`` (ones when std is None); a DTensor draws only the tiles of its own shard, so
-    it holds its slice of the values the unsharded parameter gets."""
+    ``seed`` (with ``constant`` when std is None: 1 for a norm gain, 0 for a zero-centred
+    one); a DTensor draws only the tiles of its own shard, so it holds its slice of the
+    values the unsharded parameter gets."""
     local = _local(param)
     if std is None:
-        local.fill_(1.0)
+        local.fill_(constant)
         return
     fill_shard(local, param.shape, local_indices(param), std, seed)
 

@@ -42,6 +42,21 @@ FAMILIES = {
     "olmo2": Family(
         ["--model.qk_norm=projection", "--model.norm_placement=post", "--model.n_kv_heads=2"]
     ),
+    # Gemma 3's block: four zero-centred norms, per-head q/k norms, GeGLU, embeddings times
+    # sqrt(256), a logit scale of 1/sqrt(48) for heads of 64, sliding layers (window 8)
+    # alternating with global ones, each kind with its RoPE (the global one scaled 8x).
+    # Untied, as under Qwen3 (pipeline stages refuse a tied head).
+    "gemma3": Family(
+        [
+            *("--model.norm_placement=sandwich", "--model.zero_centered_norms=true"),
+            *("--model.qk_norm=per_head", "--model.ffn_activation=gelu_tanh"),
+            *("--model.embedding_multiplier=16.0", "--model.attention_scale_size=48"),
+            *("--model.sliding_window=8", "--model.sliding_window_pattern=2"),
+            *("--model.rope_theta=1000000", "--model.rope_local_theta=10000"),
+            *("--model.rope_scaling=linear", "--model.rope_scaling_factor=8"),
+            "--model.n_kv_heads=2",
+        ]
+    ),
     # Qwen3's attention over the debug MoE's 8 softmax-routed experts (top-2, renormalised,
     # no shared expert, every layer MoE), each 32 wide; its experts split under ep.
     "qwen3_moe": Family(

@@ -136,7 +136,7 @@ def test_attention_matches_reference_with_kv_heads_repeated_by_hand(n_kv_heads: 
     for linear in (attn.wq, attn.wk, attn.wv, attn.wo):
         torch.nn.init.normal_(linear.weight, std=0.1)
     x = torch.randn(2, SEQ, cfg.dim)
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    cos, sin = (t[None] for t in rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta))
     expected = reference_attention(attn, x, cfg)
     # The fused attention kernel and the explicit softmax sum in different orders.
     assert_reordered_close(attn(x, cos, sin), expected, terms=attention_terms(cfg))
@@ -171,7 +171,7 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
 def test_rope_buffers_are_fp32_and_not_in_state_dict() -> None:
     model = tiny_model()
     assert model.rope_cos.dtype == torch.float32
-    assert model.rope_cos.shape == (32, 8)
+    assert model.rope_cos.shape == (1, 32, 8)  # one RoPE kind: every layer's
     assert not any("rope" in key for key in model.state_dict())
     assert {"rope_cos", "rope_sin"} <= {name for name, _ in model.named_buffers()}
 
@@ -334,7 +334,7 @@ def test_grouped_heads_with_a_document_mask_equal_repeated_heads_on_cpu() -> Non
 
     mask = document_causal_mask(doc_ids)
     cos, sin = rope_tables(cfg.head_dim, SEQ, cfg.rope_theta, torch.device("cpu"))
-    got = attn(x, cos, sin, mask)
+    got = attn(x, cos[None], sin[None], mask)  # one RoPE kind: tables (1, seq, half)
     # The same attention with the key/value heads repeated by hand and an explicit softmax.
     b, s, hd = 2, SEQ, cfg.head_dim
     q = apply_rope(attn.wq(x).view(b, s, -1, hd), cos, sin).transpose(1, 2)

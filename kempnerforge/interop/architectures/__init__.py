@@ -5,9 +5,8 @@ Architecture record each, and ARCHITECTURES, the registry export and import ask.
   ModelConfig, config.json both ways, tensors both ways) and its Requirement.
 - registry.py: Architectures, the registry: by a folder's model_type for import, the first
   that represents a ModelConfig exactly for export.
-- llama.py, mistral.py, qwen3.py, olmo2.py, mixtral.py, qwen2_moe.py, qwen3_moe.py,
-  glm4_moe.py: one
-  architecture each.
+- llama.py, mistral.py, qwen3.py, olmo2.py, gemma3.py, mixtral.py, qwen2_moe.py,
+  qwen3_moe.py, glm4_moe.py: one architecture each.
 - config_keys.py, tensor_names.py, moe_parts.py: what several architectures share (the
   common config.json keys and HFConfig's checked reads; Llama's tensor names and
   HFTensors; the expert layout and the reads of the MoE classes).
@@ -35,6 +34,7 @@ from kempnerforge.interop.architectures.config_keys import (
     common_config_json,
     common_model_fields,
 )
+from kempnerforge.interop.architectures.gemma3 import GEMMA3
 from kempnerforge.interop.architectures.glm4_moe import GLM4_MOE
 from kempnerforge.interop.architectures.llama import LLAMA
 from kempnerforge.interop.architectures.mistral import MISTRAL
@@ -46,13 +46,16 @@ from kempnerforge.interop.architectures.qwen3_moe import QWEN3_MOE
 from kempnerforge.interop.architectures.registry import Architectures
 from kempnerforge.interop.architectures.tensor_names import HFTensors, shared_pairs
 
-ARCHITECTURES = Architectures(LLAMA, MISTRAL, QWEN3, OLMO2, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE)
+ARCHITECTURES = Architectures(
+    LLAMA, MISTRAL, QWEN3, OLMO2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE
+)
 """Every architecture export and import know, in export's order of preference: a model two
 of them represent is written as the earlier (a softmax top-2 MoE as Mixtral, a dense model
 without a window as Llama)."""
 
 __all__ = [
     "ARCHITECTURES",
+    "GEMMA3",
     "GLM4_MOE",
     "LLAMA",
     "MISTRAL",

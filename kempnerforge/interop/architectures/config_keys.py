@@ -147,6 +147,7 @@ def common_model_fields(
     llama_defaults: bool,
     partial_default: float = 1.0,
     explicit_head_dim: bool = False,
+    own_activation_and_rope: bool = False,
 ) -> dict[str, Any]:
     """ModelConfig fields from the keys every architecture shares; refuses what we cannot build.
 
@@ -155,13 +156,18 @@ def common_model_fields(
     must be present (save_pretrained always writes them), since class defaults differ.
     With ``explicit_head_dim`` (a class whose attention reads config.json's head_dim) a
     head_dim other than hidden_size / num_attention_heads becomes model.head_size.
+    With ``own_activation_and_rope`` the class names its activation and its RoPE in keys
+    of its own (Gemma 3), which the caller reads: hidden_act and the RoPE keys are left
+    to it, and rope_theta is not among the fields returned.
     """
     dim, heads = hf.get_int("hidden_size"), hf.get_int("num_attention_heads")
     required: Any = _REQUIRED
     kv_heads = hf.get_int("num_key_value_heads", heads if llama_defaults else required)
     head_size = _head_size(hf, dim, heads, explicit_head_dim)
-    hf.require("hidden_act", "silu", "silu", "kempnerforge's feed-forward is SwiGLU (SiLU gate)")
-    return {
+    if not own_activation_and_rope:
+        why = "kempnerforge's feed-forward is SwiGLU (SiLU gate)"
+        hf.require("hidden_act", "silu", "silu", why)
+    fields = {
         "dim": dim,
         "n_layers": hf.get_int("num_hidden_layers"),
         "n_heads": heads,
@@ -169,10 +175,13 @@ def common_model_fields(
         "head_size": head_size,
         "vocab_size": hf.get_int("vocab_size"),
         "max_seq_len": hf.get_int("max_position_embeddings", 2048),
-        "rope_theta": rope_theta(hf, partial_default, 10000.0 if llama_defaults else None),
         "norm_eps": hf.get_float("rms_norm_eps", 1e-6 if llama_defaults else required),
         "tie_embeddings": hf.get_bool("tie_word_embeddings", False),
     }
+    if not own_activation_and_rope:
+        theta_default = 10000.0 if llama_defaults else None
+        fields["rope_theta"] = rope_theta(hf, partial_default, theta_default)
+    return fields
 
 
 def _head_size(hf: HFConfig, dim: int, heads: int, explicit: bool) -> int | None:

@@ -47,16 +47,22 @@ BLOCK_NORMS = {
         ("attention_post_norm", "post_attention_layernorm"),
         ("ffn_post_norm", "post_feedforward_layernorm"),
     ),
+    "sandwich": (
+        ("attention_norm", "input_layernorm"),
+        ("attention_post_norm", "post_attention_layernorm"),
+        ("ffn_norm", "pre_feedforward_layernorm"),
+        ("ffn_post_norm", "post_feedforward_layernorm"),
+    ),
 }
-"""(our name, Hugging Face name) of a block's two norms, by model.norm_placement. The names
+"""(our name, Hugging Face name) of a block's norms, by model.norm_placement. The names
 follow the place, not the order: Llama's post_attention_layernorm normalises the
-feed-forward's input, OLMo 2's the attention's output."""
+feed-forward's input, OLMo 2's and Gemma's the attention's output."""
 
 
 def block_pairs(cfg: ModelConfig, index: int) -> list[tuple[str, str]]:
     """(our name, Hugging Face name) of layer ``index``'s attention (with its query and key
     norms when model.qk_norm has them: self_attn.q_norm / k_norm in every class that has
-    them, Qwen3 and OLMo 2) and its two norms."""
+    them: Qwen3, OLMo 2, Gemma 3) and its norms."""
     ours, hf = f"layers.{index}.", f"model.layers.{index}."
     pairs = [(f"{ours}attention.w{p}.weight", f"{hf}self_attn.{p}_proj.weight") for p in "qkvo"]
     if cfg.qk_norm != "none":

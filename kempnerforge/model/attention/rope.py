@@ -6,16 +6,28 @@ import torch
 
 
 def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | str | None = None,
+    *,
+    scaling: str = "none",
+    factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build the fp32 cos and sin tables, each of shape (max_seq_len, head_dim // 2).
 
     Row p holds the angles p * theta ** (-2i / head_dim) for i in [0, head_dim / 2). Positions
     count from the start of the sequence, not of each packed document, so a document's
     positions depend on where it sits in the window (the mask keeps documents apart).
+    ``scaling`` (model.rope_scaling) 'linear' divides every inverse frequency by
+    ``factor``: positions interpolated into the trained range.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if scaling == "linear":
+        inv_freq = inv_freq / factor
+    elif scaling != "none":
+        raise ValueError(f"unknown RoPE scaling {scaling!r}")
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()

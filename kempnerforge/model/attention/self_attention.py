@@ -3,6 +3,8 @@ sliding window)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -53,13 +55,21 @@ class Attention(nn.Module):
 
     Query head h reads key/value head h // (n_heads / n_kv_heads). Head counts are read from
     the projected shapes, not the config, so a tensor-parallel shard (fewer local heads) runs
-    the same code.
+    the same code. Layer ``index`` rotates by its own RoPE table (ModelConfig.layer_rope).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         """Channels per head; RoPE rotates them in two halves."""
+        self.rope_kind = cfg.layer_rope(index)
+        """Which of the model's RoPE tables (the first axis of cos and sin) this layer uses."""
+        self.query_scale: float | None = None
+        """sqrt(head_dim / model.attention_scale_size): folded into the queries so every
+        kernel's default 1 / sqrt(head_dim) gives 1 / sqrt(attention_scale_size); None
+        when they agree."""
+        if cfg.attention_scale_size not in (None, cfg.head_dim):
+            self.query_scale = math.sqrt(cfg.head_dim / cfg.attention_scale_size)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         """Query projection."""
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -74,12 +84,14 @@ class Attention(nn.Module):
         """Query norm: a head-sized gain ('per_head') or the projection's ('projection')."""
         self.k_norm: RMSNorm | None = None
         """Key norm, as q_norm over the key/value heads."""
+        centered = cfg.zero_centered_norms
         if cfg.qk_norm == "per_head":
-            self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps, zero_centered=centered)
+            self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps, zero_centered=centered)
         elif cfg.qk_norm == "projection":
-            self.q_norm = ProjectionRMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
-            self.k_norm = ProjectionRMSNorm(cfg.kv_heads * cfg.head_dim, cfg.norm_eps)
+            q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+            self.q_norm = ProjectionRMSNorm(q_width, cfg.norm_eps, zero_centered=centered)
+            self.k_norm = ProjectionRMSNorm(kv_width, cfg.norm_eps, zero_centered=centered)
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: x is this rank's slice of each sequence, and the
         heads are exchanged for the whole sequence around attention (sequence_split.py)."""
@@ -88,8 +100,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of x (batch, seq, dim), each (batch, seq, heads,
-        head_dim): projected, q and k normalised (model.qk_norm) and rotated by the RoPE
-        rows cos and sin. The cached decoder (generation/kv_cache.py) shares it."""
+        head_dim): projected, q and k normalised (model.qk_norm) and rotated by this
+        layer's table of the RoPE rows cos and sin (rope kinds, seq, head_dim // 2), the
+        queries scaled by query_scale. The cached decoder (generation/kv_cache.py) shares
+        it."""
         batch, seq_len, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.qk_norm == "projection":
@@ -101,7 +115,11 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        cos, sin = cos[self.rope_kind], sin[self.rope_kind]
+        q = apply_rope(q, cos, sin)
+        if self.query_scale is not None:
+            q = q * self.query_scale
+        return q, apply_rope(k, cos, sin), v
 
     def forward(
         self,

@@ -132,7 +132,7 @@ def forward_cached(
             f"{cache.position} cached + {new} new positions exceed the cache's "
             f"{cache.max_len} positions"
         )
-    cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
+    cos, sin = model.rope_cos[:, start:end], model.rope_sin[:, start:end]
     cfg = model.cfg
     keys = {w: _visible_keys(w, start, end, input_ids.device) for w in _windows(model)}
     h = model.embed(input_ids)
