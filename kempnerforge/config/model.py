@@ -10,6 +10,7 @@ from kempnerforge.config.checks import (
     MAX_SIZE,
     check_at_least,
     check_choice,
+    check_in_range,
     check_positive,
 )
 from kempnerforge.core.errors import ConfigError
@@ -23,6 +24,10 @@ QK_NORMS = ("none", "per_head", "projection")
 """model.qk_norm's choices."""
 NORM_PLACEMENTS = ("pre", "post")
 """model.norm_placement's choices."""
+MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+"""model.moe_activation's choices."""
+ROPE_SCALINGS = ("none", "yarn")
+"""model.rope_scaling's choices."""
 
 
 @dataclass
@@ -127,6 +132,52 @@ class ModelConfig:
     replaces model.sliding_window_pattern (which must stay 0). Empty: the pattern
     decides."""
 
+    attention_sinks: bool = False
+    """A learned sink logit per query head (GPT-OSS): one more entry in each softmax
+    denominator whose value is zero, so a head may attend to nothing. Under tensor
+    parallelism the sinks are split with the heads."""
+    attention_bias: bool = False
+    """Biases on the query, key, value and output projections (Hugging Face's
+    ``attention_bias``: GPT-OSS, Qwen2)."""
+    moe_router_bias: bool = False
+    """A bias on the router's logits, one per expert, learned like its weights (GPT-OSS);
+    not the sigmoid router's balancing bias."""
+    moe_expert_bias: bool = False
+    """Biases on the routed experts' gate, up and down projections (GPT-OSS); the down
+    bias is weighted by the gate like the rest of the expert's output."""
+    moe_activation: str = "swiglu"
+    """The routed experts' gated activation. 'swiglu': silu(gate) * up. 'clamped_swiglu'
+    (GPT-OSS): gate clamped to at most model.moe_swiglu_limit and up to within +-limit,
+    then (up + 1) * gate * sigmoid(model.moe_swiglu_alpha * gate). Shared experts and
+    dense layers keep SwiGLU."""
+    moe_swiglu_limit: float = 7.0
+    """'clamped_swiglu': the clamp on the gate (above) and on up (both sides); > 0 and at
+    most 1e6."""
+    moe_swiglu_alpha: float = 1.702
+    """'clamped_swiglu': the gain inside the gate's sigmoid; > 0 and at most 1e3."""
+    rope_scaling: str = "none"
+    """How RoPE's frequencies are stretched past the length a model was trained at.
+    'none': plain RoPE. 'yarn' (GPT-OSS, DeepSeek-V3): YaRN, the low frequencies divided
+    by model.rope_scaling_factor, the high ones kept, a ramp between them (the
+    model.rope_yarn_beta_* rotations over model.rope_original_max_seq_len), and the cos
+    and sin tables scaled by 0.1 * ln(factor) + 1."""
+    rope_scaling_factor: float = 1.0
+    """How many times the trained context RoPE scaling stretches; 1 with
+    model.rope_scaling 'none', >= 1 and at most 1e4 otherwise."""
+    rope_original_max_seq_len: int = 0
+    """The context length the model was pre-trained at before scaling (Hugging Face's
+    ``original_max_position_embeddings``), in tokens; 0 with model.rope_scaling 'none',
+    1 to 2**31 - 1 for 'yarn'."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations over the original length above which a frequency is kept as it is
+    (Hugging Face's ``beta_fast``); > 0."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is fully divided by the factor
+    (``beta_slow``); > 0 and below model.rope_yarn_beta_fast."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the ramp's ends to whole channels (Hugging Face's ``truncate``, true
+    unless a config says otherwise; GPT-OSS says false)."""
+
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
             check_positive(f"model.{name}", getattr(self, name), MAX_SIZE)
@@ -161,6 +212,7 @@ class ModelConfig:
         self._check_heads()
         check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
         check_choice("model.norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        self._check_rope_scaling()
 
     def _check_heads(self) -> None:
         """The head size: explicit and even, or derived from a width n_heads divides into
@@ -227,6 +279,9 @@ class ModelConfig:
         check_choice("model.moe_aux_loss_level", self.moe_aux_loss_level, MOE_AUX_LEVELS)
         check_at_least("model.moe_bias_update_rate", self.moe_bias_update_rate, 0.0, 1.0)
         check_choice("model.moe_bias_schedule", self.moe_bias_schedule, MOE_BIAS_SCHEDULES)
+        check_choice("model.moe_activation", self.moe_activation, MOE_ACTIVATIONS)
+        check_positive("model.moe_swiglu_limit", self.moe_swiglu_limit, 1e6)
+        check_positive("model.moe_swiglu_alpha", self.moe_swiglu_alpha, 1e3)
 
     def _check_windows(self) -> None:
         """Rules of the sliding-window fields: a window that some layer uses, chosen by
@@ -247,6 +302,32 @@ class ModelConfig:
                 pattern,
                 "0 when model.sliding_window is 0",
                 "set model.sliding_window to the window's length in tokens",
+            )
+
+    def _check_rope_scaling(self) -> None:
+        """Rules of RoPE scaling: its parameters at their defaults without it, and a
+        factor, an original length and a ramp that mean something with it."""
+        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling == "none":
+            for name, unset in (("rope_scaling_factor", 1.0), ("rope_original_max_seq_len", 0)):
+                if getattr(self, name) != unset:
+                    raise ConfigError(
+                        f"model.{name}",
+                        getattr(self, name),
+                        f"{unset!r} when model.rope_scaling is 'none'",
+                        "set model.rope_scaling to the scaling it belongs to",
+                    )
+            return
+        check_in_range("model.rope_scaling_factor", self.rope_scaling_factor, 1.0, 1e4)
+        check_positive("model.rope_original_max_seq_len", self.rope_original_max_seq_len, MAX_SIZE)
+        check_positive("model.rope_yarn_beta_fast", self.rope_yarn_beta_fast, 1e6)
+        check_positive("model.rope_yarn_beta_slow", self.rope_yarn_beta_slow, 1e6)
+        if self.rope_yarn_beta_slow >= self.rope_yarn_beta_fast:
+            raise ConfigError(
+                "model.rope_yarn_beta_slow",
+                self.rope_yarn_beta_slow,
+                f"< model.rope_yarn_beta_fast = {self.rope_yarn_beta_fast}",
+                "the ramp runs from the fast rotations down to the slow ones",
             )
 
     def _check_layer_types(self) -> None:
@@ -313,11 +394,13 @@ class ModelConfig:
         """Exact parameter count of the decoder this config builds, a tied matrix once.
 
         Counts what kempnerforge.model.transformer creates, without building it: the token
-        embedding, per block the bias-free attention projections (wq and wo dim x n_heads *
-        head_dim, wk and wv dim x kv_heads * head_dim), the query and key norms' gains
-        (model.qk_norm), the feed-forward (three SwiGLU matrices dim x hidden_dim; in an
-        MoE block the router dim x num_experts plus every routed and shared expert's three
-        matrices), two RMSNorm gains, then the final norm and the output head unless tied.
+        embedding, per block the attention projections (wq and wo dim x n_heads *
+        head_dim, wk and wv dim x kv_heads * head_dim, their biases with
+        model.attention_bias), the sinks (one per head, model.attention_sinks), the query
+        and key norms' gains (model.qk_norm), the feed-forward (three SwiGLU matrices dim
+        x hidden_dim; in an MoE block the router dim x num_experts, its bias, plus every
+        routed and shared expert's three matrices and a routed expert's biases), two
+        RMSNorm gains, then the final norm and the output head unless tied.
         Cheap enough to size memory at build time before any tensor exists.
         """
         return self._count_params(active=False)
@@ -332,6 +415,10 @@ class ModelConfig:
         q_width = self.n_heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
         attention = 2 * self.dim * q_width + 2 * self.dim * kv_width
+        if self.attention_bias:
+            attention += q_width + 2 * kv_width + self.dim
+        if self.attention_sinks:
+            attention += self.n_heads
         if self.qk_norm == "per_head":
             attention += 2 * self.head_dim
         elif self.qk_norm == "projection":
@@ -340,6 +427,10 @@ class ModelConfig:
         expert = 3 * self.dim * self.expert_hidden_dim
         routed = self.moe_top_k if active else self.num_experts
         moe_ffn = self.dim * self.num_experts + (routed + self.moe_shared_experts) * expert
+        if self.moe_router_bias:
+            moe_ffn += self.num_experts
+        if self.moe_expert_bias:
+            moe_ffn += routed * (2 * self.expert_hidden_dim + self.dim)
         blocks = 0
         for index in range(self.n_layers):
             ffn = moe_ffn if self.is_moe_layer(index) else dense_ffn

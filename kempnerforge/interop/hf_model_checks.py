@@ -39,6 +39,19 @@ ARCH_FIELDS = (
     "sliding_window",
     "sliding_window_pattern",
     "layer_types",
+    "attention_sinks",
+    "attention_bias",
+    "moe_router_bias",
+    "moe_expert_bias",
+    "moe_activation",
+    "moe_swiglu_limit",
+    "moe_swiglu_alpha",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_original_max_seq_len",
+    "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow",
+    "rope_yarn_truncate",
 )
 """ModelConfig fields that shape the weights or the function they compute."""
 TRAINING_FIELDS = (

@@ -115,11 +115,15 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fill_parameter(param: torch.Tensor, std: float | None, seed: int) -> None:
     """Fill ``param`` with normal(0, std), drawn tile by tile from generators derived from
-    ``seed`` (ones when std is None); a DTensor draws only the tiles of its own shard, so
+    ``seed`` (ones when std is None, zeros when it is 0); a DTensor draws only the tiles of
+    its own shard, so
     it holds its slice of the values the unsharded parameter gets."""
     local = _local(param)
     if std is None:
         local.fill_(1.0)
+        return
+    if std == 0.0:  # biases and sinks start at zero
+        local.zero_()
         return
     fill_shard(local, param.shape, local_indices(param), std, seed)
 
