@@ -141,8 +141,9 @@ def test_a_model_with_sinks_is_its_dense_kernel_forward_and_backward():
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
-        for layer in model.layers.values():
-            layer.attention.sinks.normal_(2.0, 1.0)
+        for name, param in model.named_parameters():
+            if name.endswith("attention.sinks"):
+                param.normal_(2.0, 1.0)
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
     doc_ids = torch.tensor([[0] * 25 + [1] * 15, [0] * 40])
     results = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -148,8 +149,11 @@ def test_other_architectures_refuse_what_only_gpt_oss_computes(field):
     """A dense model with sinks, biases or YaRN is no Llama, Mistral, Qwen3 or OLMo 2:
     export names the field instead of dropping it."""
     value = {"rope_scaling": "yarn"}.get(field, True)
-    extra = dict(rope_scaling_factor=4.0, rope_original_max_seq_len=16) if value == "yarn" else {}
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, **{field: value}, **extra)
+    fields: dict[str, Any] = dict(dim=32, n_layers=2, n_heads=4)
+    fields[field] = value
+    if value == "yarn":
+        fields.update(rope_scaling_factor=4.0, rope_original_max_seq_len=16)
+    cfg = ModelConfig(**fields)
     with pytest.raises(ConfigError) as info:
         ARCHITECTURES.for_config(cfg)
     assert info.value.field == f"model.{field}"
