@@ -114,7 +114,8 @@ def check_moe(work: Path, dry_run: bool) -> Result:
     }
 
 
-# The decoder options of the open families (docs/interop.md), each on the debug config.
+# The decoder options of the open families (docs/interop.md), each on the debug config
+# (an MoE family on the MoE one).
 FAMILY_CASES = {
     "qwen3": ["--model.qk_norm=per_head", "--model.head_size=64", "--model.n_kv_heads=2"],
     "mistral": ["--model.sliding_window=128", "--model.n_kv_heads=2"],
@@ -127,17 +128,37 @@ FAMILY_CASES = {
         *("--model.rope_local_theta=10000", "--model.rope_scaling=linear"),
         "--model.rope_scaling_factor=8",
     ],
+    # Sinks through FlexAttention's log-sum-exp (causal layers too), biases, YaRN, the
+    # biased clamped experts through the grouped matmul.
+    "gpt_oss": [
+        *("--model.attention_sinks=true", "--model.attention_bias=true"),
+        *("--model.head_size=64", "--model.n_kv_heads=2"),
+        *("--model.sliding_window=128", "--model.sliding_window_pattern=2"),
+        *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=32"),
+        "--model.rope_original_max_seq_len=4096",
+        *("--model.moe_router_bias=true", "--model.moe_expert_bias=true"),
+        "--model.moe_activation=clamped_swiglu",
+    ],
 }
+MOE_FAMILIES = {"gpt_oss"}
+"""The families whose every layer is MoE: they start from debug_moe.toml."""
 
 
 def check_families(work: Path, dry_run: bool) -> Result:
     """Each open family's decoder options through `kempnerforge train` (query and key norms
     per head or over the projection, norms after each sublayer, a sliding window on every
     layer, Gemma 3's sandwich of zero-centred norms with GeGLU and a RoPE per kind of
-    layer): each case trains with finite losses."""
+    layer, GPT-OSS's sinks, biases, YaRN and clamped experts): each case trains with
+    finite losses."""
     steps = 4 if dry_run else 20
     return {
-        name: trains("debug.toml", work / name, steps, dry_run, *extra)
+        name: trains(
+            "debug_moe.toml" if name in MOE_FAMILIES else "debug.toml",
+            work / name,
+            steps,
+            dry_run,
+            *extra,
+        )
         for name, extra in FAMILY_CASES.items()
     }
 

@@ -10,6 +10,7 @@ from kempnerforge.config.checks import (
     MAX_SIZE,
     check_at_least,
     check_choice,
+    check_in_range,
     check_positive,
 )
 from kempnerforge.core.errors import ConfigError
@@ -25,7 +26,9 @@ NORM_PLACEMENTS = ("pre", "post", "sandwich")
 """model.norm_placement's choices."""
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 """model.ffn_activation's choices: the gate's nonlinearity in the gated feed-forward."""
-ROPE_SCALINGS = ("none", "linear")
+MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+"""model.moe_activation's choices."""
+ROPE_SCALINGS = ("none", "linear", "yarn")
 """model.rope_scaling's choices."""
 MAX_MULTIPLIER = 1e4
 """Largest model.embedding_multiplier: sqrt of a width of 1e8 channels."""
@@ -153,12 +156,53 @@ class ModelConfig:
     """The token embedding's output is multiplied by this, rounded to the activations'
     dtype first (Gemma: sqrt(dim), which bf16 rounds, e.g. 55.43 to 55.5 at width 3072).
     > 0 and at most 1e4."""
+    attention_sinks: bool = False
+    """A learned sink logit per query head (GPT-OSS): one more entry in each softmax
+    denominator whose value is zero, so a head may attend to nothing. Under tensor
+    parallelism the sinks are split with the heads."""
+    attention_bias: bool = False
+    """Biases on the query, key, value and output projections (Hugging Face's
+    ``attention_bias``: GPT-OSS, Qwen2)."""
+    moe_router_bias: bool = False
+    """A bias on the router's logits, one per expert, learned like its weights (GPT-OSS);
+    not the sigmoid router's balancing bias."""
+    moe_expert_bias: bool = False
+    """Biases on the routed experts' gate, up and down projections (GPT-OSS); the down
+    bias is weighted by the gate like the rest of the expert's output."""
+    moe_activation: str = "swiglu"
+    """The routed experts' gated activation. 'swiglu': silu(gate) * up. 'clamped_swiglu'
+    (GPT-OSS): gate clamped to at most model.moe_swiglu_limit and up to within +-limit,
+    then (up + 1) * gate * sigmoid(model.moe_swiglu_alpha * gate). Shared experts and
+    dense layers keep SwiGLU."""
+    moe_swiglu_limit: float = 7.0
+    """'clamped_swiglu': the clamp on the gate (above) and on up (both sides); > 0 and at
+    most 1e6."""
+    moe_swiglu_alpha: float = 1.702
+    """'clamped_swiglu': the gain inside the gate's sigmoid; > 0 and at most 1e3."""
     rope_scaling: str = "none"
-    """RoPE's frequency scaling for contexts past the trained length. 'linear': every
-    inverse frequency divided by model.rope_scaling_factor (positions interpolated;
-    Gemma 3's global layers, factor 8). 'none': plain RoPE."""
+    """How RoPE's frequencies are stretched past the length a model was trained at.
+    'none': plain RoPE. 'linear': every inverse frequency divided by
+    model.rope_scaling_factor (positions interpolated; Gemma 3's global layers, factor
+    8). 'yarn' (GPT-OSS, DeepSeek-V3): YaRN, the low frequencies divided by
+    model.rope_scaling_factor, the high ones kept, a ramp between them (the
+    model.rope_yarn_beta_* rotations over model.rope_original_max_seq_len), and the cos
+    and sin tables scaled by 0.1 * ln(factor) + 1."""
     rope_scaling_factor: float = 1.0
-    """The factor of model.rope_scaling; 1 when it is 'none'. > 0 and at most 1e4."""
+    """How many times the trained context RoPE scaling stretches; 1 with
+    model.rope_scaling 'none', >= 1 and at most 1e4 otherwise."""
+    rope_original_max_seq_len: int = 0
+    """The context length the model was pre-trained at before scaling (Hugging Face's
+    ``original_max_position_embeddings``), in tokens; 0 with model.rope_scaling 'none',
+    1 to 2**31 - 1 for 'yarn'."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations over the original length above which a frequency is kept as it is
+    (Hugging Face's ``beta_fast``); > 0."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is fully divided by the factor
+    (``beta_slow``); > 0 and below model.rope_yarn_beta_fast."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the ramp's ends to whole channels (Hugging Face's ``truncate``, true
+    unless a config says otherwise; GPT-OSS says false)."""
     rope_local_theta: float = 0.0
     """RoPE base of the sliding-window layers, without model.rope_scaling (Gemma 3's
     rope_local_base_freq, 10000, beside a global rope_theta of 1e6); > 0 needs sliding
@@ -201,7 +245,8 @@ class ModelConfig:
         self._check_gemma_options()
 
     def _check_gemma_options(self) -> None:
-        """Rules of the activation, attention scale, embedding multiplier and RoPE fields."""
+        """Rules of the activation, attention scale, embedding multiplier and RoPE fields
+        (Gemma 3's, and RoPE scaling)."""
         check_choice("model.ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
         if self.is_moe and self.ffn_activation != "silu":
             raise ConfigError(
@@ -213,15 +258,7 @@ class ModelConfig:
         if self.attention_scale_size is not None:
             check_positive("model.attention_scale_size", self.attention_scale_size, MAX_SIZE)
         check_positive("model.embedding_multiplier", self.embedding_multiplier, MAX_MULTIPLIER)
-        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-        check_positive("model.rope_scaling_factor", self.rope_scaling_factor, MAX_MULTIPLIER)
-        if self.rope_scaling == "none" and self.rope_scaling_factor != 1.0:
-            raise ConfigError(
-                "model.rope_scaling_factor",
-                self.rope_scaling_factor,
-                "1.0 when model.rope_scaling is 'none'",
-                "set model.rope_scaling (e.g. 'linear') for the factor to apply",
-            )
+        self._check_rope_scaling()
         check_at_least("model.rope_local_theta", self.rope_local_theta, 0.0, 1e10)
         sliding = any(self.layer_window(i) for i in range(self.n_layers))
         if self.rope_local_theta and not sliding:
@@ -297,6 +334,9 @@ class ModelConfig:
         check_choice("model.moe_aux_loss_level", self.moe_aux_loss_level, MOE_AUX_LEVELS)
         check_at_least("model.moe_bias_update_rate", self.moe_bias_update_rate, 0.0, 1.0)
         check_choice("model.moe_bias_schedule", self.moe_bias_schedule, MOE_BIAS_SCHEDULES)
+        check_choice("model.moe_activation", self.moe_activation, MOE_ACTIVATIONS)
+        check_positive("model.moe_swiglu_limit", self.moe_swiglu_limit, 1e6)
+        check_positive("model.moe_swiglu_alpha", self.moe_swiglu_alpha, 1e3)
 
     def _check_windows(self) -> None:
         """Rules of the sliding-window fields: a window that some layer uses, chosen by
@@ -317,6 +357,41 @@ class ModelConfig:
                 pattern,
                 "0 when model.sliding_window is 0",
                 "set model.sliding_window to the window's length in tokens",
+            )
+
+    def _check_rope_scaling(self) -> None:
+        """Rules of RoPE scaling: its parameters at their defaults without it, and a
+        factor, an original length and a ramp that mean something with it."""
+        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling == "none":
+            for name, unset in (("rope_scaling_factor", 1.0), ("rope_original_max_seq_len", 0)):
+                if getattr(self, name) != unset:
+                    raise ConfigError(
+                        f"model.{name}",
+                        getattr(self, name),
+                        f"{unset!r} when model.rope_scaling is 'none'",
+                        "set model.rope_scaling to the scaling it belongs to",
+                    )
+            return
+        check_in_range("model.rope_scaling_factor", self.rope_scaling_factor, 1.0, 1e4)
+        if self.rope_scaling != "yarn":
+            if self.rope_original_max_seq_len:
+                raise ConfigError(
+                    "model.rope_original_max_seq_len",
+                    self.rope_original_max_seq_len,
+                    f"0 when model.rope_scaling is {self.rope_scaling!r}",
+                    "only YaRN reads the original length",
+                )
+            return
+        check_positive("model.rope_original_max_seq_len", self.rope_original_max_seq_len, MAX_SIZE)
+        check_positive("model.rope_yarn_beta_fast", self.rope_yarn_beta_fast, 1e6)
+        check_positive("model.rope_yarn_beta_slow", self.rope_yarn_beta_slow, 1e6)
+        if self.rope_yarn_beta_slow >= self.rope_yarn_beta_fast:
+            raise ConfigError(
+                "model.rope_yarn_beta_slow",
+                self.rope_yarn_beta_slow,
+                f"< model.rope_yarn_beta_fast = {self.rope_yarn_beta_fast}",
+                "the ramp runs from the fast rotations down to the slow ones",
             )
 
     def _check_layer_types(self) -> None:
@@ -399,12 +474,14 @@ class ModelConfig:
         """Exact parameter count of the decoder this config builds, a tied matrix once.
 
         Counts what kempnerforge.model.transformer creates, without building it: the token
-        embedding, per block the bias-free attention projections (wq and wo dim x n_heads *
-        head_dim, wk and wv dim x kv_heads * head_dim), the query and key norms' gains
-        (model.qk_norm), the feed-forward (three SwiGLU matrices dim x hidden_dim; in an
-        MoE block the router dim x num_experts plus every routed and shared expert's three
-        matrices), two RMSNorm gains (four for model.norm_placement = 'sandwich'), then
-        the final norm and the output head unless tied.
+        embedding, per block the attention projections (wq and wo dim x n_heads *
+        head_dim, wk and wv dim x kv_heads * head_dim, their biases with
+        model.attention_bias), the sinks (one per head, model.attention_sinks), the query
+        and key norms' gains (model.qk_norm), the feed-forward (three SwiGLU matrices dim
+        x hidden_dim; in an MoE block the router dim x num_experts, its bias, plus every
+        routed and shared expert's three matrices and a routed expert's biases), two
+        RMSNorm gains (four for model.norm_placement = 'sandwich'), then the final norm
+        and the output head unless tied.
         Cheap enough to size memory at build time before any tensor exists.
         """
         return self._count_params(active=False)
@@ -419,6 +496,10 @@ class ModelConfig:
         q_width = self.n_heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
         attention = 2 * self.dim * q_width + 2 * self.dim * kv_width
+        if self.attention_bias:
+            attention += q_width + 2 * kv_width + self.dim
+        if self.attention_sinks:
+            attention += self.n_heads
         if self.qk_norm == "per_head":
             attention += 2 * self.head_dim
         elif self.qk_norm == "projection":
@@ -427,6 +508,10 @@ class ModelConfig:
         expert = 3 * self.dim * self.expert_hidden_dim
         routed = self.moe_top_k if active else self.num_experts
         moe_ffn = self.dim * self.num_experts + (routed + self.moe_shared_experts) * expert
+        if self.moe_router_bias:
+            moe_ffn += self.num_experts
+        if self.moe_expert_bias:
+            moe_ffn += routed * (2 * self.expert_hidden_dim + self.dim)
         blocks = 0
         for index in range(self.n_layers):
             ffn = moe_ffn if self.is_moe_layer(index) else dense_ffn

@@ -36,8 +36,10 @@ def apply_tp(
 
     Attention wq/wk/wv and feed-forward w1/w3 split their output features (column-wise),
     wo and w2 their input features (row-wise), so each block needs one reduction after
-    attention and one after the feed-forward. Query and key norms (model.qk_norm) follow
-    the heads they normalise (block_plan). The embedding is split by vocabulary rows
+    attention and one after the feed-forward; column-wise biases (model.attention_bias)
+    split with their features, the row-wise wo's bias is whole and added once, after
+    the reduction. Query and key norms (model.qk_norm) and attention sinks follow the
+    heads they belong to (block_plan, shard_sinks). The embedding is split by vocabulary rows
     and the head by vocabulary columns (unevenly when tp does not divide the vocabulary);
     the head's own forward gathers whole logits, while the model's loss from labels is
     vocabulary-parallel (model/heads/vocab_parallel_loss.py). A tied embedding stays one
@@ -55,8 +57,20 @@ def apply_tp(
         sequence_parallel = all(has_both_ends(stage) for stage in stages)
     for _, block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
+        shard_sinks(block, tp_mesh)
     for stage in stages:
         _apply_tp_to_ends(stage, tp_mesh, sequence_parallel)
+
+
+def shard_sinks(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split a block's attention sinks (model.attention_sinks, one per query head) over
+    ``tp_mesh`` as its query heads are: rank r holds the sinks of the heads its share of
+    wq projects (Attention.local_sinks reads them)."""
+    for module in block.modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, nn.Parameter) and not isinstance(sinks, DTensor):
+            sharded = nn.Parameter(distribute_tensor(sinks.data, tp_mesh, [Shard(0)]))
+            module.register_parameter("sinks", sharded)
 
 
 def has_both_ends(stage: DecoderStack) -> bool:

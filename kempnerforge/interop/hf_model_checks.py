@@ -43,9 +43,20 @@ ARCH_FIELDS = (
     "ffn_activation",
     "attention_scale_size",
     "embedding_multiplier",
+    "rope_local_theta",
+    "attention_sinks",
+    "attention_bias",
+    "moe_router_bias",
+    "moe_expert_bias",
+    "moe_activation",
+    "moe_swiglu_limit",
+    "moe_swiglu_alpha",
     "rope_scaling",
     "rope_scaling_factor",
-    "rope_local_theta",
+    "rope_original_max_seq_len",
+    "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow",
+    "rope_yarn_truncate",
 )
 """ModelConfig fields that shape the weights or the function they compute."""
 TRAINING_FIELDS = (

@@ -13,6 +13,7 @@ from kempnerforge.model.attention import (
     Attention,
     LayerMask,
     MaskRule,
+    RopeScaling,
     SequenceSplit,
     active_split,
     prepare_masks,
@@ -292,7 +293,8 @@ class Transformer(FamilyModel):
         indices = list(self.layers)
         rules = [MaskRule(documents, self.cfg.layer_window(int(i))) for i in indices]
         kernel = self.attention_kernel
-        masks = prepare_masks(rules, doc_ids, batch, whole, device, kernel, ring)
+        lse = self.cfg.attention_sinks  # sinks need every kernel's log-sum-exp
+        masks = prepare_masks(rules, doc_ids, batch, whole, device, kernel, ring, lse=lse)
         return dict(zip(indices, masks, strict=True))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -405,16 +407,8 @@ def model_rope_tables(
     """The (cos, sin) table of each RoPE kind of ``cfg`` (ModelConfig.layer_rope): the
     global one (model.rope_theta with model.rope_scaling), then, with
     model.rope_local_theta, the sliding layers' (unscaled)."""
-    tables = [
-        rope_tables(
-            cfg.head_dim,
-            cfg.max_seq_len,
-            cfg.rope_theta,
-            device,
-            scaling=cfg.rope_scaling,
-            factor=cfg.rope_scaling_factor,
-        )
-    ]
+    scaling = RopeScaling.of(cfg)
+    tables = [rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)]
     if cfg.rope_local_theta:
         tables.append(rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, device))
     return tables
@@ -424,11 +418,14 @@ def init_std(cfg: ModelConfig, name: str) -> float | None:
     """The normal std a block-style parameter ``name`` is drawn with; None for a norm gain.
 
     init_std for the embedding and every projection, init_std / sqrt(2 * n_layers) for the
-    projections that write the residual stream, ones for norm gains. Shared by the decoder
-    and by any block built like its blocks (gated cross-attention).
+    projections that write the residual stream, ones for norm gains, 0 (zeros) for
+    biases and attention sinks (a sink of 0 starts as one more key of logit 0). Shared by
+    the decoder and by any block built like its blocks (gated cross-attention).
     """
     if name.endswith("norm.weight"):
         return None
+    if name.endswith((".bias", "attention.sinks", "experts.b1", "experts.b3", "experts.b2")):
+        return 0.0
     if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
         # The projections that write the residual stream (dense, shared and routed
         # experts' down projections): its variance at init must not grow with depth.

@@ -118,11 +118,14 @@ def fill_parameter(
 ) -> None:
     """Fill ``param`` with normal(0, std), drawn tile by tile from generators derived from
     ``seed`` (with ``constant`` when std is None: 1 for a norm gain, 0 for a zero-centred
-    one); a DTensor draws only the tiles of its own shard, so it holds its slice of the
-    values the unsharded parameter gets."""
+    one; zeros when std is 0); a DTensor draws only the tiles of its own shard, so it holds
+    its slice of the values the unsharded parameter gets."""
     local = _local(param)
     if std is None:
         local.fill_(constant)
+        return
+    if std == 0.0:  # biases and sinks start at zero
+        local.zero_()
         return
     fill_shard(local, param.shape, local_indices(param), std, seed)
 

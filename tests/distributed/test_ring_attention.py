@@ -230,3 +230,67 @@ def test_alternating_sliding_and_full_layers_over_documents_under_a_ring_are_one
             grads, whole = record["grads"]
             for name, grad in grads.items():
                 assert_reordered_close(grad, whole[name], terms=grad_terms)
+
+
+SINK_CASES = [(2, 2, True, 6), (2, 4, False, 0)]
+"""(ring, kv_heads, documents, window) of the sink cases, on 2 ranks."""
+
+
+def _sink_case(rank: int, world_size: int, ring: int, kv: int, docs: bool, window: int) -> dict:
+    """Ring attention with attention sinks against float64 attention over the whole
+    sequence with one more key per head (logit the head's sink, value zero): output, q,
+    k, v gradients of this rank's rows, and this rank's share of the sinks' gradient."""
+    generator = torch.Generator().manual_seed(7 + ring * 100 + kv * 10 + window)
+    q = torch.randn(BATCH, SEQ, HEADS, HEAD_DIM, generator=generator)
+    k, v = (torch.randn(BATCH, SEQ, kv, HEAD_DIM, generator=generator) for _ in range(2))
+    sinks = 2.0 + 2.0 * torch.randn(HEADS, generator=generator)
+    grad = torch.randn(BATCH, SEQ, HEADS, HEAD_DIM, generator=generator)
+    starts = torch.rand(BATCH, SEQ, generator=generator) < 1 / 12
+    ids = torch.cumsum(starts.long(), 1) if docs else None
+    rule = MaskRule(documents=docs, window=window)
+    seen = dense_mask(rule, ids, (0, SEQ), (0, SEQ))
+    whole = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    wq, wk, wv, ws = whole
+    keys = wk.repeat_interleave(HEADS // kv, 2).transpose(1, 2)
+    values = wv.repeat_interleave(HEADS // kv, 2).transpose(1, 2)
+    scores = (wq.transpose(1, 2) @ keys.mT / math.sqrt(HEAD_DIM)).masked_fill(~seen, -math.inf)
+    sink = ws[None, :, None, None].expand(*scores.shape[:3], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    want = (probs @ values).transpose(1, 2)
+    want.backward(grad.double())
+
+    split = _split(rank, world_size, ring)
+    mine = torch.cat([torch.arange(a, b) for a, b in held_spans(rank, world_size, SEQ, ring)])
+    local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
+    local_sinks = sinks.clone().requires_grad_()
+    (ring_mask,) = prepare_masks([rule], ids, BATCH, SEQ, torch.device("cpu"), ring=ring)
+    out = ring_attention(*local, split, ring_mask, local_sinks)
+    out.backward(grad[:, mine])
+    pairs = {"out": (out.detach(), want.detach()[:, mine])}
+    for name, got, reference in zip("qkv", local, whole[:3], strict=True):
+        pairs[f"d{name}"] = (got.grad, reference.grad[:, mine])
+    max_score = float(scores.detach().abs().nan_to_num(posinf=0).max())
+    return {"pairs": pairs, "d_sinks": (local_sinks.grad, ws.grad), "max_score": max_score}
+
+
+def _every_sink_case(rank: int, world_size: int) -> list[dict]:
+    return [_sink_case(rank, world_size, *case) for case in SINK_CASES]
+
+
+def test_ring_attention_with_sinks_is_one_process_attention_with_a_null_key():
+    """The sink is one more term of the merged log-sum-exp: each rank's rows and q, k, v
+    gradients equal one process's, and the ranks' sink gradients sum to its own."""
+    records = run_distributed(_every_sink_case, 2)
+    for index, case in enumerate(SINK_CASES):
+        terms = _attention_terms(max(r[index]["max_score"] for r in records), case[0])
+        for record in records:
+            for name, (got, want) in record[index]["pairs"].items():
+                try:
+                    assert_reordered_close(got, want.float(), terms=terms, dtype=torch.float32)
+                except AssertionError as e:
+                    raise AssertionError(f"ring, kv, docs, window = {case}: {name}: {e}") from e
+        got = sum(record[index]["d_sinks"][0] for record in records)
+        want = records[0][index]["d_sinks"][1]
+        # Every row's dy . y (HEAD_DIM terms) summed over both ranks' rows.
+        sink_terms = terms + HEAD_DIM + BATCH * SEQ
+        assert_reordered_close(got, want.float(), terms=sink_terms, dtype=torch.float32)

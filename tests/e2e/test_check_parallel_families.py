@@ -67,6 +67,23 @@ FAMILIES = {
         config=DEBUG_MOE,
         worlds=MOE_WORLDS,
     ),
+    # GPT-OSS over the debug MoE's 8 experts (top-2): biased projections and a sink per
+    # head, a window of 8 on every other layer, YaRN RoPE, a biased router and biased
+    # experts with a clamped SwiGLU whose clamp binds; its experts split under ep.
+    "gpt_oss": Family(
+        [
+            *("--model.attention_sinks=true", "--model.attention_bias=true"),
+            *("--model.head_size=32", "--model.n_kv_heads=2"),
+            *("--model.sliding_window=8", "--model.sliding_window_pattern=2"),
+            *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=4"),
+            "--model.rope_original_max_seq_len=16",
+            *("--model.moe_router_bias=true", "--model.moe_expert_bias=true"),
+            *("--model.moe_activation=clamped_swiglu", "--model.moe_swiglu_limit=0.5"),
+            "--model.moe_expert_hidden_dim=32",
+        ],
+        config=DEBUG_MOE,
+        worlds=MOE_WORLDS,
+    ),
 }
 
 

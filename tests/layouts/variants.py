@@ -4,11 +4,11 @@ without gradient accumulation (document masking on, as the debug configs have it
 12 micro-batches (a multiple of every pp up to 4 and enough for DualPipeV at pp = 4;
 document masking off, so these cover the unmasked path); sliding windows in every
 other layer over packed documents with 12 micro-batches (document masking on: pipeline
-stages carry the document ids); and the dense config with query and key norms per head
-(Qwen3). Sizes are tiny
-so a run takes seconds: 8 layers (a stage each at pp = 4 with 2 stages per rank), a batch
-of 12 (divided by every data-parallel degree up to 4) and a sequence that cp up to 4
-divides, also into the 2 x ring chunks of every ring."""
+stages carry the document ids); the dense config with query and key norms per head
+(Qwen3); and attention sinks with biased projections and YaRN over those windows
+(GPT-OSS). Sizes are tiny so a run takes seconds: 8 layers (a stage each at pp = 4 with
+2 stages per rank), a batch of 12 (divided by every data-parallel degree up to 4) and a
+sequence that cp up to 4 divides, also into the 2 x ring chunks of every ring."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ _MOE = [*_DENSE, "--model.moe_expert_hidden_dim=32"]
 _QK_HEAD = ["--model.qk_norm=per_head", "--model.head_size=32"]
 # Windows of 16 of the 48 positions in every other layer (Gemma 2, GPT-OSS).
 _WINDOWS = ["--model.sliding_window=16", "--model.sliding_window_pattern=2"]
+# GPT-OSS's attention: a sink per head and biases on every projection, with YaRN RoPE; over
+# the windows above, dense so that tp (which splits the sinks with the heads) is swept too.
+_SINKS = [
+    *("--model.attention_sinks=true", "--model.attention_bias=true"),
+    *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=4"),
+    "--model.rope_original_max_seq_len=16",
+]
 # The joint decoder's sequence is the image's 16 tokens and 32 of text: 48; cross-attention
 # splits the 32 text tokens. cp up to 4 divides both.
 _VLM = [*_TINY, "--vlm.max_text_len=32"]
@@ -45,6 +52,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "qk-norm-head": (
         "configs/train/debug.toml",
         [*_DENSE, "--model.n_kv_heads=4", *_QK_HEAD, *_NO_ACCUM],
+    ),
+    "sinks-window": (
+        "configs/train/debug.toml",
+        [*_DENSE, "--model.n_kv_heads=2", *_WINDOWS, *_SINKS, *_NO_ACCUM],
     ),
     "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),

@@ -41,16 +41,29 @@ HF_TINY: dict[str, Any] = dict(
 widely (far from 0, so a wrong mapping shows far above the tolerance)."""
 
 
-def make_hf_folder(config_cls: type, model_cls: type, folder: Path, **keys: Any) -> nn.Module:
+MOVED = {"norm": 0.3}
+"""Parameters moved off their constant init by make_hf_folder: a name fragment and the
+std of the noise added (norm gains, which start at 1)."""
+
+
+def make_hf_folder(
+    config_cls: type,
+    model_cls: type,
+    folder: Path,
+    moved: dict[str, float] = MOVED,
+    **keys: Any,
+) -> nn.Module:
     """Build ``model_cls`` from ``config_cls(**HF_TINY, **keys)`` with seed 0, move every
-    norm gain off 1, save it to ``folder`` and return it in eval mode."""
+    parameter ``moved`` names off its init (by default the norm gains off 1; a family
+    adds its biases, which start at 0), save it to ``folder`` and return it in eval mode."""
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**HF_TINY, **keys})).eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+            for fragment, std in moved.items():
+                if fragment in name:
+                    param.add_(std * torch.randn(param.shape, generator=generator))
     model.save_pretrained(folder)
     return model
 

@@ -81,6 +81,8 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     (dim) and out (its hidden width, plus top_k and a shared expert summed per token in an
     MoE block). Then the final norm and the head (dim
     each) and the loss's softmax (vocab). The backward runs the same chain back: twice.
+    A projection's bias (model.attention_bias, model.moe_expert_bias) is one more term of
+    its sum, a sink (model.attention_sinks) one more of the softmax's normaliser.
     """
     if cfg.is_moe:
         # The widest expert (the shared one is moe_shared_experts experts wide), then the
@@ -94,6 +96,9 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     qk_norm = {"none": 0, "per_head": cfg.head_dim, "projection": heads_width}[cfg.qk_norm]
     block = 4 * cfg.dim + max(cfg.dim, heads_width) + qk_norm + cfg.head_dim + 2 * seq_len
     block += ffn_out
+    # One more term per biased projection on the chain (q, k or v; the output; the
+    # expert's two) and the sink in each softmax's normaliser.
+    block += 2 * cfg.attention_bias + 2 * cfg.moe_expert_bias + cfg.attention_sinks
     forward = cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size
     return 2 * forward if backward else forward
 

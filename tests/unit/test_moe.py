@@ -16,7 +16,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.mlp import SwiGLU
-from kempnerforge.model.moe.experts import grouped_swiglu, looped_swiglu
+from kempnerforge.model.moe.experts import ExpertActivation, grouped_swiglu, looped_swiglu
 from kempnerforge.model.moe.layer import MoEFeedForward, moe_layers
 from kempnerforge.model.moe.router_step import (
     add_micro_batch_router_losses,
@@ -329,6 +329,37 @@ def test_grouped_swiglu_matches_the_per_expert_loop_with_uneven_groups(compute: 
     for weight_grad in grads[1:]:  # the idle expert's slices get an exact zero gradient
         assert weight_grad[1].abs().sum() == 0
         assert weight_grad[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("compute", ["grouped_mm", "padded_bmm", "auto"])
+def test_biased_clamped_experts_match_the_loop_and_dropped_rows_stay_zero(compute: str) -> None:
+    """GPT-OSS's experts (model.moe_expert_bias, 'clamped_swiglu' with a clamp that binds)
+    in every compute path: each row gets its own expert's biases, and the two rows past
+    the groups (a capacity limit's drops) stay zero and give the biases no gradient."""
+    counts = torch.tensor([3, 0, 5, 1])
+    rows = random_tokens((11, DIM)).requires_grad_()
+    weights = expert_weights(4, 8)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(4, 8), (4, 8), (4, DIM)]
+    biases = [(torch.randn(s, generator=gen) * 0.3).requires_grad_() for s in shapes]
+    activation = ExpertActivation("clamped_swiglu", limit=0.3, alpha=1.702)
+    upstream = random_tokens((11, DIM), seed=4)
+
+    out = grouped_swiglu(
+        rows, counts, *weights, compute, biases=tuple(biases), activation=activation
+    )
+    assert out[9:].abs().sum() == 0
+    expected = looped_swiglu(
+        rows[:9], counts, *weights, biases=tuple(biases), activation=activation
+    )
+    assert_reordered_close(out[:9], expected, terms=expert_terms(8, grads=False) + 2)
+    inputs = [rows, *weights, *biases]
+    grads = torch.autograd.grad((out * upstream).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * upstream[:9]).sum(), inputs)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert_reordered_close(got, want, terms=expert_terms(8, grads=True) + 4)
+    for bias_grad in grads[4:]:  # the idle expert's biases get an exact zero gradient
+        assert bias_grad[1].abs().sum() == 0 and bias_grad[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("compute", ["grouped_mm", "padded_bmm"])

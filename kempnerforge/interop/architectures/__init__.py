@@ -6,7 +6,7 @@ Architecture record each, and ARCHITECTURES, the registry export and import ask.
 - registry.py: Architectures, the registry: by a folder's model_type for import, the first
   that represents a ModelConfig exactly for export.
 - llama.py, mistral.py, qwen3.py, olmo2.py, gemma3.py, mixtral.py, qwen2_moe.py,
-  qwen3_moe.py, glm4_moe.py: one architecture each.
+  qwen3_moe.py, glm4_moe.py, gpt_oss.py: one architecture each.
 - config_keys.py, tensor_names.py, moe_parts.py: what several architectures share (the
   common config.json keys and HFConfig's checked reads; Llama's tensor names and
   HFTensors; the expert layout and the reads of the MoE classes).
@@ -36,6 +36,7 @@ from kempnerforge.interop.architectures.config_keys import (
 )
 from kempnerforge.interop.architectures.gemma3 import GEMMA3
 from kempnerforge.interop.architectures.glm4_moe import GLM4_MOE
+from kempnerforge.interop.architectures.gpt_oss import GPT_OSS
 from kempnerforge.interop.architectures.llama import LLAMA
 from kempnerforge.interop.architectures.mistral import MISTRAL
 from kempnerforge.interop.architectures.mixtral import MIXTRAL
@@ -47,7 +48,7 @@ from kempnerforge.interop.architectures.registry import Architectures
 from kempnerforge.interop.architectures.tensor_names import HFTensors, shared_pairs
 
 ARCHITECTURES = Architectures(
-    LLAMA, MISTRAL, QWEN3, OLMO2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE
+    LLAMA, MISTRAL, QWEN3, OLMO2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE, GPT_OSS
 )
 """Every architecture export and import know, in export's order of preference: a model two
 of them represent is written as the earlier (a softmax top-2 MoE as Mixtral, a dense model
@@ -57,6 +58,7 @@ __all__ = [
     "ARCHITECTURES",
     "GEMMA3",
     "GLM4_MOE",
+    "GPT_OSS",
     "LLAMA",
     "MISTRAL",
     "MIXTRAL",

@@ -34,7 +34,7 @@ def common_config_json(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[st
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope_parameters_json(cfg),
         "hidden_act": "silu",
         "attention_dropout": 0.0,
         "initializer_range": cfg.init_std,
@@ -43,6 +43,23 @@ def common_config_json(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[st
         "dtype": "float32",
         "torch_dtype": "float32",
         **special_ids_json(special_ids),
+    }
+
+
+def rope_parameters_json(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's ``rope_parameters``: the base, and YaRN's parameters under
+    model.rope_scaling 'yarn' (its attention factor follows from the factor, so it is
+    not written)."""
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        "rope_type": cfg.rope_scaling,
+        "rope_theta": cfg.rope_theta,
+        "factor": cfg.rope_scaling_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        "beta_fast": cfg.rope_yarn_beta_fast,
+        "beta_slow": cfg.rope_yarn_beta_slow,
+        "truncate": cfg.rope_yarn_truncate,
     }
 
 
@@ -109,24 +126,36 @@ def check_model_type(hf: HFConfig, model_type: str, architecture: str) -> None:
         )
 
 
-def rope_theta(hf: HFConfig, partial_default: float = 1.0, theta_default: Any = 10000.0) -> float:
-    """The RoPE base; refuses RoPE scaling and partial rotation, which our RoPE lacks.
-
-    ``theta_default`` is used when config.json gives no base (None: required)."""
+def _rope_parameters(hf: HFConfig) -> tuple[str, dict[str, Any]]:
+    """(the key, its dict) of config.json's RoPE parameters: ``rope_parameters``
+    (transformers 5) or ``rope_scaling`` (earlier releases); an empty dict when neither."""
     params = hf.data.get("rope_parameters")
     scaling = hf.data.get("rope_scaling")
     if isinstance(params, dict):
-        key, found = "rope_parameters", params
-    elif isinstance(scaling, dict):
-        key, found = "rope_scaling", scaling
-    else:
-        key, found = "rope_parameters", {}
+        return "rope_parameters", params
+    if isinstance(scaling, dict):
+        return "rope_scaling", scaling
+    return "rope_parameters", {}
+
+
+def rope_theta(
+    hf: HFConfig,
+    partial_default: float = 1.0,
+    theta_default: Any = 10000.0,
+    scalings: tuple[str, ...] = (),
+) -> float:
+    """The RoPE base; refuses partial rotation, which our RoPE lacks, and RoPE scaling
+    other than ``scalings`` (the types the class reads and rope_scaling_fields takes).
+
+    ``theta_default`` is used when config.json gives no base (None: required)."""
+    key, found = _rope_parameters(hf)
     rope_type = found.get("rope_type", found.get("type", "default"))
-    if rope_type not in (None, "default"):
+    if rope_type not in (None, "default", *scalings):
+        supported = "".join(f" or {s!r}" for s in scalings)
         raise hf.error(
             key,
-            f"RoPE type {rope_type!r} is not supported: kempnerforge's RoPE is the plain "
-            "(default) one, without frequency scaling",
+            f"RoPE type {rope_type!r} is not supported: kempnerforge's RoPE here is the "
+            f"plain (default) one{supported}",
         )
     partial = found.get("partial_rotary_factor", hf.data.get("partial_rotary_factor"))
     if (partial_default if partial is None else partial) != 1.0:
@@ -141,6 +170,50 @@ def rope_theta(hf: HFConfig, partial_default: float = 1.0, theta_default: Any = 
     return float(theta)
 
 
+YARN_UNSUPPORTED = ("attention_factor", "mscale", "mscale_all_dim")
+"""YaRN keys that set the attention factor apart from the factor (DeepSeek's); our YaRN
+derives it from the factor alone, so a config.json giving one is refused."""
+
+
+def rope_scaling_fields(hf: HFConfig) -> dict[str, Any]:
+    """model.rope_scaling and its parameters from config.json's RoPE parameters (after
+    rope_theta accepted their type): none, or YaRN's factor (absent: the ratio of
+    max_position_embeddings to the original length, as transformers computes it),
+    original length, betas and truncation."""
+    key, found = _rope_parameters(hf)
+    rope_type = found.get("rope_type", found.get("type", "default"))
+    if rope_type in (None, "default"):
+        return {}
+    for name in YARN_UNSUPPORTED:
+        if found.get(name) is not None:
+            raise hf.error(
+                key,
+                f"{name} = {found[name]!r} is not supported: kempnerforge's YaRN derives "
+                "its attention factor from the factor alone",
+            )
+    original = found.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise hf.error(key, f"original_max_position_embeddings {original!r}: expected >= 1")
+    factor = found.get("factor")
+    if factor is None:
+        factor = hf.get_int("max_position_embeddings") / original
+    truncate = found.get("truncate")
+    return {
+        "rope_scaling": rope_type,
+        "rope_scaling_factor": _rope_number(hf, key, "factor", factor),
+        "rope_original_max_seq_len": original,
+        "rope_yarn_beta_fast": _rope_number(hf, key, "beta_fast", found.get("beta_fast") or 32.0),
+        "rope_yarn_beta_slow": _rope_number(hf, key, "beta_slow", found.get("beta_slow") or 1.0),
+        "rope_yarn_truncate": True if truncate is None else truncate is True,
+    }
+
+
+def _rope_number(hf: HFConfig, key: str, name: str, value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise hf.error(key, f"{name} {value!r}: expected a number")
+    return float(value)
+
+
 def common_model_fields(
     hf: HFConfig,
     *,
@@ -148,6 +221,7 @@ def common_model_fields(
     partial_default: float = 1.0,
     explicit_head_dim: bool = False,
     own_activation_and_rope: bool = False,
+    rope_scalings: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """ModelConfig fields from the keys every architecture shares; refuses what we cannot build.
 
@@ -156,9 +230,11 @@ def common_model_fields(
     must be present (save_pretrained always writes them), since class defaults differ.
     With ``explicit_head_dim`` (a class whose attention reads config.json's head_dim) a
     head_dim other than hidden_size / num_attention_heads becomes model.head_size.
+    ``rope_scalings`` are the RoPE scaling types the class reads (model.rope_scaling);
+    any other is refused.
     With ``own_activation_and_rope`` the class names its activation and its RoPE in keys
     of its own (Gemma 3), which the caller reads: hidden_act and the RoPE keys are left
-    to it, and rope_theta is not among the fields returned.
+    to it, and no RoPE field is among those returned.
     """
     dim, heads = hf.get_int("hidden_size"), hf.get_int("num_attention_heads")
     required: Any = _REQUIRED
@@ -177,10 +253,12 @@ def common_model_fields(
         "max_seq_len": hf.get_int("max_position_embeddings", 2048),
         "norm_eps": hf.get_float("rms_norm_eps", 1e-6 if llama_defaults else required),
         "tie_embeddings": hf.get_bool("tie_word_embeddings", False),
+        **rope_scaling_fields(hf),
     }
     if not own_activation_and_rope:
         theta_default = 10000.0 if llama_defaults else None
-        fields["rope_theta"] = rope_theta(hf, partial_default, theta_default)
+        fields["rope_theta"] = rope_theta(hf, partial_default, theta_default, rope_scalings)
+        fields.update(rope_scaling_fields(hf))
     return fields
 
 

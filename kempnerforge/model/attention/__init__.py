@@ -28,7 +28,7 @@ from kempnerforge.model.attention.masks import (
 )
 from kempnerforge.model.attention.ring import ring_attention
 from kempnerforge.model.attention.ring_blocks import RingMask, ring_masks
-from kempnerforge.model.attention.rope import apply_rope, rope_tables
+from kempnerforge.model.attention.rope import RopeScaling, apply_rope, rope_tables, yarn_frequencies
 from kempnerforge.model.attention.self_attention import (
     Attention,
     document_causal_mask,
@@ -42,6 +42,7 @@ from kempnerforge.model.attention.sequence_split import (
     set_sequence_split,
     whole_sequences,
 )
+from kempnerforge.model.attention.sinks import dense_sink_attention
 
 __all__ = [
     "BLOCK_SIZE",
@@ -49,12 +50,14 @@ __all__ = [
     "LayerMask",
     "MaskRule",
     "RingMask",
+    "RopeScaling",
     "SequenceSplit",
     "active_split",
     "apply_rope",
     "attend",
     "block_mask",
     "dense_mask",
+    "dense_sink_attention",
     "document_causal_mask",
     "held_parts",
     "held_spans",
@@ -70,4 +73,5 @@ __all__ = [
     "tile_table",
     "visible",
     "whole_sequences",
+    "yarn_frequencies",
 ]

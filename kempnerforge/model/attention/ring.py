@@ -43,10 +43,12 @@ from kempnerforge.model.attention.ring_blocks import (
 )
 from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
+    exchanged_heads,
     heads_to_sequence,
     kv_sequence_to_heads,
     sequence_to_heads,
 )
+from kempnerforge.model.attention.sinks import apply_sinks, sink_weight, sinks_backward
 from kempnerforge.model.eager import run_eagerly
 
 _P = ParamSpec("_P")
@@ -58,7 +60,12 @@ with them may be in flight between the same two ranks at once."""
 
 @run_eagerly  # the ring's point-to-point sends do not trace
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, mask: RingMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    split: SequenceSplit,
+    mask: RingMask,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's positions over the whole sequence through the ring, under
     the layer's mask rule.
@@ -68,13 +75,16 @@ def ring_attention(
     head_dim), this rank's rows of one process's attention output. ``mask`` is the layer's
     rule prepared for the ring (ring_blocks.py ring_masks: causality, and its packed
     documents and sliding window where it has them); every context-parallel rank calls
-    this with the same one.
+    this with the same one. ``sinks`` (heads,), if given, are the heads' sink logits:
+    one more term of the merged log-sum-exp (sinks.py), applied once every block is in.
     """
     if split.ulysses > 1:  # the hybrid: whole heads of the ring rank's two chunks first
         q = sequence_to_heads(q, split)
         k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)
+        sinks = None if sinks is None else exchanged_heads(sinks, split)
     plan = RingPlan.of(split, q.shape[1], mask)
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = _RingAttention.apply(qt, kt, vt, sinks, plan)
     out = out.transpose(1, 2)
     return heads_to_sequence(out, split) if split.ulysses > 1 else out
 
@@ -292,20 +302,35 @@ def _ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     """q (batch, heads, L, d), k and v (batch, kv_heads, L, d) of this rank's two chunks ->
-    its rows of the whole sequence's attention; backward through the ring again."""
+    its rows of the whole sequence's attention; backward through the ring again. With
+    ``sinks`` the merged output is scaled by the sink weight, and backward runs the ring
+    with the scaled gradient and the merged (sink-free) log-sum-exp (sinks.py)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        plan: RingPlan,
     ) -> torch.Tensor:
         out, lse = _ring_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
+        weight = None
+        if sinks is not None:
+            weight = sink_weight(lse, sinks)
+            out = apply_sinks(out, weight)
+        ctx.save_for_backward(q, k, v, out, lse, weight)
         ctx.plan = plan
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        dq, dk, dv = _ring_backward(dout, tuple(ctx.saved_tensors), ctx.plan)
-        return dq, dk, dv, None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+        q, k, v, out, lse, weight = ctx.saved_tensors
+        d_sinks = None
+        if weight is not None:
+            dout, d_sinks = sinks_backward(dout, out, weight)
+        dq, dk, dv = _ring_backward(dout, (q, k, v, out, lse), ctx.plan)
+        return dq, dk, dv, d_sinks, None

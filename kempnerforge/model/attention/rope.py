@@ -1,8 +1,40 @@
-"""Rotary position embedding: the cos/sin tables and their application to queries and keys."""
+"""Rotary position embedding: the cos/sin tables (plain, or with linear or YaRN frequency
+scaling)
+and their application to queries and keys."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+
+from kempnerforge.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rope_tables stretches the frequencies (model.rope_scaling and its parameters)."""
+
+    kind: str = "none"
+    """model.rope_scaling: 'none', 'linear' or 'yarn'."""
+    factor: float = 1.0
+    original_max_seq_len: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> RopeScaling:
+        """The scaling ``cfg`` asks for."""
+        return cls(
+            kind=cfg.rope_scaling,
+            factor=cfg.rope_scaling_factor,
+            original_max_seq_len=cfg.rope_original_max_seq_len,
+            beta_fast=cfg.rope_yarn_beta_fast,
+            beta_slow=cfg.rope_yarn_beta_slow,
+            truncate=cfg.rope_yarn_truncate,
+        )
 
 
 def rope_tables(
@@ -11,26 +43,64 @@ def rope_tables(
     theta: float,
     device: torch.device | str | None = None,
     *,
-    scaling: str = "none",
-    factor: float = 1.0,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build the fp32 cos and sin tables, each of shape (max_seq_len, head_dim // 2).
 
-    Row p holds the angles p * theta ** (-2i / head_dim) for i in [0, head_dim / 2). Positions
-    count from the start of the sequence, not of each packed document, so a document's
-    positions depend on where it sits in the window (the mask keeps documents apart).
-    ``scaling`` (model.rope_scaling) 'linear' divides every inverse frequency by
-    ``factor``: positions interpolated into the trained range.
+    Row p holds the angles p * theta ** (-2i / head_dim) for i in [0, head_dim / 2); under
+    ``scaling`` 'linear' every inverse frequency is divided by its factor (positions
+    interpolated), under 'yarn' p times yarn_frequencies' (and both tables times its
+    attention factor, which scales every attention logit by its square, as the YaRN
+    paper's temperature does). Positions count from the start of the sequence, not of
+    each packed document, so a document's positions depend on where it sits in the
+    window (the mask keeps documents apart; RoPE's scores depend on distances only).
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    if scaling == "linear":
-        inv_freq = inv_freq / factor
-    elif scaling != "none":
-        raise ValueError(f"unknown RoPE scaling {scaling!r}")
+    magnitude = 1.0
+    if scaling is not None and scaling.kind == "yarn":
+        inv_freq, magnitude = yarn_frequencies(inv_freq, head_dim, theta, scaling)
+    elif scaling is not None and scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.kind != "none":
+        raise ValueError(f"RoPE scaling {scaling.kind!r}: expected 'none', 'linear' or 'yarn'")
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
-    return angles.cos(), angles.sin()
+    return angles.cos() * magnitude, angles.sin() * magnitude
+
+
+def yarn_frequencies(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling
+) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and attention factor (Peng et al., 2023), as GPT-OSS and
+    DeepSeek-V3 use them.
+
+    A frequency pair that turns more than ``beta_fast`` times over the original length
+    is kept (extrapolated); one that turns fewer than ``beta_slow`` times is divided by
+    the factor (interpolated); a linear ramp over the channel index blends the two in
+    between. The ramp's ends are the channels where those rotation counts fall (with
+    ``truncate``, rounded outwards to whole channels). The attention factor is 0.1 *
+    ln(factor) + 1 (1 for a factor of at most 1).
+    """
+
+    def channel(rotations: float) -> float:
+        """The channel (of head_dim) whose frequency turns ``rotations`` times."""
+        turns = scaling.original_max_seq_len / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = channel(scaling.beta_fast), channel(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one point would divide by zero
+    index = torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device)
+    interpolated_share = ((index - low) / (high - low)).clamp(0, 1)
+    kept_share = 1 - interpolated_share
+    scaled = inv_freq / scaling.factor * interpolated_share + inv_freq * kept_share
+    factor = scaling.factor
+    magnitude = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return scaled, magnitude
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kempnerforge.model.attention.masks import MaskRule, Range, dense_mask
+from kempnerforge.model.attention.sinks import apply_sinks, sink_weight, sinks_backward
 
 MERGE_LEN = 256
 """Documents shorter than this are attended several to a piece (one kernel call per
@@ -159,10 +160,12 @@ def _piece_mask(
 
 class _SegmentsAttention(torch.autograd.Function):
     """Attention of q (batch, heads, seq, head_dim) over k, v (batch, kv_heads, seq,
-    head_dim) piece by piece; grouped heads are read as they are."""
+    head_dim) piece by piece; grouped heads are read as they are. With ``sinks`` (heads,)
+    each row's output is scaled by its sink weight (sinks.py), and backward hands the
+    flash backward the scaled gradient with the original log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segments: Segments):  # type: ignore[override]
+    def forward(ctx, q, k, v, sinks, segments: Segments):  # type: ignore[override]
         batch, heads, seq_len, head_dim = q.shape
         # (batch, seq, heads, dim) storage: the caller transposes back for free.
         out = q.new_empty(batch, seq_len, heads, head_dim).transpose(1, 2)
@@ -176,14 +179,21 @@ class _SegmentsAttention(torch.autograd.Function):
             )
             out[qs] = piece_out
             lse[qs] = piece_lse
-        ctx.save_for_backward(q, k, v, out, lse)
+        weight = None
+        if sinks is not None:
+            weight = sink_weight(lse, sinks)
+            out.copy_(apply_sinks(out, weight))
+        ctx.save_for_backward(q, k, v, out, lse, weight)
         ctx.segments = segments
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, weight = ctx.saved_tensors
         segments: Segments = ctx.segments
+        d_sinks = None
+        if weight is not None:
+            grad_out, d_sinks = sinks_backward(grad_out, out, weight)
         dq = torch.empty_like(q)  # every query lies in exactly one piece
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # bands share keys
         masks: dict = {}
@@ -204,7 +214,7 @@ class _SegmentsAttention(torch.autograd.Function):
             dq[qs] = gq
             dk[ks] += gk
             dv[ks] += gv
-        return dq, dk, dv, None
+        return dq, dk, dv, d_sinks, None
 
 
 def _slices(piece: Piece) -> tuple[tuple[slice, slice, slice], tuple[slice, slice, slice]]:
@@ -213,10 +223,15 @@ def _slices(piece: Piece) -> tuple[tuple[slice, slice, slice], tuple[slice, slic
 
 
 def segments_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention under ``segments``' rule: q (batch, heads, seq, head_dim), k and v with
-    the same or fewer (grouped) heads; returns (batch, heads, seq, head_dim)."""
-    out = _SegmentsAttention.apply(q, k, v, segments)
+    the same or fewer (grouped) heads, and optionally each head's sink logit (heads,);
+    returns (batch, heads, seq, head_dim)."""
+    out = _SegmentsAttention.apply(q, k, v, sinks, segments)
     assert isinstance(out, torch.Tensor)
     return out

@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention.kernels import LayerMask, attend
@@ -17,6 +18,7 @@ from kempnerforge.model.attention.rope import apply_rope
 from kempnerforge.model.attention.sequence_split import (
     SequenceSplit,
     active_split,
+    exchanged_heads,
     heads_to_sequence,
     kv_sequence_to_heads,
     sequence_to_heads,
@@ -51,7 +53,8 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Multi-head attention with n_kv_heads <= n_heads key/value heads (GQA), RoPE on q and k,
-    and optionally an RMSNorm of q and k before RoPE (model.qk_norm).
+    optionally an RMSNorm of q and k before RoPE (model.qk_norm), projection biases
+    (model.attention_bias) and a sink logit per head (model.attention_sinks).
 
     Query head h reads key/value head h // (n_heads / n_kv_heads). Head counts are read from
     the projected shapes, not the config, so a tensor-parallel shard (fewer local heads) runs
@@ -70,14 +73,20 @@ class Attention(nn.Module):
         when they agree."""
         if cfg.attention_scale_size not in (None, cfg.head_dim):
             self.query_scale = math.sqrt(cfg.head_dim / cfg.attention_scale_size)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        """Query projection."""
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        """Query projection (with a bias under model.attention_bias, as the other three)."""
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
         """Key projection (kv_heads heads)."""
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
         """Value projection (kv_heads heads)."""
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
         """Output projection into the residual stream; its init is depth-scaled."""
+        self.sinks: nn.Parameter | None = None
+        """model.attention_sinks: one sink logit per query head (sinks.py); split with the
+        heads under tensor parallelism (a DTensor there)."""
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
         self.qk_norm = cfg.qk_norm
         """model.qk_norm: which of q_norm / k_norm's forms this layer has, if any."""
         self.q_norm: RMSNorm | None = None
@@ -121,6 +130,14 @@ class Attention(nn.Module):
             q = q * self.query_scale
         return q, apply_rope(k, cos, sin), v
 
+    def local_sinks(self) -> torch.Tensor | None:
+        """The sink logits of the heads this rank projects (all of them, or under tensor
+        parallelism its shard), as a plain tensor; None without sinks."""
+        if self.sinks is None:
+            return None
+        sinks = self.sinks
+        return sinks.to_local() if isinstance(sinks, DTensor) else sinks
+
     def forward(
         self,
         x: torch.Tensor,
@@ -138,16 +155,18 @@ class Attention(nn.Module):
         """
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, cos, sin)
+        sinks = self.local_sinks()
         split = active_split(self)
         if split is not None and split.ring > 1:  # past the head count (ring.py)
             assert isinstance(mask, RingMask), "a ring's masks come from prepare_masks(ring=)"
-            out = ring_attention(q, k, v, split, mask)
+            out = ring_attention(q, k, v, split, mask, sinks)
             return self.wo(out.reshape(batch, seq_len, -1))
         assert not isinstance(mask, RingMask)
         if split is not None:
             q = sequence_to_heads(q, split)
             k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+            sinks = None if sinks is None else exchanged_heads(sinks, split)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
         out = out.transpose(1, 2)
         if split is not None:
             out = heads_to_sequence(out, split)

@@ -176,6 +176,15 @@ def kv_sequence_to_heads(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
     return sequence_to_heads(x, split)
 
 
+def exchanged_heads(per_head: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """The rows of ``per_head`` (heads, ...) of the query heads this rank holds after
+    sequence_to_heads (a head's sink logit): heads ``[r * H / u, (r + 1) * H / u)`` for
+    rank r of the u = split.ulysses ranks that exchange heads."""
+    share = per_head.shape[0] // split.ulysses
+    place = split.rank % split.ulysses
+    return per_head[place * share : (place + 1) * share]
+
+
 def heads_to_sequence(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
     """(batch, seq, heads / u, dim) -> (batch, seq / u, heads, dim): sequence_to_heads undone."""
     batch, seq_len, local_heads, dim = x.shape

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.model.attention import Attention, MaskRule, dense_mask
+from kempnerforge.model.attention import Attention, MaskRule, dense_mask, dense_sink_attention
 from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 
@@ -219,7 +219,8 @@ def _attend(
     the training forward's self-attention; SDPA's is_causal would align the causal
     triangle to the first key, not to the new queries' positions, so later calls with
     several new positions take a mask). Grouped key/value heads are repeated to the
-    query heads when there are fewer.
+    query heads when there are fewer. A model with attention sinks attends through
+    their dense form, the sink one more entry of each softmax.
     """
     batch, new, _ = x.shape
     end = start + new
@@ -231,6 +232,9 @@ def _attend(
     q = q.transpose(1, 2)
     k_all = keys[:, :, first:end].to(q.dtype)
     v_all = values[:, :, first:end].to(q.dtype)
+    if attention.sinks is not None:  # the sink joins each row's softmax (sinks.py)
+        out = dense_sink_attention(q, k_all, v_all, attention.sinks, mask, causal)
+        return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))
     n_rep = q.shape[1] // k_all.shape[1]
     if n_rep > 1:
         k_all = k_all.repeat_interleave(n_rep, dim=1)

@@ -32,7 +32,7 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import SequenceSplit, active_split
 from kempnerforge.model.mlp import SwiGLU
-from kempnerforge.model.moe.experts import GroupedExperts
+from kempnerforge.model.moe.experts import ExpertActivation, GroupedExperts
 from kempnerforge.model.moe.token_exchange import combine_tokens, dispatch_tokens
 
 
@@ -65,14 +65,19 @@ class RouterStats:
 
 
 class Router(nn.Module):
-    """Token -> (experts, gate values): a bias-free linear map to one logit per expert."""
+    """Token -> (experts, gate values): a linear map to one logit per expert, with a
+    learned bias under model.moe_router_bias.
+
+    The softmax router's renormalised top k (k > 1) is a softmax over the k chosen
+    logits, since the softmax is monotonic and its normaliser cancels: the top-k then
+    softmax of GPT-OSS's router."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.kind = cfg.moe_router
         self.top_k = cfg.moe_top_k
-        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
-        """Router weights (experts, dim)."""
+        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=cfg.moe_router_bias)
+        """Router weights (experts, dim) and, under model.moe_router_bias, bias (experts,)."""
         self.expert_bias: torch.Tensor | None
         """Sigmoid router: per-expert fp32 offset added to the scores when choosing experts
         only; changed by update_expert_bias, never by the optimizer. Saved with the model."""
@@ -81,7 +86,8 @@ class Router(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         with torch.autocast(tokens.device.type, enabled=False):
-            logits = F.linear(tokens.float(), self.gate.weight.float())
+            bias = None if self.gate.bias is None else self.gate.bias.float()
+            logits = F.linear(tokens.float(), self.gate.weight.float(), bias)
         if self.kind == "softmax":
             probs = torch.softmax(logits, dim=-1)
             gates, expert_ids = probs.topk(self.top_k, dim=-1)
@@ -114,7 +120,13 @@ class MoEFeedForward(nn.Module):
         self.aux_level = cfg.moe_aux_loss_level
         self.router = Router(cfg)
         """Chooses each token's experts."""
-        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_hidden_dim)
+        self.experts = GroupedExperts(
+            cfg.num_experts,
+            cfg.dim,
+            cfg.expert_hidden_dim,
+            bias=cfg.moe_expert_bias,
+            activation=ExpertActivation.of(cfg),
+        )
         """The routed experts' stacked weights."""
         self.shared: SwiGLU | None = None
         """Shared experts (every token), as one SwiGLU of moe_shared_experts times the
