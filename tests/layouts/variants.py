@@ -5,8 +5,9 @@ without gradient accumulation (document masking on, as the debug configs have it
 document masking off, so these cover the unmasked path); sliding windows in every
 other layer over packed documents with 12 micro-batches (document masking on: pipeline
 stages carry the document ids); the dense config with query and key norms per head
-(Qwen3); and attention sinks with biased projections and YaRN over those windows
-(GPT-OSS). Sizes are tiny so a run takes seconds: 8 layers (a stage each at pp = 4 with
+(Qwen3); attention sinks with biased projections and YaRN over those windows
+(GPT-OSS); and Gemma 3's block over them (sandwich norms, GeGLU, a RoPE per kind of
+layer). Sizes are tiny so a run takes seconds: 8 layers (a stage each at pp = 4 with
 2 stages per rank), a batch of 12 (divided by every data-parallel degree up to 4) and a
 sequence that cp up to 4 divides, also into the 2 x ring chunks of every ring."""
 
@@ -36,6 +37,16 @@ _SINKS = [
     *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=4"),
     "--model.rope_original_max_seq_len=16",
 ]
+# Gemma 3's block over the windows above: four zero-centred norms, GeGLU, embeddings times
+# sqrt(64), a logit scale apart from the head size, the sliding layers' own RoPE base
+# beside the global layers' linearly scaled one (two RoPE tables).
+_GEMMA = [
+    *("--model.norm_placement=sandwich", "--model.zero_centered_norms=true"),
+    *("--model.qk_norm=per_head", "--model.ffn_activation=gelu_tanh"),
+    *("--model.embedding_multiplier=8.0", "--model.attention_scale_size=24"),
+    *("--model.rope_local_theta=10000", "--model.rope_scaling=linear"),
+    "--model.rope_scaling_factor=8",
+]
 # The joint decoder's sequence is the image's 16 tokens and 32 of text: 48; cross-attention
 # splits the 32 text tokens. cp up to 4 divides both.
 _VLM = [*_TINY, "--vlm.max_text_len=32"]
@@ -56,6 +67,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "sinks-window": (
         "configs/train/debug.toml",
         [*_DENSE, "--model.n_kv_heads=2", *_WINDOWS, *_SINKS, *_NO_ACCUM],
+    ),
+    "gemma3-window": (
+        "configs/train/debug.toml",
+        [*_DENSE, "--model.n_kv_heads=2", *_WINDOWS, *_GEMMA, *_NO_ACCUM],
     ),
     "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),

@@ -253,7 +253,6 @@ def common_model_fields(
         "max_seq_len": hf.get_int("max_position_embeddings", 2048),
         "norm_eps": hf.get_float("rms_norm_eps", 1e-6 if llama_defaults else required),
         "tie_embeddings": hf.get_bool("tie_word_embeddings", False),
-        **rope_scaling_fields(hf),
     }
     if not own_activation_and_rope:
         theta_default = 10000.0 if llama_defaults else None
