@@ -43,12 +43,13 @@ lint: install-dev
 typecheck: install-dev
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --pythonpath $(BIN)/python
 
-# pytest-xdist workers; a test keeps to one intra-op thread (tests/conftest.py), and the
-# SLURM tests share one worker (their one cluster). 0 runs the suite in this process.
+# pytest-xdist workers; a test keeps to one intra-op thread (tests/conftest.py), and tests
+# that share a fixture wider than a test, or the SLURM tests' one cluster, share a worker
+# (--dist loadgroup, in pyproject.toml's addopts). 0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Every parallel layout of 2 to 4 processes that validation accepts, for the dense, MoE and
 # vision-language debug configs with and without accumulation, trained against one process

@@ -13,6 +13,9 @@ from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.tiny import tiny_run
 
+# Tests that share a class, module or package fixture run on one pytest-xdist worker.
+pytest_plugins = ["tests.support.worker_groups"]
+
 
 def synthetic_documents(num_docs: int, seed: int = 0) -> list[str]:
     """Small, learnable documents: repeated words with a little variety."""
