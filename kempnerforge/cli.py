@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -153,11 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = getattr(importlib.import_module(command.module), command.run)(args, extra)
     except BaseException as error:
-        reported = exit_codes.report(error)
+        reported = exit_codes.print_report(error)
         if reported is None:
             raise
-        code, line = reported
-        print(f"kempnerforge: {line}", file=sys.stderr)
+        code = reported
     if argv is None:  # this process is the command: it may end itself
         _exit_now_after_a_process_group(code)
     return code
@@ -173,10 +170,7 @@ def _exit_now_after_a_process_group(code: int) -> None:
     runtime = sys.modules.get("kempnerforge.distributed.runtime")
     if runtime is None or not runtime.left_a_process_group():
         return
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_codes.exit_now(code)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
             started = time.perf_counter()
             code = _train(run["config"], run["overrides"])
             if code != exit_codes.FINISHED:
-                _leave(code)
+                exit_codes.exit_now(code)
             dist.barrier()  # every rank finished this run
             if rank == 0:
                 seconds = time.perf_counter() - started
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
                     f.write(json.dumps({"index": index, "seconds": round(seconds, 3)}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
-    _leave(exit_codes.FINISHED)
+    exit_codes.exit_now(exit_codes.FINISHED)
 
 
 def _train(config: str, overrides: list[str]) -> int:
@@ -65,21 +64,11 @@ def _train(config: str, overrides: list[str]) -> int:
     try:
         return run_train(argparse.Namespace(config=config), overrides)
     except BaseException as error:
-        reported = exit_codes.report(error)
-        if reported is None:
+        code = exit_codes.print_report(error)
+        if code is None:
             traceback.print_exc()
             return exit_codes.FAILED
-        code, line = reported
-        print(f"kempnerforge: {line}", file=sys.stderr)
         return code
-
-
-def _leave(code: int) -> None:
-    """End the process without finalisation (cli.py says why), streams flushed first."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kempnerforge.launch.parallel_check import Layout, RunOutcome, output_tail
+from kempnerforge.launch.parallel_check import Layout, RunOutcome, output_tail, print_run_line
 
 BATCH_MODULE = "kempnerforge.commands.layout_batch"
 DONE_SUFFIX = ".done"
@@ -71,8 +71,7 @@ def run_batch(
     outcomes: dict[Layout, RunOutcome] = {}
     for index, layout in enumerate(layouts):
         if index in done:
-            processes = f"{world_size} process{'es' if world_size > 1 else ''}"
-            print(f"  {layout.text} ({processes}): ok, {done[index]:.1f} s", flush=True)
+            print_run_line(layout, "ok", done[index])
             outcomes[layout] = RunOutcome(0, "", done[index])
         else:
             shutil.rmtree(run_dirs[layout], ignore_errors=True)

@@ -348,6 +348,12 @@ class RunOutcome:
     seconds: float
 
 
+def print_run_line(layout: Layout, status: str, seconds: float) -> None:
+    """The one line a finished run of ``layout`` is reported in, however it was launched."""
+    processes = f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"
+    print(f"  {layout.text} ({processes}): {status}, {seconds:.1f} s", flush=True)
+
+
 def run_one(command: list[str], layout: Layout) -> RunOutcome:
     """Run one training command to its end, report it in one line, and keep the tail of
     what it printed."""
@@ -355,7 +361,6 @@ def run_one(command: list[str], layout: Layout) -> RunOutcome:
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
     status = "ok" if proc.returncode == 0 else f"exit code {proc.returncode}"
-    processes = f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"
-    print(f"  {layout.text} ({processes}): {status}, {seconds:.1f} s", flush=True)
+    print_run_line(layout, status, seconds)
     tail = output_tail(proc.stderr) if proc.stderr.strip() else output_tail(proc.stdout)
     return RunOutcome(proc.returncode, tail, seconds)

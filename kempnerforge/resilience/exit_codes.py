@@ -50,6 +50,10 @@ HARDWARE_FAULT (76)
 from __future__ import annotations
 
 import errno
+import logging
+import os
+import sys
+from typing import NoReturn
 
 FINISHED = 0
 """The run reached train.max_steps and saved its final checkpoint."""
@@ -139,6 +143,26 @@ def report(error: BaseException) -> tuple[int, str] | None:
     if isinstance(error, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
     return None
+
+
+def print_report(error: BaseException) -> int | None:
+    """Print ``error``'s one line to stderr as a command reports it and return its exit
+    code; None (nothing printed) for a bug, which the caller shows with its traceback."""
+    reported = report(error)
+    if reported is None:
+        return None
+    code, line = reported
+    print(f"kempnerforge: {line}", file=sys.stderr)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` at once, without Python's finalisation (cli.py says
+    when that is needed), the output streams and log handlers flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def code_of(error: BaseException) -> int:
