@@ -31,9 +31,23 @@ FAMILIES = {
     "mistral": {"sliding_window": 64},
     "qwen3": {"qk_norm": "per_head"},
     "olmo2": {"qk_norm": "projection", "norm_placement": "post"},
+    "gemma3": {
+        **{"norm_placement": "sandwich", "zero_centered_norms": True, "qk_norm": "per_head"},
+        **{"ffn_activation": "gelu_tanh", "embedding_multiplier": 16.0},
+        **{"attention_scale_size": 48, "sliding_window": 64, "sliding_window_pattern": 2},
+        **{"rope_local_theta": 10000.0, "rope_scaling": "linear", "rope_scaling_factor": 8.0},
+    },
+    "gpt_oss": {
+        **{"attention_sinks": True, "attention_bias": True},
+        **{"sliding_window": 64, "sliding_window_pattern": 2},
+        **{"rope_scaling": "yarn", "rope_scaling_factor": 32.0},
+        "rope_original_max_seq_len": 64,
+    },
 }
 """Each family's decoder options over the debug preset (Mistral: a window of a quarter of
-the 256 positions; Qwen3 keeps the derived head size, so its parameters stay equal)."""
+the 256 positions; Qwen3 keeps the derived head size, so its parameters stay equal; Gemma
+3 and GPT-OSS alternate windowed and global layers, as their 4-layer shrink can; GPT-OSS's
+attention only: its experts are an MoE's, not a dense model's)."""
 
 
 def debug_model_fields() -> dict:
