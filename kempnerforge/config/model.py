@@ -229,7 +229,7 @@ class ModelConfig:
     ``kv_lora_rank``): each position's keys and values are decompressed from one latent
     vector of this width (normalised), plus one RoPE key part shared by every head; the
     cached decoder stores only these. 0: standard attention (every model.mla_* field 0).
-    With it model.n_kv_heads and model.head_size stay unset, and model.qk_norm,
+    With it model.n_kv_heads is unset or n_heads, model.head_size unset, and model.qk_norm,
     model.attention_bias, model.attention_sinks and model.attention_scale_size at their
     defaults. 0 to 2**31 - 1."""
     mla_q_rank: int = 0
@@ -333,8 +333,14 @@ class ModelConfig:
                 f"<= mla_nope_head_size + mla_rope_head_size = {self.qk_head_dim}",
                 "kernels that need equal widths pad the values to the query/key width",
             )
+        if self.kv_heads != self.n_heads:
+            raise ConfigError(
+                "model.n_kv_heads",
+                self.n_kv_heads,
+                f"unset or model.n_heads = {self.n_heads} with multi-head latent attention",
+                "latent attention decompresses a key and a value head per query head",
+            )
         standard = (
-            ("n_kv_heads", None),
             ("head_size", None),
             ("qk_norm", "none"),
             ("attention_bias", False),

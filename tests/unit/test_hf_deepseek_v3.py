@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.architectures import ARCHITECTURES, DEEPSEEK_V3
@@ -263,3 +264,49 @@ def test_another_class_refuses_deepseek_mscales(tmp_path):
     _rewrite_config(folder, rope_parameters={**config["rope_parameters"], "mscale_all_dim": 1.0})
     with pytest.raises(HFFolderError, match="mscale_all_dim"):
         import_hf(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        (dict(mla_rope_head_size=7), "model.mla_rope_head_size"),
+        (dict(mla_value_head_size=17), "model.mla_value_head_size"),
+        (dict(qk_norm="per_head"), "model.qk_norm"),
+        (dict(n_kv_heads=2), "model.n_kv_heads"),
+        (dict(mla_kv_rank=0), "model.mla_q_rank"),
+        (dict(moe_router="softmax"), "model.moe_num_groups"),
+        (dict(moe_num_groups=8), "model.moe_num_groups"),
+        (dict(moe_top_k=5), "model.moe_top_groups"),
+        (dict(moe_first_dense_layers=3), "model.moe_first_dense_layers"),
+        (dict(rope_yarn_mscale_all_dim=1.0), "model.rope_yarn_mscale_all_dim"),
+    ],
+    ids=[
+        "odd-rope",
+        "wide-values",
+        "qk-norm",
+        "grouped-kv",
+        "sizes-without-latent",
+        "groups-softmax",
+        "one-expert-groups",
+        "top-k-past-groups",
+        "all-dense",
+        "mscale-without-yarn",
+    ],
+)
+def test_config_refuses_what_latent_attention_and_grouped_routing_cannot_be(changes, field):
+    with pytest.raises(ConfigError) as info:
+        deepseek_config(**changes)
+    assert info.value.field == field
+
+
+def test_tensor_parallelism_is_refused_for_latent_attention() -> None:
+    latent = [
+        *("--model.dim=64", "--model.n_heads=4", "--model.mla_kv_rank=16"),
+        *("--model.mla_nope_head_size=8", "--model.mla_rope_head_size=8"),
+        *("--model.mla_value_head_size=8", "--distributed.tp=2"),
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, latent).validate(2)
+    assert str(info.value).startswith(
+        "distributed.tp = 2: expected 1 with multi-head latent attention"
+    )
