@@ -139,8 +139,22 @@ FAMILY_CASES = {
         *("--model.moe_router_bias=true", "--model.moe_expert_bias=true"),
         "--model.moe_activation=clamped_swiglu",
     ],
+    # Latent attention (values narrower than the query/key heads, through SDPA and
+    # FlexAttention as they are), YaRN with DeepSeek's mscales, grouped sigmoid routing
+    # with routed scaling and a shared expert after a dense first layer.
+    "deepseek_v3": [
+        *("--model.mla_kv_rank=128", "--model.mla_q_rank=192"),
+        *("--model.mla_nope_head_size=64", "--model.mla_rope_head_size=32"),
+        "--model.mla_value_head_size=64",
+        *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=32"),
+        "--model.rope_original_max_seq_len=4096",
+        *("--model.rope_yarn_mscale=1.0", "--model.rope_yarn_mscale_all_dim=1.0"),
+        *("--model.moe_router=sigmoid", "--model.moe_num_groups=4"),
+        *("--model.moe_top_groups=2", "--model.moe_routed_scaling=2.5"),
+        *("--model.moe_shared_experts=1", "--model.moe_first_dense_layers=1"),
+    ],
 }
-MOE_FAMILIES = {"gpt_oss"}
+MOE_FAMILIES = {"gpt_oss", "deepseek_v3"}
 """The families whose every layer is MoE: they start from debug_moe.toml."""
 
 
@@ -148,8 +162,8 @@ def check_families(work: Path, dry_run: bool) -> Result:
     """Each open family's decoder options through `kempnerforge train` (query and key norms
     per head or over the projection, norms after each sublayer, a sliding window on every
     layer, Gemma 3's sandwich of zero-centred norms with GeGLU and a RoPE per kind of
-    layer, GPT-OSS's sinks, biases, YaRN and clamped experts): each case trains with
-    finite losses."""
+    layer, GPT-OSS's sinks, biases, YaRN and clamped experts, DeepSeek-V3's latent
+    attention and grouped routing): each case trains with finite losses."""
     steps = 4 if dry_run else 20
     return {
         name: trains(

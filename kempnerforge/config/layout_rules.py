@@ -31,6 +31,15 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
             if shape["dp_shard"] == 0
             else f"the mesh {shape} holds {product} processes",
         )
+    if dist.tp > 1 and model.is_mla:
+        raise ConfigError(
+            "distributed.tp",
+            dist.tp,
+            "1 with multi-head latent attention (model.mla_kv_rank > 0)",
+            "tensor parallelism splits the standard attention's projections; latent "
+            "attention's shared latent projections are not planned for it: use FSDP, "
+            "pipeline, context or expert parallelism",
+        )
     if dist.tp > 1:
         for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
             if heads % dist.tp:

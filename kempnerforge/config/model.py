@@ -34,6 +34,12 @@ MAX_MULTIPLIER = 1e4
 """Largest model.embedding_multiplier: sqrt of a width of 1e8 channels."""
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude m = 0.1 * mscale * ln(factor) + 1 (1 for a factor of at most 1):
+    its cos and sin tables' scale, and DeepSeek's attention-logit multiplier's root."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass
 class ModelConfig:
     dim: int = 256
@@ -207,6 +213,56 @@ class ModelConfig:
     """RoPE base of the sliding-window layers, without model.rope_scaling (Gemma 3's
     rope_local_base_freq, 10000, beside a global rope_theta of 1e6); > 0 needs sliding
     layers (model.sliding_window). 0: every layer rotates by model.rope_theta."""
+    rope_yarn_mscale: float = 0.0
+    """YaRN (DeepSeek's ``mscale``): with model.rope_yarn_mscale_all_dim also set, the cos
+    and sin tables are scaled by m(mscale) / m(mscale_all_dim) instead of m(1), where
+    m(s) = 0.1 * s * ln(factor) + 1 (DeepSeek-V3: 1 and 1, so the tables are unscaled).
+    0: unset, as Hugging Face's absent key. 0 to 1e3; 0 unless model.rope_scaling is
+    'yarn'."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN (DeepSeek's ``mscale_all_dim``): every attention logit is multiplied by
+    m(mscale_all_dim) ** 2 (folded into the queries), besides the tables' scale above.
+    0: unset. 0 to 1e3; 0 unless model.rope_scaling is 'yarn'."""
+
+    mla_kv_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3's MLA, Hugging Face's
+    ``kv_lora_rank``): each position's keys and values are decompressed from one latent
+    vector of this width (normalised), plus one RoPE key part shared by every head; the
+    cached decoder stores only these. 0: standard attention (every model.mla_* field 0).
+    With it model.n_kv_heads is unset or n_heads, model.head_size unset, and model.qk_norm,
+    model.attention_bias, model.attention_sinks and model.attention_scale_size at their
+    defaults. 0 to 2**31 - 1."""
+    mla_q_rank: int = 0
+    """MLA: the queries' latent width (``q_lora_rank``): x -> q_a -> RMSNorm -> q_b.
+    0: one query projection (``q_lora_rank`` null). 0 to 2**31 - 1."""
+    mla_nope_head_size: int = 0
+    """MLA: channels per query and key head without RoPE (``qk_nope_head_dim``); 0 to
+    2**31 - 1."""
+    mla_rope_head_size: int = 0
+    """MLA: channels per query head rotated by RoPE, and of the key's RoPE part shared by
+    all heads (``qk_rope_head_dim``); even, > 0 with MLA. A head's query and key are
+    mla_nope_head_size + mla_rope_head_size wide and the logits are scaled by one over
+    that width's square root."""
+    mla_value_head_size: int = 0
+    """MLA: channels per value head (``v_head_dim``), the output projection's input per
+    head; > 0 and at most the query/key head width with MLA."""
+
+    moe_num_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's ``n_group``): the experts are cut into this
+    many equal groups, and a token chooses its top k only within the model.moe_top_groups
+    groups whose two best biased scores sum highest. 1: no groups. More than 1 needs the
+    sigmoid router, a divisor of model.num_experts with at least 2 experts a group."""
+    moe_top_groups: int = 1
+    """Group-limited routing: how many groups a token may choose from (``topk_group``); 1
+    to model.moe_num_groups, and they must hold at least model.moe_top_k experts."""
+    moe_routed_scaling: float = 1.0
+    """The routed experts' gate values are multiplied by this after any renormalisation
+    (DeepSeek-V3's ``routed_scaling_factor``, 2.5); shared experts are not scaled. > 0
+    and at most 1e3."""
+    moe_first_dense_layers: int = 0
+    """The first this many blocks are dense whatever model.moe_frequency says (DeepSeek-V3's
+    ``first_k_dense_replace``, 3); a block after them is MoE when model.moe_frequency
+    chooses it. 0 to n_layers - 1."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -243,6 +299,63 @@ class ModelConfig:
         check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
         check_choice("model.norm_placement", self.norm_placement, NORM_PLACEMENTS)
         self._check_gemma_options()
+        self._check_latent_attention()
+
+    def _check_latent_attention(self) -> None:
+        """Rules of multi-head latent attention: every model.mla_* field 0 without it;
+        with it, sizes that make heads, and none of the standard attention's options."""
+        sizes = ("mla_q_rank", "mla_nope_head_size", "mla_rope_head_size", "mla_value_head_size")
+        check_at_least("model.mla_kv_rank", self.mla_kv_rank, 0, MAX_SIZE)
+        if not self.is_mla:
+            for name in sizes:
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"model.{name}",
+                        getattr(self, name),
+                        "0 when model.mla_kv_rank is 0",
+                        "it sizes multi-head latent attention: set model.mla_kv_rank",
+                    )
+            return
+        for name in sizes[:2]:
+            check_at_least(f"model.{name}", getattr(self, name), 0, MAX_SIZE)
+        for name in sizes[2:]:
+            check_positive(f"model.{name}", getattr(self, name), MAX_SIZE)
+        if self.mla_rope_head_size % 2:
+            raise ConfigError(
+                "model.mla_rope_head_size",
+                self.mla_rope_head_size,
+                "an even size (RoPE rotates pairs)",
+            )
+        if self.mla_value_head_size > self.qk_head_dim:
+            raise ConfigError(
+                "model.mla_value_head_size",
+                self.mla_value_head_size,
+                f"<= mla_nope_head_size + mla_rope_head_size = {self.qk_head_dim}",
+                "kernels that need equal widths pad the values to the query/key width",
+            )
+        if self.kv_heads != self.n_heads:
+            raise ConfigError(
+                "model.n_kv_heads",
+                self.n_kv_heads,
+                f"unset or model.n_heads = {self.n_heads} with multi-head latent attention",
+                "latent attention decompresses a key and a value head per query head",
+            )
+        standard = (
+            ("head_size", None),
+            ("qk_norm", "none"),
+            ("attention_bias", False),
+            ("attention_sinks", False),
+            ("attention_scale_size", None),
+        )
+        for name, unset in standard:
+            if getattr(self, name) != unset:
+                raise ConfigError(
+                    f"model.{name}",
+                    getattr(self, name),
+                    f"{unset!r} with multi-head latent attention (model.mla_kv_rank > 0)",
+                    "latent attention has a key and value head per query head, sized by "
+                    "the model.mla_* fields, and none of the standard attention's options",
+                )
 
     def _check_gemma_options(self) -> None:
         """Rules of the activation, attention scale, embedding multiplier and RoPE fields
@@ -295,6 +408,38 @@ class ModelConfig:
             )
 
     @property
+    def is_mla(self) -> bool:
+        """True when attention is multi-head latent attention (model.mla_kv_rank > 0)."""
+        return self.mla_kv_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query (and key) head: head_dim, or under MLA its parts without and
+        with RoPE together."""
+        if self.is_mla:
+            return self.mla_nope_head_size + self.mla_rope_head_size
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Width of one value head: head_dim, or under MLA model.mla_value_head_size."""
+        return self.mla_value_head_size if self.is_mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of a head RoPE rotates: the whole head, or under MLA its RoPE part."""
+        return self.mla_rope_head_size if self.is_mla else self.head_dim
+
+    @property
+    def attention_logit_multiplier(self) -> float:
+        """What every attention logit is multiplied by beyond 1 / sqrt(query head width)
+        and model.attention_scale_size: YaRN's m(mscale_all_dim) ** 2 when
+        model.rope_yarn_mscale_all_dim is set, else 1."""
+        if self.rope_scaling != "yarn" or not self.rope_yarn_mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.rope_scaling_factor, self.rope_yarn_mscale_all_dim) ** 2
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads in force (n_kv_heads, or n_heads when unset)."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -337,6 +482,41 @@ class ModelConfig:
         check_choice("model.moe_activation", self.moe_activation, MOE_ACTIVATIONS)
         check_positive("model.moe_swiglu_limit", self.moe_swiglu_limit, 1e6)
         check_positive("model.moe_swiglu_alpha", self.moe_swiglu_alpha, 1e3)
+        check_positive("model.moe_routed_scaling", self.moe_routed_scaling, 1e3)
+        check_at_least(
+            "model.moe_first_dense_layers", self.moe_first_dense_layers, 0, self.n_layers - 1
+        )
+        self._check_expert_groups()
+
+    def _check_expert_groups(self) -> None:
+        """Group-limited routing: groups that cut the experts evenly, 2 or more each, a
+        sigmoid router, and kept groups that hold the top k."""
+        groups, kept = self.moe_num_groups, self.moe_top_groups
+        check_positive("model.moe_num_groups", groups, MAX_SIZE)
+        check_positive("model.moe_top_groups", kept, groups)
+        if groups == 1:
+            return
+        if self.moe_router != "sigmoid":
+            raise ConfigError(
+                "model.moe_num_groups",
+                groups,
+                "1 with the softmax router",
+                "group-limited routing ranks the sigmoid router's biased scores",
+            )
+        if self.num_experts % groups or self.num_experts // groups < 2:
+            raise ConfigError(
+                "model.moe_num_groups",
+                groups,
+                f"a divisor of model.num_experts = {self.num_experts} leaving >= 2 experts a group",
+                "a group is ranked by the sum of its two best scores",
+            )
+        if self.moe_top_k > kept * (self.num_experts // groups):
+            raise ConfigError(
+                "model.moe_top_groups",
+                kept,
+                f"groups holding >= model.moe_top_k = {self.moe_top_k} experts",
+                "a token chooses its top k within the groups kept",
+            )
 
     def _check_windows(self) -> None:
         """Rules of the sliding-window fields: a window that some layer uses, chosen by
@@ -363,6 +543,15 @@ class ModelConfig:
         """Rules of RoPE scaling: its parameters at their defaults without it, and a
         factor, an original length and a ramp that mean something with it."""
         check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling != "yarn":
+            for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"model.{name}",
+                        getattr(self, name),
+                        "0 unless model.rope_scaling is 'yarn'",
+                        "it scales YaRN's attention",
+                    )
         if self.rope_scaling == "none":
             for name, unset in (("rope_scaling_factor", 1.0), ("rope_original_max_seq_len", 0)):
                 if getattr(self, name) != unset:
@@ -386,6 +575,8 @@ class ModelConfig:
         check_positive("model.rope_original_max_seq_len", self.rope_original_max_seq_len, MAX_SIZE)
         check_positive("model.rope_yarn_beta_fast", self.rope_yarn_beta_fast, 1e6)
         check_positive("model.rope_yarn_beta_slow", self.rope_yarn_beta_slow, 1e6)
+        for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+            check_at_least(f"model.{name}", getattr(self, name), 0.0, 1e3)
         if self.rope_yarn_beta_slow >= self.rope_yarn_beta_fast:
             raise ConfigError(
                 "model.rope_yarn_beta_slow",
@@ -459,6 +650,8 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` (0-based) has an MoE feed-forward."""
+        if index < self.moe_first_dense_layers:
+            return False
         return self.is_moe and (index + 1) % self.moe_frequency == 0
 
     @property
@@ -477,9 +670,11 @@ class ModelConfig:
         embedding, per block the attention projections (wq and wo dim x n_heads *
         head_dim, wk and wv dim x kv_heads * head_dim, their biases with
         model.attention_bias), the sinks (one per head, model.attention_sinks), the query
-        and key norms' gains (model.qk_norm), the feed-forward (three SwiGLU matrices dim
-        x hidden_dim; in an MoE block the router dim x num_experts, its bias, plus every
-        routed and shared expert's three matrices and a routed expert's biases), two
+        and key norms' gains (model.qk_norm), or under multi-head latent attention its
+        projections and latent norms (_latent_attention_params), the feed-forward (three
+        SwiGLU matrices dim x hidden_dim; in an MoE block the router dim x num_experts,
+        its bias, plus every routed and shared expert's three matrices and a routed
+        expert's biases), two
         RMSNorm gains (four for model.norm_placement = 'sandwich'), then the final norm
         and the output head unless tied.
         Cheap enough to size memory at build time before any tensor exists.
@@ -492,10 +687,25 @@ class ModelConfig:
         a dense model; FLOPs and MFU are computed from it."""
         return self._count_params(active=True)
 
+    def _latent_attention_params(self) -> int:
+        """One MLA block's attention: the queries' projection (or its two with the latent
+        norm between), the key/value latent projection with the shared RoPE key part, the
+        latent norm, the decompression to each head's key and value, the output."""
+        heads, qk = self.n_heads, self.qk_head_dim
+        if self.mla_q_rank:
+            queries = self.dim * self.mla_q_rank + self.mla_q_rank + self.mla_q_rank * heads * qk
+        else:
+            queries = self.dim * heads * qk
+        latent = self.dim * (self.mla_kv_rank + self.mla_rope_head_size) + self.mla_kv_rank
+        expand = self.mla_kv_rank * heads * (self.mla_nope_head_size + self.mla_value_head_size)
+        return queries + latent + expand + heads * self.mla_value_head_size * self.dim
+
     def _count_params(self, *, active: bool) -> int:
         q_width = self.n_heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
         attention = 2 * self.dim * q_width + 2 * self.dim * kv_width
+        if self.is_mla:
+            attention = self._latent_attention_params()
         if self.attention_bias:
             attention += q_width + 2 * kv_width + self.dim
         if self.attention_sinks:

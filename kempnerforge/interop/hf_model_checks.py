@@ -57,6 +57,17 @@ ARCH_FIELDS = (
     "rope_yarn_beta_fast",
     "rope_yarn_beta_slow",
     "rope_yarn_truncate",
+    "rope_yarn_mscale",
+    "rope_yarn_mscale_all_dim",
+    "mla_kv_rank",
+    "mla_q_rank",
+    "mla_nope_head_size",
+    "mla_rope_head_size",
+    "mla_value_head_size",
+    "moe_num_groups",
+    "moe_top_groups",
+    "moe_routed_scaling",
+    "moe_first_dense_layers",
 )
 """ModelConfig fields that shape the weights or the function they compute."""
 TRAINING_FIELDS = (
@@ -166,6 +177,13 @@ def function_fields(cfg: ModelConfig) -> dict[str, Any]:
         "model.rope_scaling": cfg.rope_scaling,
         "model.rope_scaling_factor": cfg.rope_scaling_factor,
         "model.rope_local_theta": cfg.rope_local_theta,
+        "model.rope_yarn_mscale": cfg.rope_yarn_mscale,
+        "model.rope_yarn_mscale_all_dim": cfg.rope_yarn_mscale_all_dim,
+        "model.mla_kv_rank": cfg.mla_kv_rank,
+        "model.mla_q_rank": cfg.mla_q_rank,
+        "model.mla_nope_head_size": cfg.mla_nope_head_size,
+        "model.mla_rope_head_size": cfg.mla_rope_head_size,
+        "model.mla_value_head_size": cfg.mla_value_head_size,
     }
     if cfg.num_moe_layers < cfg.n_layers:
         values["model.ffn_hidden_dim"] = cfg.hidden_dim
@@ -176,6 +194,9 @@ def function_fields(cfg: ModelConfig) -> dict[str, Any]:
         values["model.moe_frequency"] = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
         values["model.moe_shared_experts"] = cfg.moe_shared_experts
         values["model.moe_expert_hidden_dim"] = cfg.expert_hidden_dim
+        values["model.moe_num_groups"] = cfg.moe_num_groups
+        values["model.moe_top_groups"] = cfg.moe_top_groups
+        values["model.moe_routed_scaling"] = cfg.moe_routed_scaling
     return values
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import (
     Attention,
+    LatentAttention,
     LayerMask,
     MaskRule,
     RopeScaling,
@@ -41,8 +42,11 @@ class TransformerBlock(nn.Module):
         post = cfg.norm_placement in ("post", "sandwich")
         self.attention_norm = block_norm(cfg) if pre else None
         """Normalizes the attention input ('pre', 'sandwich')."""
-        self.attention = Attention(cfg, index)
-        """Grouped-query causal self-attention."""
+        self.attention: Attention | LatentAttention = (
+            LatentAttention(cfg, index) if cfg.is_mla else Attention(cfg, index)
+        )
+        """Grouped-query causal self-attention, or multi-head latent attention
+        (model.mla_kv_rank)."""
         self.attention_post_norm = block_norm(cfg) if post else None
         """Normalizes the attention output before the residual add ('post', 'sandwich')."""
         self.ffn_norm = block_norm(cfg) if pre else None
@@ -135,9 +139,10 @@ class Transformer(FamilyModel):
         """Final normalization before the output head (None on a stage without the head)."""
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         """Residual stream -> vocabulary logits; its weight is tok_embeddings' when tied."""
-        shape = (cfg.rope_kinds, cfg.max_seq_len, cfg.head_dim // 2)
+        shape = (cfg.rope_kinds, cfg.max_seq_len, cfg.rope_dim // 2)
         self.rope_cos: torch.Tensor
-        """RoPE cosines, (rope kinds, max_seq_len, head_dim // 2), fp32; not checkpointed.
+        """RoPE cosines, (rope kinds, max_seq_len, rope_dim // 2), fp32; not checkpointed
+        (rope_dim: the head, or under MLA its RoPE part).
         Table 0 serves every layer, or with model.rope_local_theta the full-attention
         layers and table 1 the sliding ones (ModelConfig.layer_rope)."""
         self.rope_sin: torch.Tensor
@@ -368,13 +373,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     FLOPs per multiply-add, so 2 * N for the weights, and backward costs twice the forward
     (grads w.r.t. inputs and weights), hence 6 * N. Attention adds, per layer and token,
     QK^T and AV at seq_len * width multiply-adds each, width being the heads' total width
-    n_heads * head_dim (the model's dim unless model.head_size sets it apart): 2 * 2 *
+    n_heads * head_dim (the model's dim unless model.head_size sets it apart; under MLA
+    the query/key heads' width for QK^T and the value heads' for AV): 2 * 2 *
     seq_len * width forward, times 3 for forward plus backward. The causal mask's skipped
     half is not subtracted, matching the usual MFU convention. From the config, so a
     sharded or pipelined rank that holds part of the model reports the whole model's cost.
     """
     n = cfg.num_active_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    widths = cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    return 6.0 * n + 6.0 * cfg.n_layers * widths * seq_len
 
 
 class TokenEmbedding(nn.Embedding):
@@ -408,9 +415,10 @@ def model_rope_tables(
     global one (model.rope_theta with model.rope_scaling), then, with
     model.rope_local_theta, the sliding layers' (unscaled)."""
     scaling = RopeScaling.of(cfg)
-    tables = [rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)]
+    dim = cfg.rope_dim
+    tables = [rope_tables(dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)]
     if cfg.rope_local_theta:
-        tables.append(rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, device))
+        tables.append(rope_tables(dim, cfg.max_seq_len, cfg.rope_local_theta, device))
     return tables
 
 

@@ -84,6 +84,26 @@ FAMILIES = {
         config=DEBUG_MOE,
         worlds=MOE_WORLDS,
     ),
+    # DeepSeek-V3 over the debug MoE's 8 experts: latent attention (query latent 48, key/value
+    # latent 32, query/key heads of 32 + 16 RoPE channels, values of 32, padded for the CPU's
+    # kernels), YaRN with both mscales, the first layer dense, then sigmoid routing in 4
+    # groups of which 2 are kept, gates times 2.5, a shared expert; experts split under ep.
+    "deepseek_v3": Family(
+        [
+            *("--model.mla_kv_rank=32", "--model.mla_q_rank=48"),
+            *("--model.mla_nope_head_size=32", "--model.mla_rope_head_size=16"),
+            "--model.mla_value_head_size=32",
+            *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=4"),
+            "--model.rope_original_max_seq_len=16",
+            *("--model.rope_yarn_mscale=0.8", "--model.rope_yarn_mscale_all_dim=0.6"),
+            *("--model.moe_router=sigmoid", "--model.moe_num_groups=4"),
+            *("--model.moe_top_groups=2", "--model.moe_routed_scaling=2.5"),
+            *("--model.moe_shared_experts=1", "--model.moe_first_dense_layers=1"),
+            "--model.moe_expert_hidden_dim=32",
+        ],
+        config=DEBUG_MOE,
+        worlds=MOE_WORLDS,
+    ),
 }
 
 

@@ -47,6 +47,20 @@ _GEMMA = [
     *("--model.rope_local_theta=10000", "--model.rope_scaling=linear"),
     "--model.rope_scaling_factor=8",
 ]
+# DeepSeek-V3's latent attention (values narrower than the query/key heads) with YaRN and
+# its mscales over its grouped sigmoid routing after a dense first layer; tp is refused
+# for latent attention (and for MoE), so the sweep covers the other axes.
+_MLA = [
+    *("--model.mla_kv_rank=32", "--model.mla_q_rank=24"),
+    *("--model.mla_nope_head_size=16", "--model.mla_rope_head_size=8"),
+    "--model.mla_value_head_size=16",
+    *("--model.rope_scaling=yarn", "--model.rope_scaling_factor=4"),
+    "--model.rope_original_max_seq_len=16",
+    *("--model.rope_yarn_mscale=0.8", "--model.rope_yarn_mscale_all_dim=0.6"),
+    *("--model.moe_router=sigmoid", "--model.moe_num_groups=4", "--model.moe_top_groups=2"),
+    *("--model.moe_routed_scaling=2.5", "--model.moe_shared_experts=1"),
+    "--model.moe_first_dense_layers=1",
+]
 # The joint decoder's sequence is the image's 16 tokens and 32 of text: 48; cross-attention
 # splits the 32 text tokens. cp up to 4 divides both.
 _VLM = [*_TINY, "--vlm.max_text_len=32"]
@@ -74,6 +88,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     "moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "moe-accum": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_ACCUM]),
+    "mla-moe": ("configs/train/debug_moe.toml", [*_MOE, "--model.n_kv_heads=4", *_MLA, *_NO_ACCUM]),
     # The joint decoder without accumulation; cross-attention blocks with it.
     "vlm": ("configs/train/vlm_debug.toml", [*_VLM, "--model.n_kv_heads=4", *_NO_ACCUM]),
     "vlm-cross-accum": (

@@ -83,6 +83,10 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     each) and the loss's softmax (vocab). The backward runs the same chain back: twice.
     A projection's bias (model.attention_bias, model.moe_expert_bias) is one more term of
     its sum, a sink (model.attention_sinks) one more of the softmax's normaliser.
+    Under multi-head latent attention (model.mla_kv_rank) the queries and keys pass
+    through a latent: its norm and the projection out of it (each the latent's width, the
+    wider of the query and key/value latents) add to the chain; the scores sum the
+    query/key heads' width and the output projection the value heads'.
     """
     if cfg.is_moe:
         # The widest expert (the shared one is moe_shared_experts experts wide), then the
@@ -92,9 +96,11 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     else:
         ffn_out = cfg.hidden_dim
     # The output projection sums the heads' width; query and key norms their own width.
-    heads_width = cfg.n_heads * cfg.head_dim
+    heads_width = cfg.n_heads * cfg.v_head_dim
     qk_norm = {"none": 0, "per_head": cfg.head_dim, "projection": heads_width}[cfg.qk_norm]
-    block = 4 * cfg.dim + max(cfg.dim, heads_width) + qk_norm + cfg.head_dim + 2 * seq_len
+    latent = 2 * max(cfg.mla_q_rank, cfg.mla_kv_rank)
+    block = 4 * cfg.dim + max(cfg.dim, heads_width) + qk_norm + latent + cfg.qk_head_dim
+    block += 2 * seq_len
     block += ffn_out
     # One more term per biased projection on the chain (q, k or v; the output; the
     # expert's two) and the sink in each softmax's normaliser.

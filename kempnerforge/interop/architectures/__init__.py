@@ -6,7 +6,7 @@ Architecture record each, and ARCHITECTURES, the registry export and import ask.
 - registry.py: Architectures, the registry: by a folder's model_type for import, the first
   that represents a ModelConfig exactly for export.
 - llama.py, mistral.py, qwen3.py, olmo2.py, gemma3.py, mixtral.py, qwen2_moe.py,
-  qwen3_moe.py, glm4_moe.py, gpt_oss.py: one architecture each.
+  qwen3_moe.py, glm4_moe.py, gpt_oss.py, deepseek_v3.py: one architecture each.
 - config_keys.py, tensor_names.py, moe_parts.py: what several architectures share (the
   common config.json keys and HFConfig's checked reads; Llama's tensor names and
   HFTensors; the expert layout and the reads of the MoE classes).
@@ -34,6 +34,7 @@ from kempnerforge.interop.architectures.config_keys import (
     common_config_json,
     common_model_fields,
 )
+from kempnerforge.interop.architectures.deepseek_v3 import DEEPSEEK_V3
 from kempnerforge.interop.architectures.gemma3 import GEMMA3
 from kempnerforge.interop.architectures.glm4_moe import GLM4_MOE
 from kempnerforge.interop.architectures.gpt_oss import GPT_OSS
@@ -48,7 +49,17 @@ from kempnerforge.interop.architectures.registry import Architectures
 from kempnerforge.interop.architectures.tensor_names import HFTensors, shared_pairs
 
 ARCHITECTURES = Architectures(
-    LLAMA, MISTRAL, QWEN3, OLMO2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE, GPT_OSS
+    LLAMA,
+    MISTRAL,
+    QWEN3,
+    OLMO2,
+    GEMMA3,
+    MIXTRAL,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    GLM4_MOE,
+    GPT_OSS,
+    DEEPSEEK_V3,
 )
 """Every architecture export and import know, in export's order of preference: a model two
 of them represent is written as the earlier (a softmax top-2 MoE as Mixtral, a dense model
@@ -56,6 +67,7 @@ without a window as Llama)."""
 
 __all__ = [
     "ARCHITECTURES",
+    "DEEPSEEK_V3",
     "GEMMA3",
     "GLM4_MOE",
     "GPT_OSS",

@@ -48,11 +48,20 @@ def common_config_json(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[st
 
 def rope_parameters_json(cfg: ModelConfig) -> dict[str, Any]:
     """config.json's ``rope_parameters``: the base, and YaRN's parameters under
-    model.rope_scaling 'yarn' (its attention factor follows from the factor, so it is
-    not written)."""
+    model.rope_scaling 'yarn' (its attention factor follows from the factor and, where
+    set, DeepSeek's mscale and mscale_all_dim, so it is not written)."""
     if cfg.rope_scaling == "none":
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    mscales = {
+        key: value
+        for key, value in (
+            ("mscale", cfg.rope_yarn_mscale),
+            ("mscale_all_dim", cfg.rope_yarn_mscale_all_dim),
+        )
+        if value
+    }
     return {
+        **mscales,
         "rope_type": cfg.rope_scaling,
         "rope_theta": cfg.rope_theta,
         "factor": cfg.rope_scaling_factor,
@@ -170,27 +179,38 @@ def rope_theta(
     return float(theta)
 
 
-YARN_UNSUPPORTED = ("attention_factor", "mscale", "mscale_all_dim")
-"""YaRN keys that set the attention factor apart from the factor (DeepSeek's); our YaRN
-derives it from the factor alone, so a config.json giving one is refused."""
+YARN_UNSUPPORTED = ("attention_factor",)
+"""YaRN keys that set the attention factor apart from the factor and mscales; our YaRN
+derives it from those, so a config.json giving one is refused."""
+YARN_MSCALES = ("mscale", "mscale_all_dim")
+"""DeepSeek's YaRN keys (model.rope_yarn_mscale, model.rope_yarn_mscale_all_dim): read
+by a class whose attention scales its logits by mscale_all_dim, refused by any other."""
 
 
-def rope_scaling_fields(hf: HFConfig) -> dict[str, Any]:
+def rope_scaling_fields(hf: HFConfig, *, yarn_mscales: bool = False) -> dict[str, Any]:
     """model.rope_scaling and its parameters from config.json's RoPE parameters (after
     rope_theta accepted their type): none, or YaRN's factor (absent: the ratio of
     max_position_embeddings to the original length, as transformers computes it),
-    original length, betas and truncation."""
+    original length, betas and truncation; with ``yarn_mscales`` (DeepSeek) also its
+    mscale and mscale_all_dim, which are refused otherwise."""
     key, found = _rope_parameters(hf)
     rope_type = found.get("rope_type", found.get("type", "default"))
     if rope_type in (None, "default"):
         return {}
-    for name in YARN_UNSUPPORTED:
+    refused = YARN_UNSUPPORTED if yarn_mscales else YARN_UNSUPPORTED + YARN_MSCALES
+    for name in refused:
         if found.get(name) is not None:
             raise hf.error(
                 key,
                 f"{name} = {found[name]!r} is not supported: kempnerforge's YaRN derives "
-                "its attention factor from the factor alone",
+                "its attention factor from the factor (and DeepSeek's mscales, in "
+                "DeepSeek-V3 alone)",
             )
+    mscales = {
+        f"rope_yarn_{name}": _rope_number(hf, key, name, found.get(name) or 0.0)
+        for name in YARN_MSCALES
+        if yarn_mscales
+    }
     original = found.get("original_max_position_embeddings")
     if not isinstance(original, int) or isinstance(original, bool) or original < 1:
         raise hf.error(key, f"original_max_position_embeddings {original!r}: expected >= 1")
@@ -205,6 +225,7 @@ def rope_scaling_fields(hf: HFConfig) -> dict[str, Any]:
         "rope_yarn_beta_fast": _rope_number(hf, key, "beta_fast", found.get("beta_fast") or 32.0),
         "rope_yarn_beta_slow": _rope_number(hf, key, "beta_slow", found.get("beta_slow") or 1.0),
         "rope_yarn_truncate": True if truncate is None else truncate is True,
+        **mscales,
     }
 
 
@@ -222,6 +243,7 @@ def common_model_fields(
     explicit_head_dim: bool = False,
     own_activation_and_rope: bool = False,
     rope_scalings: tuple[str, ...] = (),
+    yarn_mscales: bool = False,
 ) -> dict[str, Any]:
     """ModelConfig fields from the keys every architecture shares; refuses what we cannot build.
 
@@ -231,7 +253,8 @@ def common_model_fields(
     With ``explicit_head_dim`` (a class whose attention reads config.json's head_dim) a
     head_dim other than hidden_size / num_attention_heads becomes model.head_size.
     ``rope_scalings`` are the RoPE scaling types the class reads (model.rope_scaling);
-    any other is refused.
+    any other is refused; ``yarn_mscales`` reads DeepSeek's YaRN mscales
+    (rope_scaling_fields).
     With ``own_activation_and_rope`` the class names its activation and its RoPE in keys
     of its own (Gemma 3), which the caller reads: hidden_act and the RoPE keys are left
     to it, and no RoPE field is among those returned.
@@ -257,7 +280,7 @@ def common_model_fields(
     if not own_activation_and_rope:
         theta_default = 10000.0 if llama_defaults else None
         fields["rope_theta"] = rope_theta(hf, partial_default, theta_default, rope_scalings)
-        fields.update(rope_scaling_fields(hf))
+        fields.update(rope_scaling_fields(hf, yarn_mscales=yarn_mscales))
     return fields
 
 

@@ -1,12 +1,15 @@
 """GLM-4-MoE (``Glm4MoeForCausalLM``): our sigmoid-router MoE.
 
 Sigmoid scores, the top k chosen on score + e_score_correction_bias (our expert_bias,
-written in fp32) with the gates from the scores alone, renormalised when k > 1
-(norm_topk_prob), routed_scaling_factor 1, one expert group (n_group = topk_group = 1: no
-group restriction), shared experts summed ungated (written with zero width when there are
-none), plain RoPE (partial_rotary_factor 1), no qk-norm. Its dense layers come first
-(first_k_dense_replace), so moe_frequency must be 1 or n_layers. Its multi-token-prediction
-layers, after the decoder's, do not change the next-token function and are not imported.
+written in fp32) within the topk_group best of n_group expert groups
+(model.moe_top_groups, model.moe_num_groups) with the gates from the scores alone,
+renormalised when k > 1 (norm_topk_prob) and times routed_scaling_factor
+(model.moe_routed_scaling), shared experts summed ungated (written with zero width when
+there are none), plain RoPE (partial_rotary_factor 1), no qk-norm: DeepSeek-V3's routing
+over standard attention. Its dense layers come first (first_k_dense_replace:
+model.moe_first_dense_layers with moe_frequency 1, or moe_frequency = n_layers for the
+last layer alone). Its multi-token-prediction layers, after the decoder's, do not change
+the next-token function and are not imported.
 """
 
 from __future__ import annotations
@@ -22,10 +25,15 @@ from kempnerforge.interop.architectures.architecture import (
 )
 from kempnerforge.interop.architectures.config_keys import HFConfig, common_model_fields
 from kempnerforge.interop.architectures.moe_parts import (
+    DEEPSEEK_ROUTER_FIELDS,
     aux_loss_fields,
+    dense_first_fields,
+    dense_first_requirement,
     empty_swiglu,
     experts_from_hf,
     experts_to_hf,
+    group_routing_fields,
+    group_routing_keys,
     moe_layers,
     moe_prefixes,
     moe_requirement,
@@ -52,11 +60,8 @@ def glm4_moe_config_keys(cfg: ModelConfig) -> dict[str, Any]:
         "n_routed_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.moe_top_k,
         "n_shared_experts": cfg.moe_shared_experts,
-        "first_k_dense_replace": 0 if cfg.moe_frequency == 1 else cfg.n_layers - 1,
         "norm_topk_prob": cfg.moe_top_k > 1,
-        "routed_scaling_factor": 1.0,
-        "n_group": 1,
-        "topk_group": 1,
+        **group_routing_keys(cfg),
         "use_qk_norm": False,
         "attention_bias": False,
         "num_nextn_predict_layers": 0,
@@ -64,35 +69,17 @@ def glm4_moe_config_keys(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _moe_frequency(hf: HFConfig, n_layers: int) -> int:
-    """Our moe_frequency from first_k_dense_replace: all MoE, or only the last layer."""
-    first_dense = hf.get_int("first_k_dense_replace")
-    if first_dense == 0:
-        return 1
-    if first_dense == n_layers - 1:
-        return n_layers
-    raise hf.error(
-        "first_k_dense_replace",
-        f"expected 0 or num_hidden_layers - 1 = {n_layers - 1}: kempnerforge makes every "
-        "moe_frequency-th layer MoE, which cannot express other splits",
-    )
-
-
 def glm4_moe_config_fields(hf: HFConfig) -> dict[str, Any]:
     """ModelConfig fields of a GLM-4-MoE config.json; refuses what we cannot build."""
     # GLM-4-MoE's own default rotates half of each head: an absent factor is refused.
     fields = common_model_fields(hf, llama_defaults=False, partial_default=0.5)
     fields["moe_top_k"] = renormalised_top_k(hf)
-    fields["moe_frequency"] = _moe_frequency(hf, fields["n_layers"])
+    fields.update(dense_first_fields(hf, fields["n_layers"]))
     fields["ffn_hidden_dim"] = hf.get_int("intermediate_size")
     fields["moe_expert_hidden_dim"] = hf.get_int("moe_intermediate_size")
     hf.require("attention_bias", False, False, "kempnerforge's projections have no biases")
     hf.require("use_qk_norm", False, False, "kempnerforge has no query/key norm")
-    hf.require("routed_scaling_factor", 1.0, 1.0, "kempnerforge does not scale the gates")
-    if hf.get_int("n_group", 1) != hf.get_int("topk_group", 1):
-        raise hf.error(
-            "topk_group", "expected n_group: kempnerforge's router chooses among all experts"
-        )
+    fields.update(group_routing_fields(hf))
     fields.update(num_experts=hf.get_int("n_routed_experts"), moe_router="sigmoid")
     fields["moe_shared_experts"] = hf.get_int("n_shared_experts")
     return {**fields, **aux_loss_fields(hf)}
@@ -139,13 +126,7 @@ GLM4_MOE = Architecture(
     requires=(
         moe_requirement(HF_CLASS),
         router_requirement("sigmoid", HF_CLASS, "GLM-4-MoE's router scores with a sigmoid"),
-        Requirement(
-            "moe_frequency",
-            lambda cfg: cfg.moe_frequency in (1, cfg.n_layers),
-            lambda cfg: f"1 or model.n_layers = {cfg.n_layers} for a sigmoid-router export",
-            "GLM-4-MoE, the Hugging Face class with this router, has its dense layers "
-            "first and MoE layers after them (first_k_dense_replace)",
-        ),
+        dense_first_requirement("GLM-4-MoE"),
         Requirement(
             "num_experts",
             lambda cfg: cfg.num_experts >= 2,
@@ -157,4 +138,5 @@ GLM4_MOE = Architecture(
     config_keys=glm4_moe_config_keys,
     tensors_to_hf=glm4_moe_tensors_to_hf,
     tensors_from_hf=glm4_moe_tensors_from_hf,
+    own_fields=DEEPSEEK_ROUTER_FIELDS,
 )

@@ -124,3 +124,71 @@ def aux_loss_fields(hf: HFConfig) -> dict[str, Any]:
     if isinstance(coef, int | float) and not isinstance(coef, bool) and 0 <= coef <= 1000:
         return {"moe_aux_loss_weight": float(coef)}
     return {}
+
+
+def first_moe_layer(cfg: ModelConfig) -> int:
+    """The index of the first MoE layer (n_layers when there is none)."""
+    return next((index for index in range(cfg.n_layers) if cfg.is_moe_layer(index)), cfg.n_layers)
+
+
+def dense_first_requirement(hf_class: str) -> Requirement:
+    """The MoE layers must be the last ones (a class whose dense layers come first:
+    ``first_k_dense_replace``), named after model.moe_frequency, which interleaves them."""
+    return Requirement(
+        "moe_frequency",
+        lambda cfg: moe_layers(cfg) == list(range(first_moe_layer(cfg), cfg.n_layers)),
+        lambda cfg: (
+            "1 (the first model.moe_first_dense_layers dense) or model.n_layers = "
+            f"{cfg.n_layers} for a sigmoid-router export"
+        ),
+        f"{hf_class}, the Hugging Face class with this router, has its dense layers first "
+        "and MoE layers after them (first_k_dense_replace)",
+    )
+
+
+def dense_first_fields(hf: HFConfig, n_layers: int) -> dict[str, Any]:
+    """model.moe_frequency and model.moe_first_dense_layers of first_k_dense_replace = k:
+    all MoE for 0, the last layer alone as moe_frequency = n_layers, else the first k
+    dense. A k leaving no MoE layer is refused (the model would be dense)."""
+    first_dense = hf.get_int("first_k_dense_replace")
+    if not 0 <= first_dense < n_layers:
+        raise hf.error(
+            "first_k_dense_replace",
+            f"expected 0 to num_hidden_layers - 1 = {n_layers - 1}: kempnerforge imports "
+            "this class as an MoE model, with at least one MoE layer",
+        )
+    if first_dense == n_layers - 1 and n_layers > 1:
+        return {"moe_frequency": n_layers}
+    return {"moe_frequency": 1, "moe_first_dense_layers": first_dense}
+
+
+def group_routing_fields(hf: HFConfig) -> dict[str, Any]:
+    """model.moe_num_groups, moe_top_groups and moe_routed_scaling of n_group, topk_group
+    and routed_scaling_factor (absent or null: 1, 1, 1.0)."""
+    return {
+        "moe_num_groups": hf.get_int("n_group", 1),
+        "moe_top_groups": hf.get_int("topk_group", 1),
+        "moe_routed_scaling": hf.get_float("routed_scaling_factor", 1.0),
+    }
+
+
+def group_routing_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's n_group, topk_group, routed_scaling_factor and first_k_dense_replace
+    of our group-limited sigmoid router and dense-first layers (group_routing_fields and
+    dense_first_fields reversed)."""
+    return {
+        "n_group": cfg.moe_num_groups,
+        "topk_group": cfg.moe_top_groups,
+        "routed_scaling_factor": cfg.moe_routed_scaling,
+        "first_k_dense_replace": first_moe_layer(cfg),
+    }
+
+
+DEEPSEEK_ROUTER_FIELDS = (
+    "moe_num_groups",
+    "moe_top_groups",
+    "moe_routed_scaling",
+    "moe_first_dense_layers",
+)
+"""The ModelConfig fields of DeepSeek-V3's routing that its classes (DeepSeek-V3,
+GLM-4-MoE) represent."""

@@ -1,4 +1,5 @@
-"""Attention kinds: grouped-query self-attention (`self_attention.py`), the mask rules
+"""Attention kinds: grouped-query self-attention (`self_attention.py`) and multi-head
+latent attention (`latent_attention.py`, DeepSeek's MLA), the mask rules
 (causal, packed documents, sliding windows: `masks.py`, for any query range and key range)
 and the kernels that apply them (`kernels.py`: SDPA's causal kernels, FlexAttention block
 masks, the CPU's per-document `segments.py`, a dense mask), rotary positions, and context
@@ -16,6 +17,7 @@ from kempnerforge.model.attention.kernels import (
     prepare_masks,
     set_attention_kernel,
 )
+from kempnerforge.model.attention.latent_attention import LatentAttention
 from kempnerforge.model.attention.masks import (
     BLOCK_SIZE,
     MaskRule,
@@ -47,6 +49,7 @@ from kempnerforge.model.attention.sinks import dense_sink_attention
 __all__ = [
     "BLOCK_SIZE",
     "Attention",
+    "LatentAttention",
     "LayerMask",
     "MaskRule",
     "RingMask",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.model import ModelConfig, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,10 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    mscale: float = 0.0
+    """YaRN's ``mscale`` (model.rope_yarn_mscale); 0 unset."""
+    mscale_all_dim: float = 0.0
+    """YaRN's ``mscale_all_dim`` (model.rope_yarn_mscale_all_dim); 0 unset."""
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> RopeScaling:
@@ -34,6 +38,8 @@ class RopeScaling:
             beta_fast=cfg.rope_yarn_beta_fast,
             beta_slow=cfg.rope_yarn_beta_slow,
             truncate=cfg.rope_yarn_truncate,
+            mscale=cfg.rope_yarn_mscale,
+            mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
         )
 
 
@@ -79,8 +85,11 @@ def yarn_frequencies(
     is kept (extrapolated); one that turns fewer than ``beta_slow`` times is divided by
     the factor (interpolated); a linear ramp over the channel index blends the two in
     between. The ramp's ends are the channels where those rotation counts fall (with
-    ``truncate``, rounded outwards to whole channels). The attention factor is 0.1 *
-    ln(factor) + 1 (1 for a factor of at most 1).
+    ``truncate``, rounded outwards to whole channels). The attention factor is m(1) =
+    0.1 * ln(factor) + 1 (1 for a factor of at most 1), or with both of DeepSeek's
+    ``mscale`` and ``mscale_all_dim`` set m(mscale) / m(mscale_all_dim) (config/model.py's
+    yarn_mscale); DeepSeek's other use of mscale_all_dim, on the attention logits, is
+    ModelConfig.attention_logit_multiplier.
     """
 
     def channel(rotations: float) -> float:
@@ -99,7 +108,10 @@ def yarn_frequencies(
     kept_share = 1 - interpolated_share
     scaled = inv_freq / scaling.factor * interpolated_share + inv_freq * kept_share
     factor = scaling.factor
-    magnitude = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    magnitude = yarn_mscale(factor)
+    if scaling.mscale and scaling.mscale_all_dim:
+        mscales = yarn_mscale(factor, scaling.mscale), yarn_mscale(factor, scaling.mscale_all_dim)
+        magnitude = mscales[0] / mscales[1]
     return scaled, magnitude
 
 

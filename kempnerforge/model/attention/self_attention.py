@@ -68,11 +68,15 @@ class Attention(nn.Module):
         self.rope_kind = cfg.layer_rope(index)
         """Which of the model's RoPE tables (the first axis of cos and sin) this layer uses."""
         self.query_scale: float | None = None
-        """sqrt(head_dim / model.attention_scale_size): folded into the queries so every
-        kernel's default 1 / sqrt(head_dim) gives 1 / sqrt(attention_scale_size); None
-        when they agree."""
+        """sqrt(head_dim / model.attention_scale_size) times YaRN's logit multiplier
+        (ModelConfig.attention_logit_multiplier): folded into the queries so every
+        kernel's default 1 / sqrt(head_dim) gives 1 / sqrt(attention_scale_size) times
+        the multiplier; None when it is 1."""
+        scale = cfg.attention_logit_multiplier
         if cfg.attention_scale_size not in (None, cfg.head_dim):
-            self.query_scale = math.sqrt(cfg.head_dim / cfg.attention_scale_size)
+            scale *= math.sqrt(cfg.head_dim / cfg.attention_scale_size)
+        if scale != 1.0:
+            self.query_scale = scale
         bias = cfg.attention_bias
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
         """Query projection (with a bias under model.attention_bias, as the other three)."""
@@ -155,19 +159,31 @@ class Attention(nn.Module):
         """
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        sinks = self.local_sinks()
-        split = active_split(self)
-        if split is not None and split.ring > 1:  # past the head count (ring.py)
-            assert isinstance(mask, RingMask), "a ring's masks come from prepare_masks(ring=)"
-            out = ring_attention(q, k, v, split, mask, sinks)
-            return self.wo(out.reshape(batch, seq_len, -1))
-        assert not isinstance(mask, RingMask)
-        if split is not None:
-            q = sequence_to_heads(q, split)
-            k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)
-            sinks = None if sinks is None else exchanged_heads(sinks, split)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
-        out = out.transpose(1, 2)
-        if split is not None:
-            out = heads_to_sequence(out, split)
+        out = attend_heads(q, k, v, mask, active_split(self), self.local_sinks())
         return self.wo(out.reshape(batch, seq_len, -1))
+
+
+def attend_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: LayerMask,
+    split: SequenceSplit | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of q (batch, seq, heads, head_dim) over k and v (batch, seq,
+    kv_heads, head_dim) under ``mask``: (batch, seq, heads, v's head_dim). Under context
+    parallelism (``split``) the heads are exchanged for the whole sequence around the
+    kernel, or past the head count a ring of key/value blocks runs (ring.py); the
+    self-attention kinds (standard, latent) share it."""
+    if split is not None and split.ring > 1:  # past the head count (ring.py)
+        assert isinstance(mask, RingMask), "a ring's masks come from prepare_masks(ring=)"
+        return ring_attention(q, k, v, split, mask, sinks)
+    assert not isinstance(mask, RingMask)
+    if split is not None:
+        q = sequence_to_heads(q, split)
+        k, v = kv_sequence_to_heads(k, split), kv_sequence_to_heads(v, split)
+        sinks = None if sinks is None else exchanged_heads(sinks, split)
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
+    out = out.transpose(1, 2)
+    return out if split is None else heads_to_sequence(out, split)

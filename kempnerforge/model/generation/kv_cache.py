@@ -5,7 +5,11 @@ queries, keys and values, stores the keys and values in the cache at their absol
 positions, and attends from the new queries to all stored keys so far, or, in a sliding
 layer (model.sliding_window), to those its window reaches. The result equals the full
 forward's logits at those positions (fp32: to rounding). The cache keeps every position's
-keys for every layer; a sliding layer reads only its window's.
+keys for every layer; a sliding layer reads only its window's. A block of multi-head
+latent attention (model.mla_kv_rank) stores what its keys and values are decompressed
+from instead: each position's normalised latent and its rotated key RoPE part, a small
+fraction of its heads' keys and values; the new queries read keys and values
+decompressed from every stored position.
 
 This is a separate path through the same modules; Transformer.forward, the training
 forward, is not involved and keeps its numerics, its compiled blocks and its FSDP hooks.
@@ -22,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from kempnerforge.model.attention import Attention, MaskRule, dense_mask, dense_sink_attention
+from kempnerforge.model.attention import (
+    Attention,
+    LatentAttention,
+    MaskRule,
+    dense_mask,
+    dense_sink_attention,
+)
 from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 
@@ -32,14 +42,17 @@ class KVCache:
     """Per-block keys and values of the positions decoded so far, preallocated.
 
     ``keys[i]`` and ``values[i]`` belong to the i-th block in layer order, each of shape
-    (batch, kv_heads, max_len, head_dim) with RoPE already applied to the keys. Positions
+    (batch, kv_heads, max_len, head_dim) with RoPE already applied to the keys; for a
+    block of latent attention, its normalised latents (batch, 1, max_len, mla_kv_rank)
+    and rotated key RoPE parts (batch, 1, max_len, mla_rope_head_size). Positions
     0 .. position - 1 hold data; the next forward_cached call writes from ``position``.
     """
 
     keys: list[torch.Tensor]
-    """Each block's keys, (batch, kv_heads, max_len, head_dim)."""
+    """Each block's keys, (batch, kv_heads, max_len, head_dim), or latents (MLA)."""
     values: list[torch.Tensor]
-    """Each block's values, (batch, kv_heads, max_len, head_dim)."""
+    """Each block's values, (batch, kv_heads, max_len, head_dim), or key RoPE parts
+    (MLA)."""
     position: int = 0
     """How many positions are stored (the absolute position of the next token)."""
 
@@ -66,12 +79,18 @@ class KVCache:
             raise ValueError(f"a cache for a batch of {batch}: expected at least 1")
         keys, values = [], []
         for block in _blocks(model):
-            weight = block.attention.wk.weight
-            kv_heads = weight.shape[0] // cfg.head_dim
-            shape = (batch, kv_heads, max_len, cfg.head_dim)
+            attention = block.attention
+            if isinstance(attention, LatentAttention):
+                weight = attention.wkv_a.weight
+                key_shape = (batch, 1, max_len, attention.kv_rank)
+                value_shape = (batch, 1, max_len, attention.rope_dim)
+            else:
+                weight = attention.wk.weight
+                kv_heads = weight.shape[0] // cfg.head_dim
+                key_shape = value_shape = (batch, kv_heads, max_len, cfg.head_dim)
             kind = dtype or weight.dtype
-            keys.append(torch.zeros(shape, dtype=kind, device=weight.device))
-            values.append(torch.zeros(shape, dtype=kind, device=weight.device))
+            keys.append(torch.zeros(key_shape, dtype=kind, device=weight.device))
+            values.append(torch.zeros(value_shape, dtype=kind, device=weight.device))
         return cls(keys, values)
 
     @property
@@ -203,7 +222,7 @@ def _visible_keys(
 
 def _attend(
     x: torch.Tensor,
-    attention: Attention,
+    attention: Attention | LatentAttention,
     cos: torch.Tensor,
     sin: torch.Tensor,
     cache: KVCache,
@@ -225,6 +244,12 @@ def _attend(
     batch, new, _ = x.shape
     end = start + new
     first, mask, causal = seen
+    if isinstance(attention, LatentAttention):
+        q, k_all, v_all = _latent_keys_and_values(
+            x, attention, cos, sin, cache, index, start, first
+        )
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal)
+        return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))
     q, k, v = attention.project(x, cos, sin)
     keys, values = cache.keys[index], cache.values[index]
     keys[:, :, start:end] = k.transpose(1, 2)
@@ -241,3 +266,28 @@ def _attend(
         v_all = v_all.repeat_interleave(n_rep, dim=1)
     out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal)
     return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))
+
+
+def _latent_keys_and_values(
+    x: torch.Tensor,
+    attention: LatentAttention,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    index: int,
+    start: int,
+    first: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latent attention's queries (batch, heads, new, width) of the new positions x, and
+    keys and values (batch, heads, positions, width) of positions ``first`` .. so far:
+    the new positions' latents and key RoPE parts are stored, then those read
+    decompressed."""
+    end = start + x.shape[1]
+    latent, k_rope = attention.latent(x, cos, sin)
+    latents, k_ropes = cache.keys[index], cache.values[index]
+    latents[:, 0, start:end] = latent
+    k_ropes[:, 0, start:end] = k_rope[:, :, 0]
+    q = attention.queries(x, cos, sin)
+    stored = latents[:, 0, first:end].to(q.dtype)
+    k, v = attention.expand(stored, k_ropes[:, :, first:end].transpose(1, 2).to(q.dtype))
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -8,11 +8,14 @@ are any. Two routers:
   renormalised over the k chosen (k = 1 keeps the raw probability, or the router would
   get no gradient through the gate); balanced by the auxiliary loss.
 - 'sigmoid' (DeepSeek-V3): sigmoid scores; the top k are chosen on score + expert_bias,
-  but the gate values use the scores alone, so the bias never carries a gradient. The
+  within the best model.moe_top_groups of model.moe_num_groups expert groups when
+  routing is group-limited (each group ranked by its two best biased scores), but the
+  gate values use the scores alone, so the bias never carries a gradient. The
   bias is a buffer that only the balancing rule changes (update_expert_bias, after each
   optimizer step, from the step's load summed over every data-parallel rank).
 
-Both routers compute in fp32 whatever the autocast, and both report a z-loss. The layer
+Both routers compute in fp32 whatever the autocast, and both report a z-loss; the gates
+are multiplied by model.moe_routed_scaling after any renormalisation. The layer
 keeps its last forward's losses and counts (``last``) for the step's router losses and
 metrics (router_step.py); it reads nothing to the host with the grouped matmul on one rank,
 capacity factor or not; expert parallelism reads the split sizes (one read per exchange),
@@ -76,6 +79,12 @@ class Router(nn.Module):
         super().__init__()
         self.kind = cfg.moe_router
         self.top_k = cfg.moe_top_k
+        self.num_groups = cfg.moe_num_groups
+        """model.moe_num_groups: expert groups of the group-limited sigmoid router."""
+        self.top_groups = cfg.moe_top_groups
+        """model.moe_top_groups: groups a token chooses its experts from."""
+        self.routed_scaling = cfg.moe_routed_scaling
+        """model.moe_routed_scaling: the gates' multiplier."""
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=cfg.moe_router_bias)
         """Router weights (experts, dim) and, under model.moe_router_bias, bias (experts,)."""
         self.expert_bias: torch.Tensor | None
@@ -94,12 +103,28 @@ class Router(nn.Module):
         else:
             scores = torch.sigmoid(logits)
             assert self.expert_bias is not None
-            _, expert_ids = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1)
+            choice = self.group_limited(scores.detach() + self.expert_bias)
+            _, expert_ids = choice.topk(self.top_k, dim=-1)
             gates = scores.gather(-1, expert_ids)
             probs = scores / scores.sum(-1, keepdim=True)
         if self.top_k > 1:
             gates = gates / gates.sum(-1, keepdim=True)
+        if self.routed_scaling != 1.0:
+            gates = gates * self.routed_scaling
         return Routing(expert_ids, gates, probs, logits)
+
+    def group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """The biased scores ``choice`` (T, E) with every expert outside the token's
+        top_groups groups at -inf; each group ranked by the sum of its two best scores
+        (DeepSeek-V3's rule). As it is with one group."""
+        if self.num_groups == 1:
+            return choice
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, self.num_groups, experts // self.num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        kept = group_scores.topk(self.top_groups, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        return grouped.masked_fill(~allowed[..., None], float("-inf")).view(tokens, experts)
 
 
 class MoEFeedForward(nn.Module):

@@ -116,6 +116,14 @@ def finish_router_step(
     """
     layers = [layer for layer in moe_layers(model) if layer.totals is not None]
     nudge = cfg.moe_router == "sigmoid" and cfg.moe_bias_update_rate > 0
+    if not layers and with_metrics and stage_group is not None and cfg.is_moe:
+        # A stage of dense layers only (model.moe_first_dense_layers, model.moe_frequency)
+        # still joins the stages' sum, or the stages holding MoE layers wait for it.
+        device = next(model.parameters()).device
+        empty = torch.zeros(0, cfg.num_experts + 5, dtype=torch.float64, device=device)
+        return _metrics_row(
+            _sum_over_stages(model, empty, cfg, stage_group).tolist(), cfg.num_experts
+        )
     if not layers or not (nudge or with_metrics):
         return None
     totals = _totals_rows(layers)
@@ -185,7 +193,8 @@ def _sum_over_stages(
         assert found is not None, f"MoE layer {index_of[id(layer)]} is not under layers.N"
         ordinals.append(sum(cfg.is_moe_layer(i) for i in range(int(found.group(1)))))
     table = rows.new_zeros(cfg.num_moe_layers, rows.shape[1])
-    table[torch.tensor(ordinals, device=rows.device)] = rows
+    if ordinals:
+        table[torch.tensor(ordinals, device=rows.device)] = rows
     dist.all_reduce(table, group=group)
     return table
 
