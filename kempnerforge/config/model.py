@@ -543,6 +543,9 @@ class ModelConfig:
         """Rules of RoPE scaling: its parameters at their defaults without it, and a
         factor, an original length and a ramp that mean something with it."""
         check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        # Bounded whatever the scaling, so no value beyond float32 passes unread.
+        check_positive("model.rope_yarn_beta_fast", self.rope_yarn_beta_fast, 1e6)
+        check_positive("model.rope_yarn_beta_slow", self.rope_yarn_beta_slow, 1e6)
         if self.rope_scaling != "yarn":
             for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
                 if getattr(self, name):
@@ -573,8 +576,6 @@ class ModelConfig:
                 )
             return
         check_positive("model.rope_original_max_seq_len", self.rope_original_max_seq_len, MAX_SIZE)
-        check_positive("model.rope_yarn_beta_fast", self.rope_yarn_beta_fast, 1e6)
-        check_positive("model.rope_yarn_beta_slow", self.rope_yarn_beta_slow, 1e6)
         for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
             check_at_least(f"model.{name}", getattr(self, name), 0.0, 1e3)
         if self.rope_yarn_beta_slow >= self.rope_yarn_beta_fast:
