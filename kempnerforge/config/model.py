@@ -1,43 +1,48 @@
-"""[model]: the shape of the decoder-only Transformer."""
+"""[model]: the shape of the decoder-only Transformer. Its rules and its parameter count
+live in config/model_rules.py."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from kempnerforge.config.checks import (
-    MAX_LOSS_WEIGHT,
-    MAX_SIZE,
-    check_at_least,
-    check_choice,
-    check_in_range,
-    check_positive,
+from kempnerforge.config.model_rules import (
+    FFN_ACTIVATIONS as FFN_ACTIVATIONS,
 )
-from kempnerforge.core.errors import ConfigError
-
-MOE_ROUTERS = ("softmax", "sigmoid")
-MOE_AUX_LEVELS = ("token", "sequence")
-MOE_BIAS_SCHEDULES = ("constant", "linear_warmup", "cosine_decay")
-LAYER_TYPES = ("sliding_attention", "full_attention")
-"""model.layer_types' entries, as Hugging Face configs name them."""
-QK_NORMS = ("none", "per_head", "projection")
-"""model.qk_norm's choices."""
-NORM_PLACEMENTS = ("pre", "post", "sandwich")
-"""model.norm_placement's choices."""
-FFN_ACTIVATIONS = ("silu", "gelu_tanh")
-"""model.ffn_activation's choices: the gate's nonlinearity in the gated feed-forward."""
-MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
-"""model.moe_activation's choices."""
-ROPE_SCALINGS = ("none", "linear", "yarn")
-"""model.rope_scaling's choices."""
-MAX_MULTIPLIER = 1e4
-"""Largest model.embedding_multiplier: sqrt of a width of 1e8 channels."""
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude m = 0.1 * mscale * ln(factor) + 1 (1 for a factor of at most 1):
-    its cos and sin tables' scale, and DeepSeek's attention-logit multiplier's root."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from kempnerforge.config.model_rules import (
+    LAYER_TYPES as LAYER_TYPES,
+)
+from kempnerforge.config.model_rules import (
+    MAX_MULTIPLIER as MAX_MULTIPLIER,
+)
+from kempnerforge.config.model_rules import (
+    MOE_ACTIVATIONS as MOE_ACTIVATIONS,
+)
+from kempnerforge.config.model_rules import (
+    MOE_AUX_LEVELS as MOE_AUX_LEVELS,
+)
+from kempnerforge.config.model_rules import (
+    MOE_BIAS_SCHEDULES as MOE_BIAS_SCHEDULES,
+)
+from kempnerforge.config.model_rules import (
+    MOE_ROUTERS as MOE_ROUTERS,
+)
+from kempnerforge.config.model_rules import (
+    NORM_PLACEMENTS as NORM_PLACEMENTS,
+)
+from kempnerforge.config.model_rules import (
+    QK_NORMS as QK_NORMS,
+)
+from kempnerforge.config.model_rules import (
+    ROPE_SCALINGS as ROPE_SCALINGS,
+)
+from kempnerforge.config.model_rules import (
+    check_model,
+    count_params,
+)
+from kempnerforge.config.model_rules import (
+    yarn_mscale as yarn_mscale,
+)
 
 
 @dataclass
@@ -265,147 +270,7 @@ class ModelConfig:
     chooses it. 0 to n_layers - 1."""
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
-            check_positive(f"model.{name}", getattr(self, name), MAX_SIZE)
-        if self.n_kv_heads is not None:
-            check_positive("model.n_kv_heads", self.n_kv_heads, MAX_SIZE)
-        if self.ffn_hidden_dim is not None:
-            check_positive("model.ffn_hidden_dim", self.ffn_hidden_dim, MAX_SIZE)
-        # Bases in use stop near 1e7; fp32 computes theta ** x and overflows above ~3e38.
-        check_positive("model.rope_theta", self.rope_theta, 1e10)
-        # Activations are of unit scale after the norm; an epsilon above 1 swamps them.
-        check_positive("model.norm_eps", self.norm_eps, 1.0)
-        # Real models use 1 to 1.5; 16 already gives a hidden size of about 43 * dim.
-        check_positive("model.ffn_multiplier", self.ffn_multiplier, 16.0)
-        # Usual values are 0.006 to 0.02; 1 already makes unit-variance weight matrices.
-        check_positive("model.init_std", self.init_std, 1.0)
-        check_at_least("model.num_experts", self.num_experts, 0, MAX_SIZE)
-        for name in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
-            check_at_least(f"model.{name}", getattr(self, name), 0.0, MAX_LOSS_WEIGHT)
-        self._check_moe()
-        self._check_windows()
-        if self.hidden_dim > MAX_SIZE:
-            raise ConfigError(
-                "model.dim",
-                self.dim,
-                "a width whose derived SwiGLU hidden size is at most 2**31 - 1",
-                f"dim, ffn_multiplier and multiple_of give {self.hidden_dim}",
-            )
-        if self.n_heads % self.kv_heads:
-            raise ConfigError(
-                "model.n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads = {self.n_heads}"
-            )
-        self._check_heads()
-        check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
-        check_choice("model.norm_placement", self.norm_placement, NORM_PLACEMENTS)
-        self._check_gemma_options()
-        self._check_latent_attention()
-
-    def _check_latent_attention(self) -> None:
-        """Rules of multi-head latent attention: every model.mla_* field 0 without it;
-        with it, sizes that make heads, and none of the standard attention's options."""
-        sizes = ("mla_q_rank", "mla_nope_head_size", "mla_rope_head_size", "mla_value_head_size")
-        check_at_least("model.mla_kv_rank", self.mla_kv_rank, 0, MAX_SIZE)
-        if not self.is_mla:
-            for name in sizes:
-                if getattr(self, name):
-                    raise ConfigError(
-                        f"model.{name}",
-                        getattr(self, name),
-                        "0 when model.mla_kv_rank is 0",
-                        "it sizes multi-head latent attention: set model.mla_kv_rank",
-                    )
-            return
-        for name in sizes[:2]:
-            check_at_least(f"model.{name}", getattr(self, name), 0, MAX_SIZE)
-        for name in sizes[2:]:
-            check_positive(f"model.{name}", getattr(self, name), MAX_SIZE)
-        if self.mla_rope_head_size % 2:
-            raise ConfigError(
-                "model.mla_rope_head_size",
-                self.mla_rope_head_size,
-                "an even size (RoPE rotates pairs)",
-            )
-        if self.mla_value_head_size > self.qk_head_dim:
-            raise ConfigError(
-                "model.mla_value_head_size",
-                self.mla_value_head_size,
-                f"<= mla_nope_head_size + mla_rope_head_size = {self.qk_head_dim}",
-                "kernels that need equal widths pad the values to the query/key width",
-            )
-        if self.kv_heads != self.n_heads:
-            raise ConfigError(
-                "model.n_kv_heads",
-                self.n_kv_heads,
-                f"unset or model.n_heads = {self.n_heads} with multi-head latent attention",
-                "latent attention decompresses a key and a value head per query head",
-            )
-        standard = (
-            ("head_size", None),
-            ("qk_norm", "none"),
-            ("attention_bias", False),
-            ("attention_sinks", False),
-            ("attention_scale_size", None),
-        )
-        for name, unset in standard:
-            if getattr(self, name) != unset:
-                raise ConfigError(
-                    f"model.{name}",
-                    getattr(self, name),
-                    f"{unset!r} with multi-head latent attention (model.mla_kv_rank > 0)",
-                    "latent attention has a key and value head per query head, sized by "
-                    "the model.mla_* fields, and none of the standard attention's options",
-                )
-
-    def _check_gemma_options(self) -> None:
-        """Rules of the activation, attention scale, embedding multiplier and RoPE fields
-        (Gemma 3's, and RoPE scaling)."""
-        check_choice("model.ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
-        if self.is_moe and self.ffn_activation != "silu":
-            raise ConfigError(
-                "model.ffn_activation",
-                self.ffn_activation,
-                "'silu' for an MoE model (model.num_experts > 0)",
-                "the experts compute SwiGLU; a GeGLU applies to dense models only",
-            )
-        if self.attention_scale_size is not None:
-            check_positive("model.attention_scale_size", self.attention_scale_size, MAX_SIZE)
-        check_positive("model.embedding_multiplier", self.embedding_multiplier, MAX_MULTIPLIER)
-        self._check_rope_scaling()
-        check_at_least("model.rope_local_theta", self.rope_local_theta, 0.0, 1e10)
-        sliding = any(self.layer_window(i) for i in range(self.n_layers))
-        if self.rope_local_theta and not sliding:
-            raise ConfigError(
-                "model.rope_local_theta",
-                self.rope_local_theta,
-                "0 when no layer slides",
-                "it is the RoPE base of the sliding-window layers: set model.sliding_window",
-            )
-
-    def _check_heads(self) -> None:
-        """The head size: explicit and even, or derived from a width n_heads divides into
-        even heads."""
-        if self.head_size is not None:
-            check_positive("model.head_size", self.head_size, MAX_SIZE)
-            if self.head_size % 2:
-                raise ConfigError(
-                    "model.head_size", self.head_size, "an even size (RoPE rotates pairs)"
-                )
-            return
-        if self.dim % self.n_heads:
-            raise ConfigError(
-                "model.n_heads",
-                self.n_heads,
-                f"a divisor of model.dim = {self.dim}",
-                "or set model.head_size",
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise ConfigError(
-                "model.n_heads",
-                self.n_heads,
-                "a value giving an even head size (RoPE rotates pairs)",
-                f"dim / n_heads = {self.dim // self.n_heads}",
-            )
+        check_model(self)
 
     @property
     def is_mla(self) -> bool:
@@ -456,163 +321,6 @@ class ModelConfig:
             return self.ffn_hidden_dim
         hidden = int(2 * 4 * self.dim / 3 * self.ffn_multiplier)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-    def _check_moe(self) -> None:
-        """Rules of the MoE fields: ranges always, the top-k against the experts when
-        num_experts > 0."""
-        check_positive("model.moe_top_k", self.moe_top_k, MAX_SIZE)
-        if self.is_moe and self.moe_top_k > self.num_experts:
-            raise ConfigError(
-                "model.moe_top_k",
-                self.moe_top_k,
-                f"<= model.num_experts = {self.num_experts}",
-                "a token cannot go to more experts than exist",
-            )
-        check_positive("model.moe_frequency", self.moe_frequency, self.n_layers)
-        check_choice("model.moe_router", self.moe_router, MOE_ROUTERS)
-        check_at_least("model.moe_shared_experts", self.moe_shared_experts, 0, 64)
-        if self.moe_expert_hidden_dim is not None:
-            check_positive("model.moe_expert_hidden_dim", self.moe_expert_hidden_dim, MAX_SIZE)
-        if self.moe_capacity_factor is not None:
-            # 64 already keeps every token when top_k <= 64 experts share a micro-batch.
-            check_positive("model.moe_capacity_factor", self.moe_capacity_factor, 64.0)
-        check_choice("model.moe_aux_loss_level", self.moe_aux_loss_level, MOE_AUX_LEVELS)
-        check_at_least("model.moe_bias_update_rate", self.moe_bias_update_rate, 0.0, 1.0)
-        check_choice("model.moe_bias_schedule", self.moe_bias_schedule, MOE_BIAS_SCHEDULES)
-        check_choice("model.moe_activation", self.moe_activation, MOE_ACTIVATIONS)
-        check_positive("model.moe_swiglu_limit", self.moe_swiglu_limit, 1e6)
-        check_positive("model.moe_swiglu_alpha", self.moe_swiglu_alpha, 1e3)
-        check_positive("model.moe_routed_scaling", self.moe_routed_scaling, 1e3)
-        check_at_least(
-            "model.moe_first_dense_layers", self.moe_first_dense_layers, 0, self.n_layers - 1
-        )
-        self._check_expert_groups()
-
-    def _check_expert_groups(self) -> None:
-        """Group-limited routing: groups that cut the experts evenly, 2 or more each, a
-        sigmoid router, and kept groups that hold the top k."""
-        groups, kept = self.moe_num_groups, self.moe_top_groups
-        check_positive("model.moe_num_groups", groups, MAX_SIZE)
-        check_positive("model.moe_top_groups", kept, groups)
-        if groups == 1:
-            return
-        if self.moe_router != "sigmoid":
-            raise ConfigError(
-                "model.moe_num_groups",
-                groups,
-                "1 with the softmax router",
-                "group-limited routing ranks the sigmoid router's biased scores",
-            )
-        if self.num_experts % groups or self.num_experts // groups < 2:
-            raise ConfigError(
-                "model.moe_num_groups",
-                groups,
-                f"a divisor of model.num_experts = {self.num_experts} leaving >= 2 experts a group",
-                "a group is ranked by the sum of its two best scores",
-            )
-        if self.moe_top_k > kept * (self.num_experts // groups):
-            raise ConfigError(
-                "model.moe_top_groups",
-                kept,
-                f"groups holding >= model.moe_top_k = {self.moe_top_k} experts",
-                "a token chooses its top k within the groups kept",
-            )
-
-    def _check_windows(self) -> None:
-        """Rules of the sliding-window fields: a window that some layer uses, chosen by
-        the pattern or by the per-layer list, not both."""
-        check_at_least("model.sliding_window", self.sliding_window, 0, MAX_SIZE)
-        pattern = self.sliding_window_pattern
-        if pattern and not 2 <= pattern <= self.n_layers:
-            raise ConfigError(
-                "model.sliding_window_pattern",
-                pattern,
-                f"0 (every layer slides) or 2 to model.n_layers = {self.n_layers}",
-            )
-        if self.layer_types:
-            self._check_layer_types()
-        elif pattern and not self.sliding_window:
-            raise ConfigError(
-                "model.sliding_window_pattern",
-                pattern,
-                "0 when model.sliding_window is 0",
-                "set model.sliding_window to the window's length in tokens",
-            )
-
-    def _check_rope_scaling(self) -> None:
-        """Rules of RoPE scaling: its parameters at their defaults without it, and a
-        factor, an original length and a ramp that mean something with it."""
-        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-        # Bounded whatever the scaling, so no value beyond float32 passes unread.
-        check_positive("model.rope_yarn_beta_fast", self.rope_yarn_beta_fast, 1e6)
-        check_positive("model.rope_yarn_beta_slow", self.rope_yarn_beta_slow, 1e6)
-        if self.rope_scaling != "yarn":
-            for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
-                if getattr(self, name):
-                    raise ConfigError(
-                        f"model.{name}",
-                        getattr(self, name),
-                        "0 unless model.rope_scaling is 'yarn'",
-                        "it scales YaRN's attention",
-                    )
-        if self.rope_scaling == "none":
-            for name, unset in (("rope_scaling_factor", 1.0), ("rope_original_max_seq_len", 0)):
-                if getattr(self, name) != unset:
-                    raise ConfigError(
-                        f"model.{name}",
-                        getattr(self, name),
-                        f"{unset!r} when model.rope_scaling is 'none'",
-                        "set model.rope_scaling to the scaling it belongs to",
-                    )
-            return
-        check_in_range("model.rope_scaling_factor", self.rope_scaling_factor, 1.0, 1e4)
-        if self.rope_scaling != "yarn":
-            if self.rope_original_max_seq_len:
-                raise ConfigError(
-                    "model.rope_original_max_seq_len",
-                    self.rope_original_max_seq_len,
-                    f"0 when model.rope_scaling is {self.rope_scaling!r}",
-                    "only YaRN reads the original length",
-                )
-            return
-        check_positive("model.rope_original_max_seq_len", self.rope_original_max_seq_len, MAX_SIZE)
-        for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
-            check_at_least(f"model.{name}", getattr(self, name), 0.0, 1e3)
-        if self.rope_yarn_beta_slow >= self.rope_yarn_beta_fast:
-            raise ConfigError(
-                "model.rope_yarn_beta_slow",
-                self.rope_yarn_beta_slow,
-                f"< model.rope_yarn_beta_fast = {self.rope_yarn_beta_fast}",
-                "the ramp runs from the fast rotations down to the slow ones",
-            )
-
-    def _check_layer_types(self) -> None:
-        types = self.layer_types
-        if len(types) != self.n_layers:
-            raise ConfigError(
-                "model.layer_types",
-                types,
-                f"one entry per layer (model.n_layers = {self.n_layers}), or []",
-            )
-        for i, kind in enumerate(types):
-            check_choice(f"model.layer_types[{i}]", kind, LAYER_TYPES)
-        if self.sliding_window_pattern:
-            raise ConfigError(
-                "model.sliding_window_pattern",
-                self.sliding_window_pattern,
-                "0 when model.layer_types is given",
-                "model.layer_types names each layer's attention itself",
-            )
-        sliding = "sliding_attention" in types
-        if sliding != bool(self.sliding_window):
-            raise ConfigError(
-                "model.sliding_window",
-                self.sliding_window,
-                "a window > 0" if sliding else "0 when no layer is 'sliding_attention'",
-                "model.layer_types names sliding layers"
-                if sliding
-                else "no layer of model.layer_types uses the window",
-            )
 
     @property
     def rope_kinds(self) -> int:
@@ -680,53 +388,10 @@ class ModelConfig:
         and the output head unless tied.
         Cheap enough to size memory at build time before any tensor exists.
         """
-        return self._count_params(active=False)
+        return count_params(self, active=False)
 
     def num_active_params(self) -> int:
         """Parameters one token passes through: as num_params, but an MoE block counts its
         router, top_k routed experts and the shared experts only. Equal to num_params for
         a dense model; FLOPs and MFU are computed from it."""
-        return self._count_params(active=True)
-
-    def _latent_attention_params(self) -> int:
-        """One MLA block's attention: the queries' projection (or its two with the latent
-        norm between), the key/value latent projection with the shared RoPE key part, the
-        latent norm, the decompression to each head's key and value, the output."""
-        heads, qk = self.n_heads, self.qk_head_dim
-        if self.mla_q_rank:
-            queries = self.dim * self.mla_q_rank + self.mla_q_rank + self.mla_q_rank * heads * qk
-        else:
-            queries = self.dim * heads * qk
-        latent = self.dim * (self.mla_kv_rank + self.mla_rope_head_size) + self.mla_kv_rank
-        expand = self.mla_kv_rank * heads * (self.mla_nope_head_size + self.mla_value_head_size)
-        return queries + latent + expand + heads * self.mla_value_head_size * self.dim
-
-    def _count_params(self, *, active: bool) -> int:
-        q_width = self.n_heads * self.head_dim
-        kv_width = self.kv_heads * self.head_dim
-        attention = 2 * self.dim * q_width + 2 * self.dim * kv_width
-        if self.is_mla:
-            attention = self._latent_attention_params()
-        if self.attention_bias:
-            attention += q_width + 2 * kv_width + self.dim
-        if self.attention_sinks:
-            attention += self.n_heads
-        if self.qk_norm == "per_head":
-            attention += 2 * self.head_dim
-        elif self.qk_norm == "projection":
-            attention += q_width + kv_width
-        dense_ffn = 3 * self.dim * self.hidden_dim
-        expert = 3 * self.dim * self.expert_hidden_dim
-        routed = self.moe_top_k if active else self.num_experts
-        moe_ffn = self.dim * self.num_experts + (routed + self.moe_shared_experts) * expert
-        if self.moe_router_bias:
-            moe_ffn += self.num_experts
-        if self.moe_expert_bias:
-            moe_ffn += routed * (2 * self.expert_hidden_dim + self.dim)
-        blocks = 0
-        for index in range(self.n_layers):
-            ffn = moe_ffn if self.is_moe_layer(index) else dense_ffn
-            blocks += attention + ffn + self.block_norms * self.dim
-        embedding = self.vocab_size * self.dim
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return embedding + blocks + self.dim + head
+        return count_params(self, active=True)

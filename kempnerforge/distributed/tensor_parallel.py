@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from kempnerforge.distributed.blocks import transformer_blocks
+from kempnerforge.model.attention import Attention
 from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.norm import HeadRMSNorm, ProjectionRMSNorm
 
@@ -67,7 +68,9 @@ def shard_sinks(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     ``tp_mesh`` as its query heads are: rank r holds the sinks of the heads its share of
     wq projects (Attention.local_sinks reads them)."""
     for module in block.modules():
-        sinks = getattr(module, "sinks", None)
+        if not isinstance(module, Attention):
+            continue
+        sinks = module.sinks
         if isinstance(sinks, nn.Parameter) and not isinstance(sinks, DTensor):
             sharded = nn.Parameter(distribute_tensor(sinks.data, tp_mesh, [Shard(0)]))
             module.register_parameter("sinks", sharded)

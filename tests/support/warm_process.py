@@ -367,8 +367,18 @@ _current_lock = threading.Lock()
 
 
 def _server() -> _Server:
+    """This process's server, started anew when none runs or when this process's own
+    variables read at start have changed since it started (a test that left one set would
+    otherwise send every later command to a fresh interpreter)."""
     global _current
     with _current_lock:
+        if (
+            _current is not None
+            and _current.owner == os.getpid()
+            and needs_fresh_interpreter(os.environ, _current.env)
+        ):
+            _current.close()
+            _current = None
         if _current is None or _current.owner != os.getpid() or _current.process.poll() is not None:
             _current = _Server()
         return _current
