@@ -36,18 +36,17 @@ from kempnerforge.interop.architectures.architecture import (
     State,
 )
 from kempnerforge.interop.architectures.config_keys import HFConfig, common_model_fields
+from kempnerforge.interop.architectures.glm4_moe import (
+    glm4_moe_tensors_from_hf,
+    glm4_moe_tensors_to_hf,
+)
 from kempnerforge.interop.architectures.moe_parts import (
     DEEPSEEK_ROUTER_FIELDS,
     aux_loss_fields,
     dense_first_fields,
     dense_first_requirement,
-    empty_swiglu,
-    experts_from_hf,
-    experts_to_hf,
     group_routing_fields,
     group_routing_keys,
-    moe_layers,
-    moe_prefixes,
     moe_requirement,
     renormalised_top_k,
     router_requirement,
@@ -56,13 +55,9 @@ from kempnerforge.interop.architectures.tensor_names import (
     HFTensors,
     dense_ffn_pairs,
     outer_pairs,
-    swiglu_pairs,
 )
 
 HF_CLASS = "DeepseekV3ForCausalLM"
-BLOCK = "mlp"
-EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
-"""Its names of an expert's gate, up and down projections (our w1, w3, w2)."""
 
 REQUIREMENTS = (
     Requirement(
@@ -210,12 +205,7 @@ def deepseek_v3_tensors_to_hf(state: State, cfg: ModelConfig) -> State:
         out[f"{hf}kv_a_proj_with_mqa.weight"] = _permute_head_rows(
             latent, latent.shape[0], rope, back
         )
-    for index in moe_layers(cfg):
-        out.update(experts_to_hf(state, cfg, index, BLOCK, EXPERT_NAMES))
-        ours, hf = moe_prefixes(index, BLOCK)
-        out[f"{hf}.gate.e_score_correction_bias"] = state[f"{ours}.router.expert_bias"]
-        for mine, theirs in swiglu_pairs(f"{ours}.shared", f"{hf}.shared_experts"):
-            out[theirs] = state.get(mine, empty_swiglu(cfg.dim, mine))
+    out.update(glm4_moe_tensors_to_hf(state, cfg))  # GLM-4-MoE's MoE tensors
     return out
 
 
@@ -239,19 +229,8 @@ def deepseek_v3_tensors_from_hf(
         name = f"{ours}wkv_a.weight"
         latent = source.take(f"{theirs}kv_a_proj_with_mqa.weight", shapes[name])
         state[name] = _permute_head_rows(latent, latent.shape[0], rope, order)
-    for index in moe_layers(cfg):
-        state.update(experts_from_hf(source, cfg, index, BLOCK, EXPERT_NAMES, shapes))
-        ours, theirs_prefix = moe_prefixes(index, BLOCK)
-        state[f"{ours}.router.expert_bias"] = source.take(
-            f"{theirs_prefix}.gate.e_score_correction_bias", (cfg.num_experts,)
-        )
-        for mine, theirs in swiglu_pairs(f"{ours}.shared", f"{theirs_prefix}.shared_experts"):
-            if cfg.moe_shared_experts:
-                state[mine] = source.take(theirs, shapes[mine])
-            else:
-                source.take(theirs, empty_swiglu(cfg.dim, mine).shape)
-    extra = hf.get_int("num_nextn_predict_layers", 1)
-    source.ignore_prefixes(tuple(f"model.layers.{cfg.n_layers + i}." for i in range(extra)))
+    # GLM-4-MoE's MoE tensors, its multi-token-prediction layers passed over.
+    state.update(glm4_moe_tensors_from_hf(source, hf, cfg, shapes))
     return state
 
 
