@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -25,6 +26,7 @@ from kempnerforge.checkpoint.planner import WeightsOnlyLoadPlanner, refusal
 from kempnerforge.checkpoint.reader import AllowListedReader
 from kempnerforge.core.errors import CheckpointError, incomplete
 from kempnerforge.core.logging import get_logger
+from kempnerforge.model.lora import is_adapter_parameter
 
 logger = get_logger(__name__)
 
@@ -183,11 +185,19 @@ def load_model_weights(
     process_group: dist.ProcessGroup | None,
     no_dist: bool,
 ) -> None:
-    """Load only the ``model`` entries of `root` into `model`; the optimizer's are not read."""
+    """Load only the ``model`` entries of `root` into `model`; the optimizer's are not read.
+
+    Low-rank adapters (model/lora.py) the checkpoint lacks keep their initial values: a
+    run that adds adapters starts from a checkpoint of the model without them (an
+    import-hf step_0, a pretraining run). Every other missing entry fails the load.
+    """
     model_sd = get_model_state_dict(model)
     check_model_keys(root, saved, model_sd)
+    fresh = [k for k in model_sd if is_adapter_parameter(k) and f"model.{k}" not in saved]
+    for key in fresh:
+        del model_sd[key]
     read_dcp(root, {"model": model_sd}, "the model weights do not load", process_group, no_dist)
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not fresh))
 
 
 def read_dcp(

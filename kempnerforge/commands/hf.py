@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kempnerforge.commands.arguments import add_checkpoint_argument, add_config_argument
 
-EXPORT_FORMATS = ("hf",)
+EXPORT_FORMATS = ("hf", "peft")
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,15 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         choices=EXPORT_FORMATS,
         default="hf",
         help="hf: a Hugging Face transformers folder, of the first supported class that "
-        "computes the model exactly (docs/interop.md lists them; the command prints it)",
+        "computes the model exactly (docs/interop.md lists them; the command prints it), "
+        "with a [lora] run's adapters merged into its weights; peft: only a [lora] run's "
+        "adapters, as a peft adapter folder (adapter_config.json, adapter_model.safetensors)",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="with --format peft: the base model's name or folder, recorded as the adapter's "
+        "base_model_name_or_path",
     )
     add_config_argument(parser)
 
@@ -60,6 +68,7 @@ def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from kempnerforge.core.logging import configure_logging
     from kempnerforge.interop.folders import new_folder, staged
     from kempnerforge.interop.hf import check_exportable, export_hf
+    from kempnerforge.interop.peft_adapter import export_peft
     from kempnerforge.training.inference import load_for_inference, open_for_inference
 
     out = new_folder(args.out, "--out")
@@ -76,10 +85,15 @@ def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     config = job.config
     architecture = check_exportable(config.model, job.recorded_config, job.source)
-    model = load_for_inference(job)
+    adapters_only = args.format == "peft"
+    model = load_for_inference(job, keep_adapters=adapters_only)
     with staged(out) as staging:
-        export_hf(model, config.model, staging, config.data.tokenizer)
-    print(f"wrote {out} ({architecture}) from {job.source}, step {job.step}")
+        if adapters_only:
+            export_peft(model, config.model, config.lora, staging, args.base_model)
+        else:
+            export_hf(model, config.model, staging, config.data.tokenizer)
+    what = f"the adapters of a {architecture}" if adapters_only else architecture
+    print(f"wrote {out} ({what}) from {job.source}, step {job.step}")
     print(f"config: {job.config_source}")
     return 0
 

@@ -14,6 +14,7 @@ from kempnerforge.config.eval import EvalConfig, missing_eval_data
 from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.config.float8 import check_float8_config
 from kempnerforge.config.layout_rules import check_parallel_layout
+from kempnerforge.config.lora import LoRAConfig, check_lora_job
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.mixture_weights import check_mixture_weights, check_phase_weights
 from kempnerforge.config.model import ModelConfig
@@ -47,6 +48,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     vision_encoder: VisionEncoderConfig | None = None
     adapter: AdapterConfig | None = None
     vlm: VLMConfig | None = None
@@ -146,6 +148,7 @@ class JobConfig:
         check_phase_weights(self)
         check_mixture_weights(self)
         check_float8_config(self)
+        check_lora_job(self)
         # A vision-language job's sequence is its image tokens plus vlm.max_text_len
         # (checked in config/vlm.py's check_job); train.seq_len is not used by it.
         if train.seq_len > model.max_seq_len and not self.is_vlm:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from kempnerforge.distributed.adapter_styles import ColumnSplit, RowSplit
 from kempnerforge.distributed.blocks import transformer_blocks
 from kempnerforge.model.attention import Attention
 from kempnerforge.model.contract import DecoderStack, FamilyModel
@@ -183,13 +184,13 @@ def _plain_block_plan() -> dict[str, ParallelStyle]:
             desired_input_layouts=(whole, None, None, None),
         ),
         "feed_forward": PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(whole,)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
+        "attention.wq": ColumnSplit(),
+        "attention.wk": ColumnSplit(),
+        "attention.wv": ColumnSplit(),
+        "attention.wo": RowSplit(),
+        "feed_forward.w1": ColumnSplit(),
+        "feed_forward.w3": ColumnSplit(),
+        "feed_forward.w2": RowSplit(),
     }
 
 
@@ -208,16 +209,16 @@ def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
             input_layouts=(sequence, None, None, None),
             desired_input_layouts=(Replicate(), None, None, None),
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+        "attention.wq": ColumnSplit(),
+        "attention.wk": ColumnSplit(),
+        "attention.wv": ColumnSplit(),
+        "attention.wo": RowSplit(output_layouts=sequence, use_local_output=False),
         "feed_forward": PrepareModuleInput(
             input_layouts=(sequence,), desired_input_layouts=(Replicate(),)
         ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+        "feed_forward.w1": ColumnSplit(),
+        "feed_forward.w3": ColumnSplit(),
+        "feed_forward.w2": RowSplit(output_layouts=sequence, use_local_output=False),
     }
 
 

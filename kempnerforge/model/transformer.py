@@ -22,6 +22,7 @@ from kempnerforge.model.attention import (
 )
 from kempnerforge.model.contract import DecoderStack, FamilyModel
 from kempnerforge.model.heads import HeadLoss, HeadLossSpec, head_loss
+from kempnerforge.model.lora import LoRALinear
 from kempnerforge.model.meta import on_meta
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
@@ -216,9 +217,16 @@ class Transformer(FamilyModel):
             for name, module in self.named_modules()
             if isinstance(module, RMSNorm)
         }
+        adapters = {
+            f"{name}.{param}": std
+            for name, module in self.named_modules()
+            if isinstance(module, LoRALinear)
+            for param, std in module.adapter_init_stds().items()
+        }
         for name, param in self.named_parameters():
             seed_of_name = parameter_seed(seed, prefix + name)
-            fill_parameter(param, self._init_std(name), seed_of_name, constant=gains.get(name, 1.0))
+            std = adapters[name] if name in adapters else self._init_std(name)
+            fill_parameter(param, std, seed_of_name, constant=gains.get(name, 1.0))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

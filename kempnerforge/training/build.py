@@ -38,6 +38,7 @@ from kempnerforge.training.freeze import FreezeSchedule, describe, freeze_for_st
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.layout import ModelLayout, RankModel, layout_of
 from kempnerforge.training.loop import TrainingSession, select_step_fn
+from kempnerforge.training.lora import add_adapters, freeze_for_adapters
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.preflight import check_model_fits
@@ -91,6 +92,7 @@ def build_rank_on_meta(config: JobConfig, runtime: RuntimeContext) -> RankModel:
     """
     with on_meta():
         rank_model = layout_of(config.distributed).build_on_meta(config, runtime)
+        add_adapters(rank_model.model, config.lora)  # before parallelisation shards them
     if config.train.float8:
         # Before parallelize_model: checkpointing, compile and FSDP wrap the FP8 modules.
         apply_float8(rank_model.model, runtime.device, compiled=config.train.compile)
@@ -119,6 +121,7 @@ def build_model_on_mesh(
     torch.manual_seed(config.train.seed)  # the weights depend on the seed, not on what ran before
     model.init_weights()
     frozen = freeze_for_step(model, family_of(config).freeze_schedule(config), 0)
+    freeze_for_adapters(model, config.lora)
     if frozen:
         logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
     return model, layout_of(config.distributed).build_schedule(rank_model, runtime, config, loss_fn)

@@ -34,10 +34,12 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkp
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
+from kempnerforge.model.lora import merge_lora
 from kempnerforge.model.meta import on_meta
 from kempnerforge.storage.files import write_file
 from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.training.families import family_of
+from kempnerforge.training.lora import add_adapters
 
 logger = get_logger(__name__)
 
@@ -162,8 +164,11 @@ def write_output(path: str, write: Callable[[str], None]) -> None:
     write_file(path, write)
 
 
-def load_for_inference(job: InferenceJob) -> torch.nn.Module:
+def load_for_inference(job: InferenceJob, *, keep_adapters: bool = False) -> torch.nn.Module:
     """The model of ``job`` on its device with the checkpoint's weights, in eval mode.
+
+    A run trained with [lora] adapters is built with them, loaded, and (unless
+    ``keep_adapters``, for exporting the adapters themselves) merged into its projections.
 
     Built on the meta device and materialised once on the device, without drawing the
     weights the load overwrites; then a weights-only load (CheckpointManager.load_weights:
@@ -172,9 +177,12 @@ def load_for_inference(job: InferenceJob) -> torch.nn.Module:
     family = family_of(job.config)
     with on_meta():
         model = family.build_model(job.config)
+        add_adapters(model, job.config.lora)
     model.to_empty(device=job.runtime.device)
     family.fill_unsaved(model)  # only what the checkpoint does not hold
     job.checkpointer.load_weights(str(job.checkpoint), model=model)
+    if not keep_adapters:
+        merge_lora(model)  # one projection per layer again: the trained function, cheaper
     return model.eval()
 
 
