@@ -54,10 +54,12 @@ class LoRALinear(nn.Linear):
         """B (out, rank): projects back up; zero at the start."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
         dropped = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        update = F.linear(F.linear(dropped, self.lora_a), self.lora_b)
-        return base + update * self.scale
+        # The scale is applied on the rank-sized activation, and the update added into the
+        # base's output in place (a linear's backward does not read its output): one
+        # output-sized temporary per projection instead of three.
+        low = F.linear(dropped, self.lora_a) * self.scale
+        return F.linear(x, self.weight, self.bias).add_(F.linear(low, self.lora_b))
 
     def adapter_init_stds(self) -> dict[str, float]:
         """The normal std each adapter parameter is drawn with (0: zeros)."""

@@ -195,6 +195,19 @@ def test_muon_matches_one_process_on_every_layout(tmp_path, builtin_cache):
     assert_every_layout_passes(proc, worlds)
 
 
+def test_lora_adapters_train_on_every_layout_as_one_process(tmp_path, builtin_cache):
+    """Adapters on every projection, the base frozen: FSDP shards them with their base,
+    tensor parallelism splits B with a column-wise weight and A with a row-wise one
+    (distributed/adapter_styles.py), pipeline stages and context parallelism hold them as
+    any weight. Three steps: the first moves B off zero, the next two train A through it."""
+    worlds = {"dp_shard=2": "2", "tp=2": "2", "pp=2": "2", "cp=2": "2"}
+    lora = ["--lora.rank=4", "--lora.alpha=8", "--optimizer.lr=1e-2"]
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "3", *lora, cwd=tmp_path, cache=builtin_cache
+    )
+    assert_every_layout_passes(proc, worlds)
+
+
 def test_muon_on_split_experts_matches_one_process(tmp_path, builtin_cache):
     """Each expert's matrices are whole on their expert-parallel rank, which orthogonalises
     them there; the routers stay on AdamW."""
