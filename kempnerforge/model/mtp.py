@@ -1,18 +1,22 @@
 """Multi-token prediction (DeepSeek-V3's MTP, arXiv 2412.19437 section 2.2): a training-only
 head of model.mtp_depth modules after the decoder, each predicting one token further ahead.
 
-Module k (1-based) at position i combines the previous hidden state h^{k-1}_i (h^0: the last
-block's output, before the final norm) with the embedding of token t_{i+k}:
+Module k (1-based) at position i combines the previous hidden state h^{k-1}_i with the
+embedding of token t_{i+k}:
 
     h'_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])     (embedding first)
-    h^k  = block(h')                                              (a decoder block)
-    P^k  = softmax(head(norm(h^k)))                               (predicts t_{i+k+1})
+    h^k  = norm(block(h'))                                        (a decoder block)
+    P^k  = softmax(head(h^k))                                     (predicts t_{i+k+1})
 
-The embedding and the head are the decoder's own (shared, not copied); each module has its
-own norms, projection, block and head norm. Positions keep their place in the row: the
-last k positions of module k embed a stand-in token and have no target, and since
-attention is causal they change no earlier position, so the result equals the report's
-sequence truncated to T - k positions.
+h^0 is the decoder's output after its final norm, the hidden state its own head reads, and
+each h^k the module's output after its head norm (shared_head.norm): the report calls h^0
+"the representation given by the main model", and transformers' MtpModel (which computes
+the published DeepSeek-V3 and GLM-4-MoE MTP layers) and vLLM's serving of them feed the
+normed state. The embedding and the head are the decoder's own (shared, not copied); each
+module has its own norms, projection, block and head norm. Positions keep their place in
+the row: the last k positions of module k embed a stand-in token and have no target, and
+since attention is causal they change no earlier position, so the result equals the
+report's sequence truncated to T - k positions.
 """
 
 from __future__ import annotations
@@ -55,13 +59,11 @@ class MTPModule(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: LayerMask = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h^k, norm(h^k)) from h^{k-1} (batch, seq, dim) and the embeddings of the
-        tokens k ahead (batch, seq, dim): the first feeds depth k + 1, the second the
-        head."""
+    ) -> torch.Tensor:
+        """h^k from h^{k-1} (batch, seq, dim) and the embeddings of the tokens k ahead
+        (batch, seq, dim), after the head norm: it feeds both the head and depth k + 1."""
         joined = torch.cat([self.enorm(ahead), self.hnorm(hidden)], dim=-1)
-        out = self.block(self.eh_proj(joined), cos, sin, mask)
-        return out, self.norm(out)
+        return self.norm(self.block(self.eh_proj(joined), cos, sin, mask))
 
 
 class MTPModules(nn.ModuleList):
@@ -93,16 +95,17 @@ class MTPModules(nn.ModuleList):
         mask: LayerMask,
         spec: HeadLossSpec,
     ) -> None:
-        """Run every depth over the decoder's last hidden state ``hidden`` and keep their
-        summed cross-entropies against ``targets`` (depth, batch, seq) in ``last``.
+        """Run every depth over the decoder's output ``hidden`` (after its final norm) and
+        keep their summed cross-entropies against ``targets`` (depth, batch, seq) in
+        ``last``.
 
         The head's loss is chunked as ``spec`` says, without its z-loss (the report's
         MTP loss is the cross-entropy alone)."""
         spec = HeadLossSpec(spec.chunk_tokens, 0.0)
         sums = []
         for depth, module in enumerate(self, start=1):
-            hidden, normed = module(hidden, embed(tokens_ahead(input_ids, depth)), *rope, mask)
-            sums.append(head_loss(normed, head, targets[depth - 1], spec).loss_sum)
+            hidden = module(hidden, embed(tokens_ahead(input_ids, depth)), *rope, mask)
+            sums.append(head_loss(hidden, head, targets[depth - 1], spec).loss_sum)
         counts = (targets != IGNORE_INDEX).sum(dim=(1, 2))
         self.last = (torch.stack(sums), counts)
 

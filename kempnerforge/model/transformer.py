@@ -285,7 +285,10 @@ class Transformer(FamilyModel):
         if self.mtp is not None and mtp_targets is not None:
             mask = masks[str(self.cfg.n_layers - 1)]  # each block is built as the last one
             spec = loss_spec or HeadLossSpec()
-            self.mtp.run(h, input_ids, mtp_targets, self.embed, self.output, (cos, sin), mask, spec)
+            normed = self.norm(h)  # what the head reads is what depth 1 reads (model/mtp.py)
+            self.mtp.run(
+                normed, input_ids, mtp_targets, self.embed, self.output, (cos, sin), mask, spec
+            )
         return self.apply_head(h, labels, loss_spec)
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,14 +48,17 @@ def reference_losses(model: Transformer, document: torch.Tensor) -> list[torch.T
     """Summed cross-entropy of each depth over one document (1, L) alone, as the report
     writes it: h'_i = M_k [RMSNorm(h^{k-1}_i) ; RMSNorm(Emb(t_{i+k}))] (DeepSeek's code and
     transformers put the embedding first), h^k = TRM_k(h'_{1:T-k}) over the truncated
-    sequence, P^k_{i+k+1} = OutHead(h^k_i), with the decoder's embedding and head.
+    sequence, P^k_{i+k+1} = OutHead(h^k_i), with the decoder's embedding and head. The
+    hidden state passed on is the one the head reads, after its norm (the decoder's final
+    norm for h^0, the module's head norm after), as transformers' MtpModel passes it.
 
     Only the decoder's trunk (h^0) and each module's block (TRM_k) are the model's own
     calls: both are compared with transformers elsewhere; everything MTP adds is here."""
     cfg = model.cfg
     length = document.shape[1]
     emb, head = model.tok_embeddings.weight, model.output.weight  # type: ignore[union-attr]
-    hidden = model.run_layers(model.embed(document), *model.rope(length))
+    trunk = model.run_layers(model.embed(document), *model.rope(length))
+    hidden = _rms(trunk, model.norm.weight, cfg.norm_eps)  # type: ignore[union-attr]
     losses = []
     for k, module in enumerate(model.mtp or [], start=1):
         n = length - k - 1  # positions whose token k + 1 ahead is in the document
@@ -67,8 +70,9 @@ def reference_losses(model: Transformer, document: torch.Tensor) -> list[torch.T
             ],
             dim=-1,
         )
-        hidden = module.block(joined @ module.eh_proj.weight.T, *model.rope(n))
-        logits = _rms(hidden, module.norm.weight, cfg.norm_eps) @ head.T
+        out = module.block(joined @ module.eh_proj.weight.T, *model.rope(n))
+        hidden = _rms(out, module.norm.weight, cfg.norm_eps)
+        logits = hidden @ head.T
         targets = document[0, k + 1 : k + 1 + n]
         losses.append(F.cross_entropy(logits[0], targets, reduction="sum"))
     return losses
