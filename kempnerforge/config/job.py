@@ -18,6 +18,7 @@ from kempnerforge.config.lora import LoRAConfig, check_lora_job
 from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.config.mixture_weights import check_mixture_weights, check_phase_weights
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.mtp_rules import check_mtp_job
 from kempnerforge.config.optimizer import OptimizerConfig
 from kempnerforge.config.profiling import ProfilingConfig
 from kempnerforge.config.scheduler import SchedulerConfig
@@ -132,6 +133,7 @@ class JobConfig:
         if self.vlm is not None:
             check_vlm_job(self)
         check_parallel_layout(self, world_size)
+        check_mtp_job(self)
         dp = dist.resolved_dp(world_size)
         groups = self.num_replica_groups
         per_step = train.batch_size * train.grad_accum_steps * dp * groups

@@ -269,6 +269,16 @@ class ModelConfig:
     ``first_k_dense_replace``, 3); a block after them is MoE when model.moe_frequency
     chooses it. 0 to n_layers - 1."""
 
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3's MTP), a training-only head: this many modules
+    in sequence after the last block, module k predicting the token k + 1 positions past
+    the next one from its predecessor's hidden state and the embedding of token k ahead
+    (model/mtp.py). 0: off, no parameters. 0 to 2**31 - 1 (DeepSeek-V3: 1)."""
+    mtp_loss_weight: float = 0.3
+    """The multi-token-prediction loss's weight (the report's lambda): the objective gains
+    mtp_loss_weight / mtp_depth times the modules' summed cross-entropies, normalised like
+    the main loss (DeepSeek-V3: 0.3, then 0.1 for the last 4.8T tokens). 0 to 1000."""
+
     def __post_init__(self) -> None:
         check_model(self)
 
@@ -385,7 +395,8 @@ class ModelConfig:
         its bias, plus every routed and shared expert's three matrices and a routed
         expert's biases), two
         RMSNorm gains (four for model.norm_placement = 'sandwich'), then the final norm
-        and the output head unless tied.
+        and the output head unless tied, and each multi-token-prediction module (a block
+        built as the last, two norms, a 2 * dim x dim projection and its head's norm).
         Cheap enough to size memory at build time before any tensor exists.
         """
         return count_params(self, active=False)

@@ -63,7 +63,8 @@ def check_model(cfg: ModelConfig) -> None:
     # Usual values are 0.006 to 0.02; 1 already makes unit-variance weight matrices.
     check_positive("model.init_std", cfg.init_std, 1.0)
     check_at_least("model.num_experts", cfg.num_experts, 0, MAX_SIZE)
-    for name in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
+    check_at_least("model.mtp_depth", cfg.mtp_depth, 0, MAX_SIZE)
+    for name in ("moe_aux_loss_weight", "moe_router_z_loss_weight", "mtp_loss_weight"):
         check_at_least(f"model.{name}", getattr(cfg, name), 0.0, MAX_LOSS_WEIGHT)
     check_moe(cfg)
     check_windows(cfg)
@@ -388,10 +389,15 @@ def count_params(cfg: ModelConfig, *, active: bool) -> int:
         moe_ffn += cfg.num_experts
     if cfg.moe_expert_bias:
         moe_ffn += routed * (2 * cfg.expert_hidden_dim + cfg.dim)
-    blocks = 0
-    for index in range(cfg.n_layers):
+
+    def block(index: int) -> int:
         ffn = moe_ffn if cfg.is_moe_layer(index) else dense_ffn
-        blocks += attention + ffn + cfg.block_norms * cfg.dim
+        return attention + ffn + cfg.block_norms * cfg.dim
+
+    blocks = sum(block(index) for index in range(cfg.n_layers))
+    # A multi-token-prediction module: a block built as the last one, its two input norms
+    # and projection from 2 * dim, and its head's norm (embedding and head are shared).
+    blocks += cfg.mtp_depth * (block(cfg.n_layers - 1) + 2 * cfg.dim * cfg.dim + 3 * cfg.dim)
     embedding = cfg.vocab_size * cfg.dim
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     return embedding + blocks + cfg.dim + head

@@ -15,7 +15,13 @@ from torch import nn
 from kempnerforge.config.loader import build_dataclass
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.interop.architectures import ARCHITECTURES, Architecture, HFConfig, HFTensors
+from kempnerforge.interop.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    HFConfig,
+    HFTensors,
+    held_mtp_depth,
+)
 from kempnerforge.interop.hf_files import (
     copy_tokenizer,
     read_hf_config,
@@ -118,7 +124,9 @@ def import_hf(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, our state dict, fp32) of a Hugging Face folder of a registered
     architecture (the one ``model_type`` names, when given); an HFFolderError names the
-    key or tensor that does not fit. Reads config.json and safetensors only."""
+    key or tensor that does not fit. Reads config.json and safetensors only. Multi-token-
+    prediction layers the folder holds are imported (model.mtp_depth; architectures/
+    mtp_layers.py says why always)."""
     hf = HFConfig(read_hf_config(hf_dir), hf_dir)
     if model_type is None:
         architecture = ARCHITECTURES.of_folder(hf)
@@ -126,6 +134,7 @@ def import_hf(
         architecture = ARCHITECTURES.named(model_type)
     cfg = architecture.read_config(hf)
     source = HFTensors(read_safetensors(hf_dir), hf_dir)
+    cfg = held_mtp_depth(cfg, source)
     return cfg, architecture.from_hf(source, hf, cfg)
 
 

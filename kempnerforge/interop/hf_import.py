@@ -94,6 +94,9 @@ def apply_model_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig
                 "--model.<field>=<value> naming a [model] field",
                 "import-hf writes only the [model] table",
             )
+        if name == "mtp_depth":
+            changes[name] = _fewer_mtp_modules(cfg, coerce(hints[name], value, dotted))
+            continue
         if name in ARCH_FIELDS and name != "max_seq_len":
             raise ConfigError(
                 dotted,
@@ -103,3 +106,16 @@ def apply_model_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig
             )
         changes[name] = coerce(hints[name], value, dotted)
     return dataclasses.replace(cfg, **changes)
+
+
+def _fewer_mtp_modules(cfg: ModelConfig, depth: int) -> int:
+    """An override of model.mtp_depth: at most the folder's, whose trailing MTP modules it
+    drops (the training-only head; the next-token function stays the folder's)."""
+    if not 0 <= depth <= cfg.mtp_depth:
+        raise ConfigError(
+            "model.mtp_depth",
+            depth,
+            f"0 to {cfg.mtp_depth}, the multi-token-prediction layers the folder holds",
+            "import-hf can drop MTP modules, not create them",
+        )
+    return depth

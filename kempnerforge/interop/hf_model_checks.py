@@ -68,6 +68,7 @@ ARCH_FIELDS = (
     "moe_top_groups",
     "moe_routed_scaling",
     "moe_first_dense_layers",
+    "mtp_depth",
 )
 """ModelConfig fields that shape the weights or the function they compute."""
 TRAINING_FIELDS = (
@@ -78,6 +79,7 @@ TRAINING_FIELDS = (
     "moe_router_z_loss_weight",
     "moe_bias_update_rate",
     "moe_bias_schedule",
+    "mtp_loss_weight",
 )
 """ModelConfig fields that only change how the weights are trained; the exported model is
 dropless (as our own generation is), whatever moe_capacity_factor says."""

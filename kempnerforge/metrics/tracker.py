@@ -371,6 +371,8 @@ class MetricsTracker:
             parts.append(f"imbalance {row['moe/imbalance']:.2f}")
             if row.get("moe/dropped_share"):
                 parts.append(f"dropped {row['moe/dropped_share']:.1%}")
+        if row.get("mtp/loss") is not None:
+            parts.append(f"mtp {fmt(row['mtp/loss'], '.4f')}")
         parts.append(f"eta {self._eta()}")
         return " | ".join(parts)
 

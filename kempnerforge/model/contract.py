@@ -61,6 +61,12 @@ class FamilyModel(nn.Module):
         parallelism, activation checkpointing, compile and FSDP find the blocks."""
         raise NotImplementedError(f"{type(self).__name__} must say where its decoder blocks are")
 
+    def training_head_blocks(self) -> list[tuple[int, nn.Module]]:
+        """Decoder blocks outside the stacks that only training runs (multi-token
+        prediction's), as (index after the stacks' layers, block); none by default. FSDP,
+        activation checkpointing and compile treat them as the stacks' blocks."""
+        return []
+
     def fsdp_units(self) -> list[nn.Module]:
         """Modules besides the decoder blocks that FSDP shards as units of their own, in
         the parameter (mixed precision) dtype; none by default."""

@@ -14,18 +14,19 @@ from kempnerforge.model.attention import (
     LatentAttention,
     LayerMask,
     MaskRule,
-    RopeScaling,
     SequenceSplit,
     active_split,
+    model_rope_tables,
     prepare_masks,
-    rope_tables,
 )
 from kempnerforge.model.contract import DecoderStack, FamilyModel
+from kempnerforge.model.embedding import TokenEmbedding
 from kempnerforge.model.heads import HeadLoss, HeadLossSpec, head_loss
 from kempnerforge.model.lora import LoRALinear
 from kempnerforge.model.meta import on_meta
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe import MoEFeedForward, Router
+from kempnerforge.model.mtp import MTPModule, MTPModules
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.weight_init import copy_full_tensor as copy_full_tensor  # re-exported
 from kempnerforge.model.weight_init import fill_parameter, parameter_seed
@@ -140,6 +141,10 @@ class Transformer(FamilyModel):
         """Final normalization before the output head (None on a stage without the head)."""
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         """Residual stream -> vocabulary logits; its weight is tok_embeddings' when tied."""
+        blocks = [TransformerBlock(cfg, cfg.n_layers - 1) for _ in range(cfg.mtp_depth)]
+        self.mtp = MTPModules([MTPModule(cfg, b) for b in blocks]) if blocks else None
+        """The multi-token-prediction modules (model.mtp_depth; model/mtp.py), run only by a
+        forward given their targets; None without them."""
         shape = (cfg.rope_kinds, cfg.max_seq_len, cfg.rope_dim // 2)
         self.rope_cos: torch.Tensor
         """RoPE cosines, (rope kinds, max_seq_len, rope_dim // 2), fp32; not checkpointed
@@ -156,6 +161,12 @@ class Transformer(FamilyModel):
         rank, the blocks and ends of the stages it keeps)."""
         return [self]
 
+    def training_head_blocks(self) -> list[tuple[int, nn.Module]]:
+        """The multi-token-prediction modules' blocks, indexed n_layers + k after the
+        decoder's: sharded, checkpointed and compiled like the decoder's blocks."""
+        blocks = [] if self.mtp is None else self.mtp.blocks()
+        return [(self.cfg.n_layers + k, block) for k, block in enumerate(blocks)]
+
     def keep_layers(self, first: int, last: int) -> None:
         """Keep only layers first..last-1 (a pipeline stage): the embedding stays only when
         first == 0, the final norm and head only when last == n_layers."""
@@ -167,6 +178,7 @@ class Transformer(FamilyModel):
         if last < self.cfg.n_layers:
             self.norm = None
             self.output = None
+            self.mtp = None
 
     def _init_std(self, name: str) -> float | None:
         """The normal std parameter ``name`` is drawn with; None for a norm gain (ones)."""
@@ -247,6 +259,7 @@ class Transformer(FamilyModel):
         *,
         labels: torch.Tensor | None = None,
         loss_spec: HeadLossSpec | None = None,
+        mtp_targets: torch.Tensor | None = None,
     ) -> torch.Tensor | HeadLoss:
         """Logits (batch, seq, vocab_size) for input_ids (batch, seq), seq <= max_seq_len.
 
@@ -266,6 +279,10 @@ class Transformer(FamilyModel):
         (see model/heads/head_loss.py; ``loss_spec`` None takes HeadLossSpec's defaults). It is
         computed here, not by the caller, because FSDP gathers the head's weight only
         inside this forward.
+
+        With ``mtp_targets`` (model.mtp_depth, batch, seq; model/mtp.py's mtp_targets) the
+        multi-token-prediction modules run too and leave their losses on ``self.mtp``;
+        without, they cost nothing (eval, generation).
         """
         batch, seq_len = input_ids.shape[:2]
         cos, sin = self.rope(seq_len)
@@ -273,6 +290,13 @@ class Transformer(FamilyModel):
         h = self.run_layers(self.embed(input_ids), cos, sin, masks)
         if self.norm is None or self.output is None:
             return h
+        if self.mtp is not None and mtp_targets is not None:
+            mask = masks[str(self.cfg.n_layers - 1)]  # each block is built as the last one
+            spec = loss_spec or HeadLossSpec()
+            normed = self.norm(h)  # what the head reads is what depth 1 reads (model/mtp.py)
+            self.mtp.run(
+                normed, input_ids, mtp_targets, self.embed, self.output, (cos, sin), mask, spec
+            )
         return self.apply_head(h, labels, loss_spec)
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,10 +401,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     N is every weight that takes part in a token's matmuls: the active parameters (an MoE
     block counts its router, its top_k routed experts and its shared experts, not every
     expert) but an untied input embedding table (a lookup, no FLOPs), output head
-    included. A forward pass costs 2
-    FLOPs per multiply-add, so 2 * N for the weights, and backward costs twice the forward
-    (grads w.r.t. inputs and weights), hence 6 * N. Attention adds, per layer and token,
-    QK^T and AV at seq_len * width multiply-adds each, width being the heads' total width
+    included, once more per multi-token-prediction module (model.mtp_depth), whose blocks
+    count as layers below. A forward pass costs 2 FLOPs per multiply-add, so 2 * N for
+    the weights, and backward twice the forward (grads w.r.t. inputs and weights): 6 * N.
+    Attention adds, per layer and token, QK^T and AV at seq_len * width multiply-adds
+    each, width being the heads' total width
     n_heads * head_dim (the model's dim unless model.head_size sets it apart; under MLA
     the query/key heads' width for QK^T and the value heads' for AV): 2 * 2 *
     seq_len * width forward, times 3 for forward plus backward. The causal mask's skipped
@@ -388,46 +413,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     sharded or pipelined rank that holds part of the model reports the whole model's cost.
     """
     n = cfg.num_active_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    n += cfg.mtp_depth * cfg.vocab_size * cfg.dim
     widths = cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    return 6.0 * n + 6.0 * cfg.n_layers * widths * seq_len
-
-
-class TokenEmbedding(nn.Embedding):
-    """The token embedding, its output times a multiplier (model.embedding_multiplier).
-
-    The multiplier is rounded to the output's dtype before the product, as Gemma's
-    reference computes it (sqrt(3072) = 55.43 is 55.5 in bf16). A plain Python number
-    times the output keeps every layout's form of the output (a DTensor under tensor
-    parallelism) as it is. A multiplier of 1 costs nothing."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, multiplier: float = 1.0) -> None:
-        super().__init__(num_embeddings, embedding_dim)
-        self.multiplier = multiplier
-        """model.embedding_multiplier."""
-        self._rounded = {
-            dtype: float(torch.tensor(multiplier, dtype=dtype, device="cpu"))
-            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-        }
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        out = super().forward(input)
-        if self.multiplier == 1.0:
-            return out
-        return out * self._rounded.get(out.dtype, self.multiplier)
-
-
-def model_rope_tables(
-    cfg: ModelConfig, device: torch.device | str | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (cos, sin) table of each RoPE kind of ``cfg`` (ModelConfig.layer_rope): the
-    global one (model.rope_theta with model.rope_scaling), then, with
-    model.rope_local_theta, the sliding layers' (unscaled)."""
-    scaling = RopeScaling.of(cfg)
-    dim = cfg.rope_dim
-    tables = [rope_tables(dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)]
-    if cfg.rope_local_theta:
-        tables.append(rope_tables(dim, cfg.max_seq_len, cfg.rope_local_theta, device))
-    return tables
+    return 6.0 * n + 6.0 * (cfg.n_layers + cfg.mtp_depth) * widths * seq_len
 
 
 def init_std(cfg: ModelConfig, name: str) -> float | None:

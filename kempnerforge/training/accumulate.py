@@ -16,6 +16,7 @@ from kempnerforge.distributed.gradients import maybe_no_sync, total_grad_norm
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.moe import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
+from kempnerforge.training.mtp_loss import add_mtp_loss, begin_mtp_step
 from kempnerforge.training.objectives import Batch, label_count
 from kempnerforge.training.session import Replicas, TrainingSession
 
@@ -123,11 +124,14 @@ def accumulate(
     reduction runs on the last micro-batch only (maybe_no_sync). Nothing is read to the
     host until finish_step, which also clips. The router terms of an MoE model join each
     micro-batch's objective, and its router statistics the step's totals (model/moe/router_step.py;
-    both do nothing for a model without MoE layers). ``units`` gives a micro-batch's units of
-    the loss (the objective's, training/objectives/): its supervised tokens by default.
+    both do nothing for a model without MoE layers); so do the multi-token-prediction
+    modules' losses (training/mtp_loss.py), which the returned loss leaves out. ``units``
+    gives a micro-batch's units of the loss (the objective's, training/objectives/): its
+    supervised tokens by default.
     """
     config, model, device = session.config, session.model, session.runtime.device
     tokens = step_tokens(session.runtime, micro_batches, session.replicas, units)
+    begin_mtp_step(model)
     loss_sum = torch.zeros((), device=device)
     for micro, cpu_batch in enumerate(micro_batches):
         batch = _to_device(cpu_batch, device)
@@ -137,6 +141,7 @@ def accumulate(
             objective = add_micro_batch_router_losses(
                 loss * tokens.scale, model, config.model, config.train.grad_accum_steps
             )
+            objective = add_mtp_loss(objective, model, config.model, tokens.scale)
             record_router_stats(model)
             objective.backward()
         loss_sum += loss.detach()

@@ -19,6 +19,7 @@ from kempnerforge.training.accumulate import accumulate, finish_step, step_token
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.loss import TokenCrossEntropy
 from kempnerforge.training.mixture_metrics import DatasetSums
+from kempnerforge.training.mtp_loss import mtp_forward_args
 from kempnerforge.training.objectives import objective_of
 from kempnerforge.training.session import Replicas, StepResult, TrainingSession
 
@@ -35,7 +36,9 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
     ``dataset_idx`` (a mixture), the result also holds per-dataset sums of the same loss
     (z-loss term included), taken from the per-token losses the loss already has, so
     their token-weighted mean is the step's loss. ``step`` goes to an MoE model's routers
-    (their balancing schedule); dense models do not use it.
+    (their balancing schedule); dense models do not use it. A model with
+    multi-token-prediction modules (model.mtp_depth) gets their targets, and their loss
+    joins the objective but not the reported loss (training/mtp_loss.py).
     """
     model, tc = session.model, session.config.train
     begin_router_step(model, step)
@@ -63,12 +66,13 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
     def micro_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         doc_ids = batch.get("doc_ids") if mask_docs else None
         inputs, labels = batch["input_ids"], batch["labels"]
+        mtp = mtp_forward_args(batch, session.config.model)
         if fused:
-            head = model(inputs, doc_ids=doc_ids, labels=labels, loss_spec=spec)
+            head = model(inputs, doc_ids=doc_ids, labels=labels, loss_spec=spec, **mtp)
         elif whole_logits_loss:
-            return session.loss_fn(model(inputs, doc_ids=doc_ids), labels)
+            return session.loss_fn(model(inputs, doc_ids=doc_ids, **mtp), labels)
         else:
-            logits = model(inputs, doc_ids=doc_ids)
+            logits = model(inputs, doc_ids=doc_ids, **mtp)
             head = logits_head_loss(logits, labels, tc.z_loss_weight, objective.per_token_grad)
         if per_dataset is not None:
             per_dataset.add(head.token_losses, batch)

@@ -139,9 +139,12 @@ def perturbed(model: Transformer, seed: int = 7) -> Transformer:
     return model
 
 
-def assert_export_loads_in_transformers(model: Transformer, folder: Path, hf_class: str) -> None:
+def assert_export_loads_in_transformers(
+    model: Transformer, folder: Path, hf_class: str, passed_over: str | None = None
+) -> Any:
     """Export ``model`` and load it with transformers' class, every tensor used and none
-    missing; its logits are ours."""
+    missing, but those under ``passed_over`` (a prefix: layers the class does not build,
+    which must then be the only ones unused); its logits are ours. Returns the class."""
     import transformers
 
     export_hf(model, model.cfg, folder, tokenizer_path="byte")
@@ -149,9 +152,15 @@ def assert_export_loads_in_transformers(model: Transformer, folder: Path, hf_cla
     assert config["architectures"] == [hf_class]
     cls = getattr(transformers, hf_class)
     theirs, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+    unused = set(info["unexpected_keys"])
+    if passed_over is not None:
+        assert unused and all(key.startswith(passed_over) for key in unused), unused
+        unused = set()
+    for key in ("missing_keys", "mismatched_keys"):
         assert not info[key], (key, info[key])
+    assert not unused, unused
     assert_unpacked_logits_equal(model, theirs.eval())
+    return theirs
 
 
 def assert_greedy_generation_equal(ours: Transformer, theirs: Any, new_tokens: int = 12) -> None:

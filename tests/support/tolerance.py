@@ -80,7 +80,9 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     projection (the heads' width), the feed-forward norm (dim) and the feed-forward in
     (dim) and out (its hidden width, plus top_k and a shared expert summed per token in an
     MoE block). Then the final norm and the head (dim
-    each) and the loss's softmax (vocab). The backward runs the same chain back: twice.
+    each) and the loss's softmax (vocab). Each multi-token-prediction module adds a block,
+    its input norms (dim each) and its projection (2 * dim). The backward runs the same
+    chain back: twice.
     A projection's bias (model.attention_bias, model.moe_expert_bias) is one more term of
     its sum, a sink (model.attention_sinks) one more of the softmax's normaliser.
     Under multi-head latent attention (model.mla_kv_rank) the queries and keys pass
@@ -105,7 +107,10 @@ def transformer_terms(cfg: ModelConfig, seq_len: int, *, backward: bool = True) 
     # One more term per biased projection on the chain (q, k or v; the output; the
     # expert's two) and the sink in each softmax's normaliser.
     block += 2 * cfg.attention_bias + 2 * cfg.moe_expert_bias + cfg.attention_sinks
-    forward = cfg.n_layers * block + 2 * cfg.dim + cfg.vocab_size
+    # A multi-token-prediction module's block follows the decoder's, after its two input
+    # norms and the projection from both (model.mtp_depth, model/mtp.py).
+    forward = (cfg.n_layers + cfg.mtp_depth) * block + cfg.mtp_depth * 4 * cfg.dim
+    forward += 2 * cfg.dim + cfg.vocab_size
     return 2 * forward if backward else forward
 
 

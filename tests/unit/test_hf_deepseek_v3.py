@@ -2,10 +2,12 @@
 (query latent and plain query projection, value heads narrower than the query/key heads,
 interleaved RoPE channels), YaRN with DeepSeek's mscale and mscale_all_dim, and after a
 dense first layer 8 sigmoid-routed experts in 2 groups (1 kept) with a non-zero balancing
-bias, gates times 2.5 and a shared expert; its multi-token-prediction layer passed over."""
+bias, gates times 2.5 and a shared expert; and its multi-token-prediction layer against
+transformers' MtpModel, written back bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -17,11 +19,14 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.architectures import ARCHITECTURES, DEEPSEEK_V3
-from kempnerforge.interop.hf import export_hf, import_hf
+from kempnerforge.interop.hf import export_hf, import_hf, load_hf_into
 from kempnerforge.interop.hf_files import HFFolderError
+from kempnerforge.interop.hf_import import apply_model_overrides
 from kempnerforge.model.attention import RopeScaling, rope_tables
+from kempnerforge.model.mtp import tokens_ahead
 from kempnerforge.model.transformer import Transformer
 from tests.support import hf_families as fam
+from tests.support.tolerance import reorder_atol, transformer_terms
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,32 +64,76 @@ TINY: dict[str, Any] = dict(
 wide (8 without RoPE, 8 with) and values 8, latents of 16."""
 
 
+MTP_REFERENCES: dict[str, Any] = {}
+"""transformers' MtpModel of each folder make_deepseek wrote, by the folder's path."""
+
+
+def _move_off_init(model: torch.nn.Module, seed: int, prefix: str = "") -> None:
+    """Norm gains moved off 1 and balancing biases (buffers, 0 at init) of std 0.3, for
+    the parameters and buffers under ``prefix``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            moved = "norm" in name or name.endswith("e_score_correction_bias")
+            if name.startswith(prefix) and moved:
+                tensor.add_(0.3 * torch.randn(tensor.shape, generator=generator))
+
+
 def make_deepseek(folder, **keys) -> Any:
     """transformers' tiny model with its norms moved off 1 and a balancing bias of std
-    0.3 (a buffer, 0 at init), saved to ``folder`` with one multi-token-prediction
-    layer's tensors beside the decoder's (as published checkpoints hold them)."""
+    0.3, saved to ``folder`` with one multi-token-prediction layer's tensors beside the
+    decoder's, as published checkpoints hold them (add_mtp_layer)."""
     theirs: Any = fam.make_hf_folder(
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
         folder,
         **{**TINY, **keys},
     )
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, buffer in theirs.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+    _move_off_init(theirs, seed=2, prefix="model.layers.")
     theirs.save_pretrained(folder)
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    n_layers = theirs.config.num_hidden_layers
-    mtp = {
-        name.replace("model.layers.0.", f"model.layers.{n_layers}."): tensor.clone()
-        for name, tensor in tensors.items()
-        if name.startswith("model.layers.0.")
-    }
-    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    MTP_REFERENCES[str(folder)] = add_mtp_layer(theirs, folder)
     return theirs
+
+
+def add_mtp_layer(theirs: Any, folder) -> Any:
+    """transformers' MtpModel for ``theirs`` (random, moved off its init), its tensors
+    added to the folder under the published names: model.layers.<n>.enorm, hnorm,
+    eh_proj, shared_head.norm, copies of embed_tokens and shared_head.head, and its
+    decoder layer as transformers' own saver names the layer after the decoder's (a
+    model one layer deeper, saved). transformers' save_pretrained writes no MTP layer."""
+    from transformers.modeling_layers import MtpModel
+
+    mtp = MtpModel(theirs, 1).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # its constructor leaves the new layer's tensors unset
+        for name, tensor in [*mtp.named_parameters(), *mtp.named_buffers()]:
+            if name.startswith("layers."):
+                gain = "norm" in name and not name.endswith("bias")
+                tensor.copy_(torch.ones_like(tensor) if gain else torch.zeros_like(tensor))
+                if not gain and not name.endswith("bias"):
+                    tensor.normal_(0.0, 0.1, generator=generator)
+    _move_off_init(mtp, seed=4, prefix="layers.")
+    n = theirs.config.num_hidden_layers
+    deeper = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**{**theirs.config.to_dict(), "num_hidden_layers": n + 1})
+    )
+    deeper.model.layers[n].load_state_dict(mtp.layers[0].mtp_block.state_dict())
+    deeper.save_pretrained(folder / "deeper")
+    prefix = f"model.layers.{n}."
+    layer = {k: v for k, v in load_file(folder / "deeper" / "model.safetensors").items()}
+    added = {k: v for k, v in layer.items() if k.startswith(prefix)}
+    module = mtp.layers[0]
+    own = {"enorm": module.enorm, "hnorm": module.hnorm, "eh_proj": module.eh_proj}
+    own["shared_head.norm"] = module.post_norm
+    added.update({f"{prefix}{name}.weight": m.weight.detach().clone() for name, m in own.items()})
+    added[f"{prefix}embed_tokens.weight"] = theirs.model.embed_tokens.weight.detach().clone()
+    added[f"{prefix}shared_head.head.weight"] = theirs.lm_head.weight.detach().clone()
+    for item in (folder / "deeper").iterdir():
+        item.unlink()
+    (folder / "deeper").rmdir()
+    path = folder / "model.safetensors"
+    save_file({**load_file(path), **added}, path, metadata={"format": "pt"})
+    return mtp
 
 
 @pytest.fixture(scope="module", params=["q_latent", "q_proj"])
@@ -108,7 +157,9 @@ def test_import_reads_latent_attention_yarn_mscales_and_grouped_routing(pair):
     assert (cfg.moe_routed_scaling, cfg.moe_shared_experts, cfg.expert_hidden_dim) == (2.5, 1, 16)
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
     assert cfg.num_params() == sum(p.numel() for p in ours.parameters())
-    assert cfg.num_params() == sum(p.numel() for p in theirs.parameters())
+    mtp = MTP_REFERENCES[str(pair[2])]  # its own parameters; the embedding and head shared
+    mtp_own = sum(p.numel() for n, p in mtp.named_parameters() if n.startswith("layers."))
+    assert cfg.num_params() == sum(p.numel() for p in theirs.parameters()) + mtp_own
 
 
 def test_imported_logits_equal_transformers(pair):
@@ -118,10 +169,102 @@ def test_imported_logits_equal_transformers(pair):
 
 
 def test_export_of_trained_weights_loads_in_transformers(pair, tmp_path):
+    """transformers builds no MTP layer: it passes over the exported one (model.layers.3)
+    and computes our next-token logits."""
     _, ours, folder = pair
     trained = fam.perturbed(fam.imported_model(folder))
-    fam.assert_export_loads_in_transformers(trained, tmp_path / "out", "DeepseekV3ForCausalLM")
+    fam.assert_export_loads_in_transformers(
+        trained, tmp_path / "out", "DeepseekV3ForCausalLM", passed_over="model.layers.3."
+    )
     assert ours.cfg == import_hf(tmp_path / "out")[0]
+
+
+# --- multi-token prediction --------------------------------------------------------------
+
+
+def test_import_reads_the_multi_token_prediction_layer(pair):
+    _, ours, folder = pair
+    assert ours.cfg.mtp_depth == 1
+    tensors = load_file(folder / "model.safetensors")
+    module = ours.mtp[0]
+    for mine, theirs in [
+        (module.enorm.weight, "enorm.weight"),
+        (module.eh_proj.weight, "eh_proj.weight"),
+        (module.norm.weight, "shared_head.norm.weight"),
+        (module.block.ffn_norm.weight, "post_attention_layernorm.weight"),
+        (module.block.feed_forward.router.expert_bias, "mlp.gate.e_score_correction_bias"),
+    ]:
+        assert torch.equal(mine, tensors[f"model.layers.3.{theirs}"])
+
+
+def test_mtp_logits_equal_transformers_mtp_model(pair):
+    """Our MTP module's logits are transformers' MtpModel's over the same hidden states:
+    depth 1 at position i reads the decoder's normed output at i and token i + 1, and
+    predicts token i + 2. transformers rotates by the position of token i + 1, ours by
+    i's: a shift of every position, which RoPE's relative angles do not see."""
+    theirs, ours, folder = pair
+    mtp = MTP_REFERENCES[str(folder)]
+    ids = fam.random_ids()
+    seq = ids.shape[1]
+    with torch.no_grad():
+        hidden = theirs(ids, output_hidden_states=True).hidden_states[-1]  # after the norm
+        positions = torch.arange(1, seq)[None].expand(ids.shape[0], -1)
+        out = mtp.forward_layer(0, hidden[:, :-1], positions, None, input_ids=ids[:, 1:])
+        want = mtp._project_to_logits(out)
+        cos, sin = ours.rope(seq)
+        trunk = ours.norm(ours.run_layers(ours.embed(ids), cos, sin))
+        ahead = ours.embed(tokens_ahead(ids, 1))
+        got = ours.output(ours.mtp[0](trunk, ahead, cos, sin))[:, :-1]
+    assert want.abs().max() > 0.5
+    terms = transformer_terms(ours.cfg, seq, backward=False)  # the decoder and the module
+    atol = reorder_atol(torch.float32, terms, want.abs().max().item())
+    assert (got - want).abs().max().item() <= atol
+
+
+def test_export_writes_the_folder_back_bit_for_bit(pair, tmp_path):
+    """Import then export: every tensor of the folder, the MTP layer's (its decoder layer,
+    own tensors and copies of the embedding and head) included, comes back bitwise."""
+    _, ours, folder = pair
+    export_hf(ours, ours.cfg, tmp_path / "out", tokenizer_path="byte")
+    before, after = (
+        load_file(folder / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    assert any(name.startswith("model.layers.3.mlp.experts.") for name in after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor.float()), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+
+
+def test_a_folder_whose_weights_hold_no_mtp_layer_imports_without_one(pair, tmp_path, log):
+    """transformers' own save_pretrained keeps num_nextn_predict_layers = 1 but writes no
+    MTP layer: such a folder imports with model.mtp_depth = 0, and says so."""
+    theirs, _, _ = pair
+    theirs.save_pretrained(tmp_path / "hf")
+    assert (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    )
+    cfg, state = import_hf(tmp_path / "hf")
+    assert cfg.mtp_depth == 0 and not any(name.startswith("mtp.") for name in state)
+    assert "declares 1 multi-token-prediction layers but the weights hold 0" in log.text
+
+
+def test_import_hf_may_drop_mtp_modules_but_not_add_them(pair):
+    _, ours, _ = pair
+    assert apply_model_overrides(ours.cfg, ["--model.mtp_depth=0"]).mtp_depth == 0
+    with pytest.raises(ConfigError) as info:
+        apply_model_overrides(ours.cfg, ["--model.mtp_depth=2"])
+    assert info.value.field == "model.mtp_depth"
+
+
+def test_a_job_without_mtp_loads_the_folder_and_leaves_its_mtp_tensors(pair):
+    _, ours, folder = pair
+    plain = Transformer(dataclasses.replace(ours.cfg, mtp_depth=0))
+    load_hf_into(plain, folder)
+    assert plain.mtp is None
+    assert torch.equal(plain.output.weight, ours.output.weight)
 
 
 def test_greedy_generation_with_the_latent_cache_equals_transformers(pair):

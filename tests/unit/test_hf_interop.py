@@ -83,12 +83,18 @@ def random_ids(cfg: ModelConfig, seed: int = 0) -> torch.Tensor:
 
 def hf_model(folder: Path) -> nn.Module:
     """The folder loaded by the transformers class its config.json names, in fp32, with
-    every tensor used and none missing."""
-    architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
-    cls = getattr(transformers, architecture)
+    every tensor used and none missing, but the multi-token-prediction layers after the
+    decoder's (num_nextn_predict_layers), which the class does not build."""
+    config = json.loads((folder / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
     model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info[key], (key, info[key])
+    layers, extra = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 0)
+    mtp = tuple(f"model.layers.{layers + k}." for k in range(extra))
+    unexpected = {key for key in info["unexpected_keys"] if not (mtp and key.startswith(mtp))}
+    assert bool(mtp) == (unexpected != set(info["unexpected_keys"]))
+    for key, left in (("missing", info["missing_keys"]), ("unexpected", unexpected)):
+        assert not left, (key, left)
+    assert not info["mismatched_keys"], info["mismatched_keys"]
     return model.eval()
 
 
@@ -226,7 +232,39 @@ MOE = {
         ),
         "Glm4MoeForCausalLM",
     ),
+    # A multi-token-prediction layer after the decoder's (model.layers.<n_layers>), which
+    # transformers passes over: with the last layer alone MoE, the MTP layer is MoE too.
+    "sigmoid-top2-shared-glm4moe-mtp": (
+        tiny_cfg(
+            num_experts=6,
+            moe_top_k=2,
+            moe_router="sigmoid",
+            moe_shared_experts=2,
+            moe_expert_hidden_dim=16,
+            tie_embeddings=True,
+            mtp_depth=2,
+        ),
+        "Glm4MoeForCausalLM",
+    ),
+    "sigmoid-top1-last-layer-glm4moe-mtp": (
+        tiny_cfg(
+            n_layers=3,
+            num_experts=4,
+            moe_top_k=1,
+            moe_router="sigmoid",
+            moe_frequency=3,
+            moe_expert_hidden_dim=16,
+            mtp_depth=1,
+        ),
+        "Glm4MoeForCausalLM",
+    ),
 }
+
+
+def test_a_class_without_mtp_layers_refuses_a_model_with_them():
+    with pytest.raises(ConfigError) as info:
+        hf_architecture(tiny_cfg(mtp_depth=1))
+    assert info.value.field == "model.mtp_depth"
 
 
 @pytest.mark.parametrize("name", list(MOE))

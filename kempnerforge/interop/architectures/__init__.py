@@ -7,9 +7,10 @@ Architecture record each, and ARCHITECTURES, the registry export and import ask.
   that represents a ModelConfig exactly for export.
 - llama.py, mistral.py, qwen3.py, olmo2.py, gemma3.py, mixtral.py, qwen2_moe.py,
   qwen3_moe.py, glm4_moe.py, gpt_oss.py, deepseek_v3.py: one architecture each.
-- config_keys.py, tensor_names.py, moe_parts.py: what several architectures share (the
-  common config.json keys and HFConfig's checked reads; Llama's tensor names and
-  HFTensors; the expert layout and the reads of the MoE classes).
+- config_keys.py, tensor_names.py, moe_parts.py, mtp_layers.py: what several
+  architectures share (the common config.json keys and HFConfig's checked reads; Llama's
+  tensor names and HFTensors; the expert layout and the reads of the MoE classes; the
+  multi-token-prediction layers DeepSeek-V3 and GLM-4-MoE store after the decoder's).
 
 The shared config keys and tensor names live here, beside the architectures, because only
 an architecture reads them: they are the parts of a dialect that several dialects have in
@@ -41,6 +42,7 @@ from kempnerforge.interop.architectures.gpt_oss import GPT_OSS
 from kempnerforge.interop.architectures.llama import LLAMA
 from kempnerforge.interop.architectures.mistral import MISTRAL
 from kempnerforge.interop.architectures.mixtral import MIXTRAL
+from kempnerforge.interop.architectures.mtp_layers import held_mtp_depth
 from kempnerforge.interop.architectures.olmo2 import OLMO2
 from kempnerforge.interop.architectures.qwen2_moe import QWEN2_MOE
 from kempnerforge.interop.architectures.qwen3 import QWEN3
@@ -87,5 +89,6 @@ __all__ = [
     "State",
     "common_config_json",
     "common_model_fields",
+    "held_mtp_depth",
     "shared_pairs",
 ]

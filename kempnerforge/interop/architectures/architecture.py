@@ -17,6 +17,13 @@ from kempnerforge.interop.architectures.config_keys import (
     check_model_type,
     common_config_json,
 )
+from kempnerforge.interop.architectures.mtp_layers import (
+    flat_config,
+    flat_state,
+    mtp_tensors_from_hf,
+    mtp_tensors_to_hf,
+    nested_state,
+)
 from kempnerforge.interop.architectures.tensor_names import (
     HFTensors,
     expected_shapes,
@@ -40,6 +47,7 @@ SHARED_FIELDS = frozenset(
         *("moe_expert_hidden_dim", "moe_capacity_factor", "moe_aux_loss_weight"),
         *("moe_aux_loss_level", "moe_router_z_loss_weight", "moe_bias_update_rate"),
         "moe_bias_schedule",
+        "mtp_loss_weight",
     }
 )
 """The ModelConfig fields every architecture here represents or refuses through its
@@ -162,18 +170,27 @@ class Architecture:
         return build_model_config(self.config_fields(hf), hf)
 
     def to_hf(self, state: State, cfg: ModelConfig) -> State:
-        """The folder's tensors, under this class's names, from our whole state dict."""
-        tensors = {theirs: state[ours] for ours, theirs in self.renamed(cfg)}
-        tensors.update(self.tensors_to_hf(state, cfg))
+        """The folder's tensors, under this class's names, from our whole state dict.
+
+        Multi-token-prediction blocks (model.mtp_depth, only for a class that owns the
+        field) go through the per-layer maps as the layers after the decoder's, then
+        their own tensors are added (mtp_layers.py)."""
+        flat_cfg, flat = flat_config(cfg), flat_state(state, cfg)
+        tensors = {theirs: flat[ours] for ours, theirs in self.renamed(flat_cfg)}
+        tensors.update(self.tensors_to_hf(flat, flat_cfg))
+        tensors.update(mtp_tensors_to_hf(state, cfg))
         return tensors
 
     def from_hf(self, source: HFTensors, hf: HFConfig, cfg: ModelConfig) -> State:
         """Our state dict (fp32) from the folder's tensors; an HFFolderError names a tensor
         missing, mis-shaped or left unused."""
-        shapes = expected_shapes(cfg)
+        flat_cfg = flat_config(cfg)  # MTP blocks as the layers after the decoder's
+        shapes = expected_shapes(flat_cfg)
         state: State = {}
-        take_pairs(source, self.renamed(cfg), shapes, state)
-        state.update(self.tensors_from_hf(source, hf, cfg, shapes))
+        take_pairs(source, self.renamed(flat_cfg), shapes, state)
+        state.update(self.tensors_from_hf(source, hf, flat_cfg, shapes))
         tie_head(cfg, state, source)
+        state = nested_state(state, cfg)
+        state.update(mtp_tensors_from_hf(source, state, cfg))
         source.check_all_used()
         return state

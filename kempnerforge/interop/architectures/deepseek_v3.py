@@ -51,6 +51,7 @@ from kempnerforge.interop.architectures.moe_parts import (
     renormalised_top_k,
     router_requirement,
 )
+from kempnerforge.interop.architectures.mtp_layers import mtp_depth_field
 from kempnerforge.interop.architectures.tensor_names import (
     HFTensors,
     dense_ffn_pairs,
@@ -86,6 +87,7 @@ OWN_FIELDS = (
     *("rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_truncate"),
     *("rope_yarn_mscale", "rope_yarn_mscale_all_dim"),
     *DEEPSEEK_ROUTER_FIELDS,
+    "mtp_depth",
 )
 """The ModelConfig fields beyond the shared ones that DeepSeek-V3 represents."""
 
@@ -110,7 +112,7 @@ def deepseek_v3_config_keys(cfg: ModelConfig) -> dict[str, Any]:
         "v_head_dim": cfg.mla_value_head_size,
         "rope_interleave": True,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
         "router_aux_loss_coef": cfg.moe_aux_loss_weight,
         "output_router_logits": False,
     }
@@ -147,6 +149,7 @@ def deepseek_v3_config_fields(hf: HFConfig) -> dict[str, Any]:
     fields.update(num_experts=hf.get_int("n_routed_experts"), moe_router="sigmoid")
     fields["moe_shared_experts"] = hf.get_int("n_shared_experts")
     fields.update(group_routing_fields(hf))
+    fields["mtp_depth"] = mtp_depth_field(hf)
     return {**fields, **aux_loss_fields(hf)}
 
 

@@ -40,6 +40,7 @@ from kempnerforge.interop.architectures.moe_parts import (
     renormalised_top_k,
     router_requirement,
 )
+from kempnerforge.interop.architectures.mtp_layers import mtp_depth_field
 from kempnerforge.interop.architectures.tensor_names import HFTensors, swiglu_pairs
 
 HF_CLASS = "Glm4MoeForCausalLM"
@@ -64,7 +65,7 @@ def glm4_moe_config_keys(cfg: ModelConfig) -> dict[str, Any]:
         **group_routing_keys(cfg),
         "use_qk_norm": False,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
         "output_router_logits": False,
     }
 
@@ -82,6 +83,7 @@ def glm4_moe_config_fields(hf: HFConfig) -> dict[str, Any]:
     fields.update(group_routing_fields(hf))
     fields.update(num_experts=hf.get_int("n_routed_experts"), moe_router="sigmoid")
     fields["moe_shared_experts"] = hf.get_int("n_shared_experts")
+    fields["mtp_depth"] = mtp_depth_field(hf)
     return {**fields, **aux_loss_fields(hf)}
 
 
@@ -138,5 +140,5 @@ GLM4_MOE = Architecture(
     config_keys=glm4_moe_config_keys,
     tensors_to_hf=glm4_moe_tensors_to_hf,
     tensors_from_hf=glm4_moe_tensors_from_hf,
-    own_fields=DEEPSEEK_ROUTER_FIELDS,
+    own_fields=(*DEEPSEEK_ROUTER_FIELDS, "mtp_depth"),
 )

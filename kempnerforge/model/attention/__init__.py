@@ -30,7 +30,13 @@ from kempnerforge.model.attention.masks import (
 )
 from kempnerforge.model.attention.ring import ring_attention
 from kempnerforge.model.attention.ring_blocks import RingMask, ring_masks
-from kempnerforge.model.attention.rope import RopeScaling, apply_rope, rope_tables, yarn_frequencies
+from kempnerforge.model.attention.rope import (
+    RopeScaling,
+    apply_rope,
+    model_rope_tables,
+    rope_tables,
+    yarn_frequencies,
+)
 from kempnerforge.model.attention.self_attention import (
     Attention,
     document_causal_mask,
@@ -69,6 +75,7 @@ __all__ = [
     "prepare_masks",
     "ring_attention",
     "ring_masks",
+    "model_rope_tables",
     "rope_tables",
     "set_attention_kernel",
     "set_sequence_split",

@@ -130,3 +130,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     c = cos[: x.shape[1]].float()[None, :, None, :]
     s = sin[: x.shape[1]].float()[None, :, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def model_rope_tables(
+    cfg: ModelConfig, device: torch.device | str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (cos, sin) table of each RoPE kind of ``cfg`` (ModelConfig.layer_rope): the
+    global one (model.rope_theta with model.rope_scaling), then, with
+    model.rope_local_theta, the sliding layers' (unscaled)."""
+    scaling = RopeScaling.of(cfg)
+    dim = cfg.rope_dim
+    tables = [rope_tables(dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)]
+    if cfg.rope_local_theta:
+        tables.append(rope_tables(dim, cfg.max_seq_len, cfg.rope_local_theta, device))
+    return tables
