@@ -30,11 +30,10 @@ import sys
 import torch
 
 from kempnerforge.config.loader import load_config
-from kempnerforge.model.lora import freeze_base
+from kempnerforge.model.lora import add_adapters, freeze_base
 from kempnerforge.model.meta import on_meta
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.optim.optimizer import build_optimizer
-from kempnerforge.training.lora import add_adapters
 
 PRESET = "configs/model/125m.toml"
 

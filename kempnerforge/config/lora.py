@@ -73,7 +73,7 @@ class LoRAConfig:
 
 def check_lora_job(config: JobConfig) -> None:
     """[lora] against the rest of the job: a text model and no FP8 layers. Which of the
-    named projections the model has is checked when it is built (training/lora.py)."""
+    named projections the model has is checked when it is built (model/lora.py add_adapters)."""
     lora = config.lora
     if not lora.enabled:
         return

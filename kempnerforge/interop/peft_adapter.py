@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor
 from kempnerforge.config.lora import LoRAConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.interop.architectures import ARCHITECTURES
-from kempnerforge.interop.architectures.tensor_names import shared_pairs
+from kempnerforge.interop.architectures import ARCHITECTURES, shared_pairs
 from kempnerforge.interop.hf_state import plain_state
 from kempnerforge.model.lora import is_adapter_parameter, lora_modules
 

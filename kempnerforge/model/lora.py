@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kempnerforge.config.lora import LoRAConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.model.mlp import SwiGLU
 
 ADAPTED_PARENTS = ("attention", "feed_forward")
@@ -120,6 +122,31 @@ def apply_lora(
         setattr(parent, name, lora)
         adapted.append(path)
     return adapted
+
+
+def add_adapters(model: nn.Module, lora: LoRAConfig) -> list[str]:
+    """Put ``lora``'s adapters on ``model`` (on the meta device, before parallelisation),
+    in place; return the adapted module paths ([] when lora.rank = 0).
+
+    A target no block of this model (or of this pipeline rank's stages) has is a
+    ConfigError naming it: an adapter that silently trains nothing would be a lost run.
+    """
+    if not lora.enabled:
+        return []
+    present = {path.rsplit(".", 1)[-1] for path in adaptable_linears(model)}
+    missing = [name for name in lora.projections if name not in present]
+    if missing:
+        raise ConfigError(
+            "lora.target_modules",
+            lora.target_modules,
+            f"projections this model's blocks have: {', '.join(sorted(present)) or 'none'}",
+            f"{', '.join(missing)} is in no decoder block's attention or dense feed-forward "
+            "(an MoE layer's experts and latent attention's low-rank projections are not "
+            "adapted)",
+        )
+    return apply_lora(
+        model, lora.projections, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
+    )
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

@@ -69,7 +69,7 @@ class MTPModule(nn.Module):
 class MTPModules(nn.ModuleList):
     """The model's MTP modules in depth order (state dict ``mtp.<k - 1>.*``), and the summed
     losses of their latest forward, left for the training step to add to its objective
-    (training/mtp_loss.py) as MoE layers leave their router losses."""
+    (training/objectives/mtp.py) as MoE layers leave their router losses."""
 
     def __init__(self, modules: list[MTPModule]) -> None:
         super().__init__(modules)

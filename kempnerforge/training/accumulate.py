@@ -16,8 +16,7 @@ from kempnerforge.distributed.gradients import maybe_no_sync, total_grad_norm
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.moe import add_micro_batch_router_losses, record_router_stats
 from kempnerforge.training.forward import training_autocast
-from kempnerforge.training.mtp_loss import add_mtp_loss, begin_mtp_step
-from kempnerforge.training.objectives import Batch, label_count
+from kempnerforge.training.objectives import Batch, add_mtp_loss, begin_mtp_step, label_count
 from kempnerforge.training.session import Replicas, TrainingSession
 
 
@@ -125,7 +124,7 @@ def accumulate(
     host until finish_step, which also clips. The router terms of an MoE model join each
     micro-batch's objective, and its router statistics the step's totals (model/moe/router_step.py;
     both do nothing for a model without MoE layers); so do the multi-token-prediction
-    modules' losses (training/mtp_loss.py), which the returned loss leaves out. ``units``
+    modules' losses (training/objectives/mtp.py), which the returned loss leaves out. ``units``
     gives a micro-batch's units of the loss (the objective's, training/objectives/): its
     supervised tokens by default.
     """

@@ -18,6 +18,7 @@ from kempnerforge.config.loader import dump_config
 from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
+from kempnerforge.distributed.fsdp import refresh_sharded_trainable
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
 from kempnerforge.distributed.runtime import RuntimeContext
@@ -25,6 +26,7 @@ from kempnerforge.metrics.backends import build_backends
 from kempnerforge.metrics.mfu import peak_flops_per_sec
 from kempnerforge.metrics.profiling import build_profiler
 from kempnerforge.metrics.tracker import MetricsTracker
+from kempnerforge.model.lora import add_adapters, freeze_base
 from kempnerforge.model.meta import on_meta
 from kempnerforge.optim.optimizer import build_optimizer
 from kempnerforge.optim.scheduler import build_scheduler
@@ -38,7 +40,6 @@ from kempnerforge.training.freeze import FreezeSchedule, describe, freeze_for_st
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.layout import ModelLayout, RankModel, layout_of
 from kempnerforge.training.loop import TrainingSession, select_step_fn
-from kempnerforge.training.lora import add_adapters, freeze_for_adapters
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.preflight import check_model_fits
@@ -121,7 +122,16 @@ def build_model_on_mesh(
     torch.manual_seed(config.train.seed)  # the weights depend on the seed, not on what ran before
     model.init_weights()
     frozen = freeze_for_step(model, family_of(config).freeze_schedule(config), 0)
-    freeze_for_adapters(model, config.lora)
+    if config.lora.enabled:  # after materialising: parallelising re-creates parameters
+        trainable, frozen_base = freeze_base(model)
+        refresh_sharded_trainable(model)
+        logger.info(
+            "lora: rank %d on %s: %s trainable parameters, %s frozen (this rank)",
+            config.lora.rank,
+            ", ".join(config.lora.projections),
+            f"{trainable:,}",
+            f"{frozen_base:,}",
+        )
     if frozen:
         logger.info("freeze state at step 0 (vlm.freeze): %s", describe(frozen))
     return model, layout_of(config.distributed).build_schedule(rank_model, runtime, config, loss_fn)

@@ -35,7 +35,7 @@ from kempnerforge.training.hooks import HookRunner, StepContext, announce_commit
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
-from kempnerforge.training.mtp_loss import finish_mtp_step
+from kempnerforge.training.objectives import finish_mtp_step
 from kempnerforge.training.phases import PhaseState
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
@@ -235,7 +235,7 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         with_metrics=session.tracker.logs_step(progress.step),
         stage_group=session.runtime.group("pp"),
     )
-    # The multi-token-prediction loss on log steps (training/mtp_loss.py; nothing without it).
+    # The multi-token-prediction loss on log steps (training/objectives/mtp.py; nothing without it).
     mtp_row = finish_mtp_step(
         session.model,
         session.runtime.group("dp_cp"),

@@ -19,8 +19,7 @@ from kempnerforge.training.accumulate import accumulate, finish_step, step_token
 from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.loss import TokenCrossEntropy
 from kempnerforge.training.mixture_metrics import DatasetSums
-from kempnerforge.training.mtp_loss import mtp_forward_args
-from kempnerforge.training.objectives import objective_of
+from kempnerforge.training.objectives import mtp_forward_args, objective_of
 from kempnerforge.training.session import Replicas, StepResult, TrainingSession
 
 
@@ -38,7 +37,7 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
     their token-weighted mean is the step's loss. ``step`` goes to an MoE model's routers
     (their balancing schedule); dense models do not use it. A model with
     multi-token-prediction modules (model.mtp_depth) gets their targets, and their loss
-    joins the objective but not the reported loss (training/mtp_loss.py).
+    joins the objective but not the reported loss (training/objectives/mtp.py).
     """
     model, tc = session.model, session.config.train
     begin_router_step(model, step)

@@ -11,10 +11,16 @@ from kempnerforge.config.loader import load_config
 from kempnerforge.config.lora import LoRAConfig
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.model.lora import LoRALinear, apply_lora, freeze_base, lora_modules, merge_lora
+from kempnerforge.model.lora import (
+    LoRALinear,
+    add_adapters,
+    apply_lora,
+    freeze_base,
+    lora_modules,
+    merge_lora,
+)
 from kempnerforge.model.meta import on_meta
 from kempnerforge.model.transformer import Transformer
-from kempnerforge.training.lora import add_adapters
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
 

@@ -34,12 +34,11 @@ from kempnerforge.config.run_config import RUN_CONFIG_FILE, run_config_of_checkp
 from kempnerforge.core.errors import CheckpointError, ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import RuntimeContext, init_runtime, world_size_from_env
-from kempnerforge.model.lora import merge_lora
+from kempnerforge.model.lora import add_adapters, merge_lora
 from kempnerforge.model.meta import on_meta
 from kempnerforge.storage.files import write_file
 from kempnerforge.storage.location import is_store_url, join
 from kempnerforge.training.families import family_of
-from kempnerforge.training.lora import add_adapters
 
 logger = get_logger(__name__)
 
