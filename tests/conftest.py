@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -11,10 +12,16 @@ import torch
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
+from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import tiny_run
 
 # Tests that share a class, module or package fixture run on one pytest-xdist worker.
 pytest_plugins = ["tests.support.worker_groups"]
+
+if PROCESS_THREADS == "1":
+    # As many workers as cores: every process a test starts inherits one intra-op thread
+    # (unless the test sets its own), so no two workers' processes fight over a core.
+    os.environ.setdefault("OMP_NUM_THREADS", PROCESS_THREADS)
 
 
 def synthetic_documents(num_docs: int, seed: int = 0) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.chat_files import make_chat_tokenizer_dir, write_conversations
 from tests.support.cli import run_kempnerforge
+from tests.support.threads import PROCESS_THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ STEPS = 200
 
 
 def kempnerforge(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run_kempnerforge(*args, env_extra={"OMP_NUM_THREADS": "2"}, timeout=timeout)
+    return run_kempnerforge(*args, env_extra={"OMP_NUM_THREADS": PROCESS_THREADS}, timeout=timeout)
 
 
 def question(word: str) -> list[dict[str, str]]:

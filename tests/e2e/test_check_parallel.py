@@ -35,7 +35,9 @@ def run_check_parallel(argv: list[str], cwd: pathlib.Path, cache: pathlib.Path):
     """`kempnerforge check-parallel` with ``argv``, run in ``cwd`` on the built-in corpus of
     ``cache``."""
     env = {**os.environ, "KEMPNERFORGE_CACHE": str(cache)}
-    env.pop("OMP_NUM_THREADS", None)  # torchrun gives each rank one thread of its own
+    # One thread per process, the reference's too: the layouts' ranks share the cores with
+    # each other and with the other test worker (tests/support/threads.py says what more costs).
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "kempnerforge", "check-parallel", *argv],
         cwd=cwd,

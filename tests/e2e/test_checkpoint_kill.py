@@ -20,6 +20,7 @@ import pytest
 from kempnerforge.data.prepare.corpus import prepare_data
 from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.metrics_rows import events
+from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import tiny_run
 from tests.support.warm_process import popen
 
@@ -58,7 +59,12 @@ def _train(run_dir: pathlib.Path, data: str, cache: pathlib.Path, **env: str):
     return popen(
         [sys.executable, "-m", "kempnerforge", "train", DEBUG, *args],
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(cache), **env},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": PROCESS_THREADS,
+            "KEMPNERFORGE_CACHE": str(cache),
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from tests.support.doc_commands import REPO, SHELL_VARIABLES, DocCommand, doc_commands
+from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import TINY_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -84,7 +85,7 @@ def workdir(tmp_path_factory, builtin_cache) -> tuple[pathlib.Path, dict[str, st
     env = {
         **os.environ,
         **SHELL_VARIABLES,
-        "OMP_NUM_THREADS": "2",
+        "OMP_NUM_THREADS": PROCESS_THREADS,
         "KEMPNERFORGE_CACHE": str(builtin_cache),
         "PYTHONPATH": str(root),  # hooks named as examples.module:Class
     }

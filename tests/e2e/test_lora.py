@@ -22,6 +22,7 @@ from kempnerforge.training.inference import load_for_inference, open_for_inferen
 from tests.support import hf_families as fam
 from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import train_rows
+from tests.support.threads import PROCESS_THREADS
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -68,7 +69,9 @@ progress = "off"
 
 def kempnerforge(*args: str, cwd: Path, cache: Path):
     result = run_kempnerforge(
-        *args, cwd=cwd, env_extra={"OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(cache)}
+        *args,
+        cwd=cwd,
+        env_extra={"OMP_NUM_THREADS": PROCESS_THREADS, "KEMPNERFORGE_CACHE": str(cache)},
     )
     assert result.returncode == 0, f"{args}\n{result.stderr[-3000:]}"
     return result

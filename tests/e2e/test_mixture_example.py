@@ -16,6 +16,7 @@ import pytest
 
 from tests.support import config_header
 from tests.support.metrics_rows import read_rows
+from tests.support.threads import PROCESS_THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,11 @@ def test_the_worked_example_prepares_and_trains(tmp_path):
         for c in commands
     )
     script = "set -e\n" + script + " " + " ".join(f"'{a}'" for a in SHORT_RUN)
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": PROCESS_THREADS,
+        "KEMPNERFORGE_CACHE": str(tmp_path / "cache"),
+    }
     env["PYTHONPATH"] = str(REPO)
     result = subprocess.run(
         ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests.support.metrics_rows import events, train_rows
+from tests.support.threads import PROCESS_THREADS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -53,7 +54,11 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     # in tmp_path and not in the repository.
     for name in ("configs", "kempnerforge", "docs"):
         (tmp_path / name).symlink_to(REPO / name)
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(builtin_cache)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": PROCESS_THREADS,
+        "KEMPNERFORGE_CACHE": str(builtin_cache),
+    }
     common = " --metrics.progress=off --train.sample_tokens=8"
     # What `make train` leaves: a finished runs/debug (shortened here to 2 steps).
     made = run(

@@ -25,6 +25,7 @@ from tests.support.chat_models import SETUPS_BY_NAME, make_model_tokenizer_dir, 
 from tests.support.cli import REPO, run_kempnerforge, run_python
 from tests.support.data_files import prepared_ids
 from tests.support.metrics_rows import read_rows
+from tests.support.threads import PROCESS_THREADS
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -65,7 +66,9 @@ def section_blocks() -> tuple[str, list[str]]:
 
 
 def kempnerforge(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    result = run_kempnerforge(*argv, cwd=cwd, env_extra={"OMP_NUM_THREADS": "2"}, timeout=600)
+    result = run_kempnerforge(
+        *argv, cwd=cwd, env_extra={"OMP_NUM_THREADS": PROCESS_THREADS}, timeout=600
+    )
     assert result.returncode == 0, f"{argv}\n{result.stderr[-3000:]}"
     return result
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support import config_header
 from tests.support.metrics_rows import read_rows
+from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import TINY_MODEL
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,11 @@ def test_the_recipe_pretrains_prepares_and_fine_tunes_on_the_assistant_tokens(tm
             ]
         ),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": PROCESS_THREADS,
+        "KEMPNERFORGE_CACHE": str(tmp_path / "cache"),
+    }
     env["PYTHONPATH"] = str(REPO)
     (tmp_path / "configs").symlink_to(REPO / "configs")
     result = subprocess.run(

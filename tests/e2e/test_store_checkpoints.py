@@ -19,6 +19,7 @@ import pytest
 from kempnerforge.storage.stores import filesystem
 from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import events
+from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import tiny_run
 from tests.support.train_run import train_steps
 from tests.support.warm_process import popen
@@ -178,7 +179,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_previous_checkpoint(s3, token_
     url = f"{bucket}/killed"
     every = ("--checkpoint.interval=3", "--checkpoint.async_mode=async")
     args = cli_train(tmp_path / "run", token_dirs, "--train.max_steps=9", *every)
-    env = {**os.environ, **server.environment(str(tmp_path)), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, **server.environment(str(tmp_path)), "OMP_NUM_THREADS": PROCESS_THREADS}
     with server.faulting("/killed/step_6/", "stall"):
         run = popen(
             [sys.executable, "-m", "kempnerforge", *args, f"--checkpoint.dir={url}"],

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.support.metrics_rows import train_rows
+from tests.support.threads import PROCESS_THREADS
 from tests.support.warm_process import popen
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ DEBUG_MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 
 
 def kempnerforge(*args: str, env_extra: dict | None = None, **kwargs):
-    env = {**os.environ, "OMP_NUM_THREADS": "2", **(env_extra or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": PROCESS_THREADS, **(env_extra or {})}
     return popen(
         [sys.executable, "-m", "kempnerforge", *args],
         cwd=REPO,
