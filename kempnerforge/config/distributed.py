@@ -46,7 +46,8 @@ class DistributedConfig:
     """Expert-parallel degree: the routed experts of every MoE layer are split over this
     many of the dp_shard ranks (dp_shard x cp ranks with context parallelism), which send
     each token to the rank holding its expert (all-to-all) and back. Must divide dp_shard
-    (times cp) and model.num_experts; 1 to 2**31 - 1."""
+    (times cp) and model.num_experts, and be 1 with tp > 1 (tensor parallelism splits each
+    expert's hidden features instead); 1 to 2**31 - 1."""
     cp: int = 1
     """Context-parallel degree: each of these processes holds a 1/cp slice of every
     sequence, and attention reaches the rest of it as cp_attention says; they hold the

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def check_parallel_layout(config: JobConfig, world_size: int) -> None:
     """The [distributed] mesh must fit the world size and the model; runs on every rank
     before any collective, so a bad layout fails the same way everywhere."""
-    dist, model, train = config.distributed, config.model, config.train
+    dist, train = config.distributed, config.train
     shape = dist.mesh_shape(world_size)
     product = math.prod(shape.values())
     if shape["dp_shard"] == 0 or product != world_size:
@@ -31,31 +31,8 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
             if shape["dp_shard"] == 0
             else f"the mesh {shape} holds {product} processes",
         )
-    if dist.tp > 1 and model.is_mla:
-        raise ConfigError(
-            "distributed.tp",
-            dist.tp,
-            "1 with multi-head latent attention (model.mla_kv_rank > 0)",
-            "tensor parallelism splits the standard attention's projections; latent "
-            "attention's shared latent projections are not planned for it: use FSDP, "
-            "pipeline, context or expert parallelism",
-        )
     if dist.tp > 1:
-        for name, heads in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
-            if heads % dist.tp:
-                raise ConfigError(
-                    "distributed.tp",
-                    dist.tp,
-                    f"a divisor of model.{name} = {heads}",
-                    "each tensor-parallel rank holds whole attention heads",
-                )
-        if model.hidden_dim % dist.tp:
-            raise ConfigError(
-                "distributed.tp",
-                dist.tp,
-                f"a divisor of the feed-forward size {model.hidden_dim}",
-                "set model.ffn_hidden_dim or model.multiple_of",
-            )
+        check_tensor_parallel_sizes(config)
     check_context_parallel(config)
     check_pipeline_layout(config)
     check_pipeline_schedule(dist, train, dist.resolved_dp(world_size) * dist.cp)
@@ -67,6 +44,37 @@ def check_parallel_layout(config: JobConfig, world_size: int) -> None:
             train.global_batch_size,
             f"a multiple of the data-parallel degree {dp} (dp_replicate * dp_shard)",
             "the global batch does not split evenly over the data-parallel ranks",
+        )
+
+
+def check_tensor_parallel_sizes(config: JobConfig) -> None:
+    """distributed.tp must divide every size it splits: the attention heads (a latent
+    attention's key/value heads are its query heads), the dense feed-forward's hidden
+    size where a layer has one, and the experts' hidden size in an MoE model."""
+    dist, model = config.distributed, config.model
+    for name, count in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
+        if count % dist.tp:
+            raise ConfigError(
+                "distributed.tp",
+                dist.tp,
+                f"a divisor of model.{name} = {count}",
+                "each tensor-parallel rank holds whole attention heads",
+            )
+    has_dense = any(not model.is_moe_layer(i) for i in range(model.n_layers))
+    if has_dense and model.hidden_dim % dist.tp:
+        raise ConfigError(
+            "distributed.tp",
+            dist.tp,
+            f"a divisor of the feed-forward size {model.hidden_dim}",
+            "set model.ffn_hidden_dim or model.multiple_of",
+        )
+    if model.is_moe and model.expert_hidden_dim % dist.tp:
+        raise ConfigError(
+            "distributed.tp",
+            dist.tp,
+            f"a divisor of the experts' hidden size {model.expert_hidden_dim}",
+            "each tensor-parallel rank holds the same share of every expert's hidden "
+            "features; set model.moe_expert_hidden_dim",
         )
 
 
@@ -117,8 +125,9 @@ def check_pipeline_layout(config: JobConfig) -> None:
 
 def check_expert_layout(config: JobConfig, dp_shard: int) -> None:
     """MoE against the layout: expert parallelism splits the experts over data-parallel
-    shard and context-parallel ranks (of each pipeline stage); tensor parallelism does not
-    split experts."""
+    shard and context-parallel ranks (of each pipeline stage); tensor parallelism splits
+    each expert's hidden features (check_tensor_parallel_sizes), without expert
+    parallelism."""
     dist, model = config.distributed, config.model
     if not model.is_moe:
         if dist.ep > 1:
@@ -129,13 +138,14 @@ def check_expert_layout(config: JobConfig, dp_shard: int) -> None:
                 "expert parallelism splits the experts of MoE layers",
             )
         return
-    if dist.tp > 1:
+    if dist.tp > 1 and dist.ep > 1:
         raise ConfigError(
-            "distributed.tp",
-            dist.tp,
-            "1 with an MoE model (model.num_experts > 0)",
-            "experts are not split by tensor parallelism; use distributed.ep to split "
-            "the experts over ranks",
+            "distributed.ep",
+            dist.ep,
+            "1 with distributed.tp > 1",
+            "tensor parallelism splits each expert's hidden features over the tp ranks, "
+            "expert parallelism the experts over data-parallel ranks; the two are not "
+            "combined: choose distributed.tp or distributed.ep for the experts",
         )
     if model.num_experts % dist.ep:
         raise ConfigError(

@@ -26,8 +26,10 @@ from torch.distributed.tensor.parallel import (
 
 from kempnerforge.distributed.adapter_styles import ColumnSplit, RowSplit
 from kempnerforge.distributed.blocks import transformer_blocks
-from kempnerforge.model.attention import Attention
+from kempnerforge.distributed.moe_tensor_parallel import MoETensorParallel
+from kempnerforge.model.attention import Attention, LatentAttention
 from kempnerforge.model.contract import DecoderStack, FamilyModel
+from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.norm import HeadRMSNorm, ProjectionRMSNorm
 
 
@@ -60,6 +62,9 @@ def apply_tp(
     for _, block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
         shard_sinks(block, tp_mesh)
+        for module in block.modules():
+            if isinstance(module, LatentAttention):
+                module.head_group = tp_mesh.get_group()
     for stage in stages:
         _apply_tp_to_ends(stage, tp_mesh, sequence_parallel)
 
@@ -125,8 +130,22 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     is summed over the ranks' heads. A norm over the whole projection ('projection') must
     take its mean square over every rank's heads: ProjectionNormParallel splits its gain
     with the projection's columns and lets DTensor reduce the statistic.
+
+    Latent attention (model.mla_kv_rank) gets latent_attention_plan; an MoE feed-forward
+    one MoETensorParallel (distributed/moe_tensor_parallel.py) in place of the dense
+    projections' styles.
     """
     plan = _sequence_parallel_block_plan() if sequence_parallel else _plain_block_plan()
+    attention = getattr(block, "attention", None)
+    feed_forward = getattr(block, "feed_forward", None)
+    if isinstance(attention, LatentAttention):
+        for name in ("attention.wq", "attention.wk", "attention.wv"):
+            del plan[name]
+        plan.update(latent_attention_plan(attention))
+    if isinstance(feed_forward, MoEFeedForward):
+        for name in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
+            del plan[name]
+        plan["feed_forward"] = MoETensorParallel(sequence_parallel=sequence_parallel)
     norm_style = SequenceParallel() if sequence_parallel else ReplicatedParallel()
     for name, child in block.named_children():
         if name in BLOCK_NORMS and child is not None:
@@ -136,6 +155,33 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif isinstance(module, ProjectionRMSNorm):
             plan[name] = ProjectionNormParallel()
+    return plan
+
+
+def latent_attention_plan(attention: LatentAttention) -> dict[str, ParallelStyle]:
+    """Latent attention's projections but the output one: those into the heads (wq or
+    wq_b, wkv_b) split by heads (column-wise), the latent projections (wq_a, wkv_a) and
+    their norms whole on every rank (ReplicatedParallel).
+
+    The latents are narrow (model.mla_q_rank, model.mla_kv_rank), so each rank computes
+    them whole from the block's gathered input; a projection out of a latent then reduces
+    its input gradient over the ranks in backward (one all-reduce of the latent's width),
+    as ColwiseParallel does for a plain tensor input. The shared RoPE key part comes out
+    of wkv_a, whole on every rank, and LatentAttention reads the head count from the
+    projected shapes: its code is the one a rank's share of the heads runs.
+    """
+    whole = ReplicatedParallel()
+    plan: dict[str, ParallelStyle] = {
+        "attention.wkv_a": whole,
+        "attention.kv_norm": whole,
+        "attention.wkv_b": ColwiseParallel(),
+    }
+    if attention.wq is not None:
+        plan["attention.wq"] = ColwiseParallel()
+    else:
+        plan["attention.wq_a"] = whole
+        plan["attention.q_norm"] = whole
+        plan["attention.wq_b"] = ColwiseParallel()
     return plan
 
 

@@ -19,9 +19,9 @@ from tests.e2e.test_check_parallel import (
 pytestmark = pytest.mark.slow
 
 WORLDS = {"dp_shard=2": "2", "tp=2": "2", "pp=2": "2", "cp=2": "2"}
-MOE_WORLDS = {"dp_shard=2": "2", "pp=2": "2", "cp=2": "2", "dp_shard=2,ep=2": "2"}
-"""An MoE model's layouts: distributed.tp is refused for every MoE model (its experts are
-split by ep, not tp), so the family's attention trains under tp as the dense qwen3."""
+MOE_WORLDS = {"dp_shard=2": "2", "tp=2": "2", "pp=2": "2", "cp=2": "2", "dp_shard=2,ep=2": "2"}
+"""An MoE model's layouts: tp splits each expert's hidden features (and the attention's
+heads, latent attention's included), ep the experts over data-parallel ranks."""
 
 
 class Family(NamedTuple):

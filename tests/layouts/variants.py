@@ -48,8 +48,8 @@ _GEMMA = [
     "--model.rope_scaling_factor=8",
 ]
 # DeepSeek-V3's latent attention (values narrower than the query/key heads) with YaRN and
-# its mscales over its grouped sigmoid routing after a dense first layer; tp is refused
-# for latent attention (and for MoE), so the sweep covers the other axes.
+# its mscales over its grouped sigmoid routing after a dense first layer; tp splits its
+# heads and each expert's hidden features (tp with ep is refused).
 _MLA = [
     *("--model.mla_kv_rank=32", "--model.mla_q_rank=24"),
     *("--model.mla_nope_head_size=16", "--model.mla_rope_head_size=8"),

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kempnerforge.config.loader import load_config
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.interop.architectures import ARCHITECTURES, DEEPSEEK_V3
@@ -440,16 +439,3 @@ def test_config_refuses_what_latent_attention_and_grouped_routing_cannot_be(chan
     with pytest.raises(ConfigError) as info:
         deepseek_config(**changes)
     assert info.value.field == field
-
-
-def test_tensor_parallelism_is_refused_for_latent_attention() -> None:
-    latent = [
-        *("--model.dim=64", "--model.n_heads=4", "--model.mla_kv_rank=16"),
-        *("--model.mla_nope_head_size=8", "--model.mla_rope_head_size=8"),
-        *("--model.mla_value_head_size=8", "--distributed.tp=2"),
-    ]
-    with pytest.raises(ConfigError) as info:
-        load_config(None, latent).validate(2)
-    assert str(info.value).startswith(
-        "distributed.tp = 2: expected 1 with multi-head latent attention"
-    )

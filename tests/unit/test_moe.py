@@ -850,13 +850,8 @@ def test_moe_field_ranges_are_checked_on_a_dense_model_but_not_top_k_against_exp
             "distributed.ep = 4: expected a divisor of model.num_experts = 6",
         ),
         (["--distributed.ep=2"], 2, "distributed.ep = 2: expected 1 for a dense model"),
-        (
-            ["--model.num_experts=4", "--distributed.tp=2"],
-            2,
-            "distributed.tp = 2: expected 1 with an MoE model (model.num_experts > 0)",
-        ),
     ],
-    ids=["ep_not_dividing_experts", "ep_dense", "moe_tp"],
+    ids=["ep_not_dividing_experts", "ep_dense"],
 )
 def test_moe_layout_rules(overrides: list[str], world_size: int, message: str) -> None:
     config = load_config(None, overrides)

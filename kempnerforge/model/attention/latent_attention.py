@@ -29,6 +29,7 @@ query/key width, and the padding is cut from the output, which is exact.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
@@ -38,6 +39,7 @@ from kempnerforge.model.attention.kernels import LayerMask
 from kempnerforge.model.attention.rope import apply_rope
 from kempnerforge.model.attention.self_attention import attend_heads
 from kempnerforge.model.attention.sequence_split import SequenceSplit, active_split
+from kempnerforge.model.grad_identity import summed_grad
 from kempnerforge.model.norm import RMSNorm
 
 LATENT_NORM_EPS = 1e-6
@@ -94,6 +96,10 @@ class LatentAttention(nn.Module):
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: x is this rank's slice of each sequence, and the
         heads are exchanged for the whole sequence around attention (sequence_split.py)."""
+        self.head_group: dist.ProcessGroup | None = None
+        """Under tensor parallelism: the group the heads are split over. The key RoPE part,
+        computed whole on every rank, is shared by every head, so each rank's gradient of
+        it is its heads' share, summed over this group."""
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries (batch, seq, heads, nope + rope) of x (batch, seq, dim): the RoPE part
@@ -119,7 +125,7 @@ class LatentAttention(nn.Module):
         tensors the cached decoder stores."""
         batch, seq_len, _ = x.shape
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        k_rope = k_rope.reshape(batch, seq_len, 1, self.rope_dim)
+        k_rope = summed_grad(k_rope.reshape(batch, seq_len, 1, self.rope_dim), self.head_group)
         k_rope = apply_rope(k_rope, cos[self.rope_kind], sin[self.rope_kind])
         return self.kv_norm(latent), k_rope
 

@@ -12,15 +12,15 @@ tests and the benchmark compare against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.eager import run_eagerly
+from kempnerforge.model.grad_identity import scaled_grad
+from kempnerforge.model.moe.tensor_split import added_once, local
 
 EXPERT_COMPUTE = ("auto", "grouped_mm", "padded_bmm", "looped")
 """How GroupedExperts computes: 'looped' (one matmul per expert) is the reference the tests
@@ -101,6 +101,10 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0
         """Factor on the weights' gradients (1 / ep under expert parallelism: see
         distributed/expert_parallel.py); not state."""
+        self.adds_down_bias = True
+        """Whether this rank adds the down biases b2: under tensor parallelism each rank's
+        output is a partial sum and one rank adds them (model/moe/tensor_split.py); not
+        state."""
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w3, w2) of the experts this rank computes, as plain tensors."""
@@ -112,13 +116,13 @@ class GroupedExperts(nn.Module):
         if self.b1 is None or self.b3 is None or self.b2 is None:
             return None
         biases = self._local_scaled((self.b1, self.b3, self.b2))
-        return biases[0], biases[1], biases[2]
+        return biases[0], biases[1], added_once(biases[2], self.adds_down_bias)
 
     def _local_scaled(self, params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        local = [_local(p) for p in params]
+        values = [local(p) for p in params]
         if self.grad_scale != 1.0:
-            local = [_ScaleGrad.apply(p, self.grad_scale) for p in local]
-        return local
+            values = [scaled_grad(p, self.grad_scale) for p in values]
+        return values
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.local_weights()
@@ -132,10 +136,6 @@ class GroupedExperts(nn.Module):
             biases=self.local_biases(),
             activation=self.activation,
         )
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def grouped_swiglu(
@@ -290,19 +290,6 @@ def grouped_mm_runs(
     if device_type != "cuda" or capability is None:
         return False
     return dtype == torch.bfloat16 and tuple(capability) >= GROUPED_MM_MIN_CAPABILITY
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose backward multiplies the gradient by a constant."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -34,8 +34,10 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import SequenceSplit, active_split
+from kempnerforge.model.grad_identity import summed_grad
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.moe.experts import ExpertActivation, GroupedExperts
+from kempnerforge.model.moe.tensor_split import local, router_input, shared_partial
 from kempnerforge.model.moe.token_exchange import combine_tokens, dispatch_tokens
 
 
@@ -95,8 +97,10 @@ class Router(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         with torch.autocast(tokens.device.type, enabled=False):
-            bias = None if self.gate.bias is None else self.gate.bias.float()
-            logits = F.linear(tokens.float(), self.gate.weight.float(), bias)
+            # Under tensor parallelism the weights are replicated DTensors: every rank
+            # routes the whole tokens with all of them.
+            bias = None if self.gate.bias is None else local(self.gate.bias).float()
+            logits = F.linear(tokens.float(), local(self.gate.weight).float(), bias)
         if self.kind == "softmax":
             probs = torch.softmax(logits, dim=-1)
             gates, expert_ids = probs.topk(self.top_k, dim=-1)
@@ -134,7 +138,9 @@ class MoEFeedForward(nn.Module):
     over, None when this rank holds every expert; ``balance_group`` the data-parallel
     group whose load counts the token-level balancing loss sums, so the loss is the one
     a single process would compute over the whole batch; ``sequence_split`` (context
-    parallelism) the group each sequence is split over, for the sequence-level loss.
+    parallelism) the group each sequence is split over, for the sequence-level loss;
+    ``tp_group`` the tensor-parallel group the experts' hidden features are split over
+    (model/moe/tensor_split.py), None when this rank holds them whole.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -160,6 +166,7 @@ class MoEFeedForward(nn.Module):
             self.shared = SwiGLU(cfg.dim, cfg.moe_shared_experts * cfg.expert_hidden_dim)
         self.ep_group: dist.ProcessGroup | None = None
         self.balance_group: dist.ProcessGroup | None = None
+        self.tp_group: dist.ProcessGroup | None = None
         self.sequence_split: SequenceSplit | None = None
         """Under context parallelism: the group each sequence is split over, whose
         per-sequence expert counts the sequence-level balancing loss sums."""
@@ -173,13 +180,13 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
-        routing = self.router(tokens)
+        routing = self.router(router_input(tokens, self.tp_group))
         flat_ids = routing.expert_ids.reshape(-1)  # assignment q = token * k + slot
         load = _expert_counts(flat_ids, self.num_experts)
         keep = self._within_capacity(routing.expert_ids)
         out = self._run_experts(tokens, routing, flat_ids, load, keep)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self._shared_output(tokens)
         dropped = (
             torch.zeros((), device=x.device) if keep is None else (~keep).sum().to(torch.float32)
         )
@@ -208,8 +215,16 @@ class MoEFeedForward(nn.Module):
         load = _expert_counts(flat_ids, self.num_experts)
         out = self._run_experts(tokens, routing, flat_ids, load, None)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self._shared_output(tokens)
         return out.reshape(batch, seq, -1)
+
+    def _shared_output(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output: whole, or this rank's partial sum under tensor
+        parallelism."""
+        assert self.shared is not None
+        if self.tp_group is None:
+            return self.shared(tokens)
+        return shared_partial(self.shared, tokens)
 
     def _within_capacity(self, expert_ids: torch.Tensor) -> torch.Tensor | None:
         """(T, k) bool: which assignments fit their expert's capacity; None when dropless.
@@ -254,7 +269,8 @@ class MoEFeedForward(nn.Module):
             local_rows, local_counts, plan = dispatch_tokens(rows, counts, self.ep_group)
             out_rows = combine_tokens(self.experts(local_rows, local_counts), plan)
             order = order[: out_rows.shape[0]]  # the sent (kept) rows, known from the plan
-        gates = routing.gates.reshape(-1)[order]
+        # Under tensor parallelism out_rows are this rank's partial sums (tensor_split.py).
+        gates = summed_grad(routing.gates, self.tp_group).reshape(-1)[order]
         weighted = (out_rows.float() * gates[:, None]).to(out_rows.dtype)
         # Each assignment has its own row, so this scatter never adds: deterministic on
         # every device, unlike an index_add over tokens.
