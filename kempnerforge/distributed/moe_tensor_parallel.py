@@ -51,7 +51,7 @@ class MoETensorParallel(ParallelStyle):
         _place(module.experts, EXPERT_PLACEMENTS, device_mesh)
         if module.shared is not None:
             for name, placement in SHARED_PLACEMENTS.items():
-                _place(getattr(module.shared, name), {"weight": placement}, device_mesh)
+                _place(module.shared.get_submodule(name), {"weight": placement}, device_mesh)
         _place(module.router.gate, {"weight": Replicate(), "bias": Replicate()}, device_mesh)
         module.tp_group = device_mesh.get_group()
         module.experts.adds_down_bias = device_mesh.get_local_rank() == 0
@@ -71,7 +71,7 @@ class MoETensorParallel(ParallelStyle):
 def _place(module: nn.Module, placements: dict[str, Any], mesh: DeviceMesh) -> None:
     """Replace ``module``'s parameters named in ``placements`` by DTensors laid out so."""
     for name, placement in placements.items():
-        param = getattr(module, name, None)
+        param = dict(module.named_parameters(recurse=False)).get(name)
         if param is None:
             continue
         sharded = distribute_tensor(param.data, mesh, [placement])

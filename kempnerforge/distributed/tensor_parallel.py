@@ -136,8 +136,8 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     projections' styles.
     """
     plan = _sequence_parallel_block_plan() if sequence_parallel else _plain_block_plan()
-    attention = getattr(block, "attention", None)
-    feed_forward = getattr(block, "feed_forward", None)
+    children = dict(block.named_children())
+    attention, feed_forward = children.get("attention"), children.get("feed_forward")
     if isinstance(attention, LatentAttention):
         for name in ("attention.wq", "attention.wk", "attention.wv"):
             del plan[name]
@@ -174,14 +174,14 @@ def latent_attention_plan(attention: LatentAttention) -> dict[str, ParallelStyle
     plan: dict[str, ParallelStyle] = {
         "attention.wkv_a": whole,
         "attention.kv_norm": whole,
-        "attention.wkv_b": ColwiseParallel(),
+        "attention.wkv_b": ColumnSplit(),
     }
     if attention.wq is not None:
-        plan["attention.wq"] = ColwiseParallel()
+        plan["attention.wq"] = ColumnSplit()
     else:
         plan["attention.wq_a"] = whole
         plan["attention.q_norm"] = whole
-        plan["attention.wq_b"] = ColwiseParallel()
+        plan["attention.wq_b"] = ColumnSplit()
     return plan
 
 
