@@ -8,24 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.interop.architectures.architecture import (
-    Architecture,
-    Requirement,
-    Shapes,
-    State,
-)
+from kempnerforge.interop.architectures.architecture import Architecture, Requirement
 from kempnerforge.interop.architectures.config_keys import HFConfig, common_model_fields
 from kempnerforge.interop.architectures.moe_parts import (
     NO_SHARED_EXPERTS,
     OUR_SWIGLU,
     aux_loss_fields,
-    experts_from_hf,
-    experts_to_hf,
-    moe_layers,
+    every_moe_layer_maps,
     moe_requirement,
     router_requirement,
 )
-from kempnerforge.interop.architectures.tensor_names import HFTensors
 
 HF_CLASS = "MixtralForCausalLM"
 BLOCK = "block_sparse_moe"
@@ -65,23 +57,7 @@ def mixtral_config_fields(hf: HFConfig) -> dict[str, Any]:
     return {**fields, **aux_loss_fields(hf)}
 
 
-def mixtral_tensors_to_hf(state: State, cfg: ModelConfig) -> State:
-    """Router and experts of every layer (all are MoE), one transposed matrix per expert."""
-    out: State = {}
-    for index in moe_layers(cfg):
-        out.update(experts_to_hf(state, cfg, index, BLOCK, OUR_SWIGLU))
-    return out
-
-
-def mixtral_tensors_from_hf(
-    source: HFTensors, hf: HFConfig, cfg: ModelConfig, shapes: Shapes
-) -> State:
-    """Our routers and expert stacks from a Mixtral folder's tensors."""
-    del hf
-    state: State = {}
-    for index in moe_layers(cfg):
-        state.update(experts_from_hf(source, cfg, index, BLOCK, OUR_SWIGLU, shapes))
-    return state
+mixtral_tensors_to_hf, mixtral_tensors_from_hf = every_moe_layer_maps(BLOCK, OUR_SWIGLU, HF_CLASS)
 
 
 MIXTRAL = Architecture(

@@ -9,6 +9,7 @@ written transposed, which is exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,32 @@ def experts_from_hf(
         ]
         out[f"{ours}.experts.{mine}"] = torch.stack(slices).contiguous()
     return out
+
+
+def every_moe_layer_maps(
+    block: str, names: tuple[str, str, str], family: str
+) -> tuple[Callable[[State, ModelConfig], State], Callable[..., State]]:
+    """(tensors_to_hf, tensors_from_hf) of an architecture whose only own tensors are
+    each MoE layer's router and experts under ``block`` with the SwiGLU ``names`` (gate,
+    up, down): one transposed matrix per expert (experts_to_hf / experts_from_hf). The
+    rest of the layer is Llama's shared names. ``family`` names the class in docstrings."""
+
+    def tensors_to_hf(state: State, cfg: ModelConfig) -> State:
+        out: State = {}
+        for index in moe_layers(cfg):
+            out.update(experts_to_hf(state, cfg, index, block, names))
+        return out
+
+    def tensors_from_hf(source: HFTensors, hf: HFConfig, cfg: ModelConfig, shapes: Shapes) -> State:
+        del hf
+        state: State = {}
+        for index in moe_layers(cfg):
+            state.update(experts_from_hf(source, cfg, index, block, names, shapes))
+        return state
+
+    tensors_to_hf.__doc__ = f"Router and experts of each MoE layer of a {family}."
+    tensors_from_hf.__doc__ = f"Our routers and expert stacks from a {family} folder's tensors."
+    return tensors_to_hf, tensors_from_hf
 
 
 def empty_swiglu(dim: int, name: str) -> torch.Tensor:

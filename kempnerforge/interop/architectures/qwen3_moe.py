@@ -18,21 +18,16 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.interop.architectures.architecture import (
     Architecture,
     Requirement,
-    Shapes,
-    State,
 )
 from kempnerforge.interop.architectures.config_keys import HFConfig, common_model_fields
 from kempnerforge.interop.architectures.moe_parts import (
     NO_SHARED_EXPERTS,
     aux_loss_fields,
-    experts_from_hf,
-    experts_to_hf,
-    moe_layers,
+    every_moe_layer_maps,
     moe_requirement,
     renormalised_top_k,
     router_requirement,
 )
-from kempnerforge.interop.architectures.tensor_names import HFTensors
 
 HF_CLASS = "Qwen3MoeForCausalLM"
 BLOCK = "mlp"
@@ -105,23 +100,9 @@ def _num_experts(hf: HFConfig) -> int:
     return count
 
 
-def qwen3_moe_tensors_to_hf(state: State, cfg: ModelConfig) -> State:
-    """Router and experts of each MoE layer, one transposed matrix per expert."""
-    out: State = {}
-    for index in moe_layers(cfg):
-        out.update(experts_to_hf(state, cfg, index, BLOCK, EXPERT_NAMES))
-    return out
-
-
-def qwen3_moe_tensors_from_hf(
-    source: HFTensors, hf: HFConfig, cfg: ModelConfig, shapes: Shapes
-) -> State:
-    """Our routers and expert stacks from a Qwen3-MoE folder's tensors."""
-    del hf
-    state: State = {}
-    for index in moe_layers(cfg):
-        state.update(experts_from_hf(source, cfg, index, BLOCK, EXPERT_NAMES, shapes))
-    return state
+qwen3_moe_tensors_to_hf, qwen3_moe_tensors_from_hf = every_moe_layer_maps(
+    BLOCK, EXPERT_NAMES, HF_CLASS
+)
 
 
 QWEN3_MOE = Architecture(
