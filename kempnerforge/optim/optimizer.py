@@ -25,6 +25,11 @@ OPTIMIZERS: Registry[OptimizerBuilder] = Registry("optimizer.name")
 EMBEDDING_MODULE_TYPES = (torch.nn.Embedding,)
 
 
+STACKED_BIASES = ("experts.b1", "experts.b2", "experts.b3")
+"""Biases that are 2-D only because they are stacked per expert (model.moe_expert_bias,
+(experts, width)): biases for decay and for Muon, which must not orthogonalise them."""
+
+
 def param_groups(
     model: torch.nn.Module, cfg: OptimizerConfig, *, with_names: bool = False
 ) -> ParamGroups:
@@ -34,8 +39,9 @@ def param_groups(
     optimizer here skips them, and a freeze schedule that unfreezes them later trains them
     with the optimizer as built (training/freeze.py), instead of leaving them out for good.
 
-    Matrices decay. 1-D parameters (norm weights, biases) and embedding tables do not,
-    unless cfg.decay_norms_and_biases / cfg.decay_embeddings say otherwise. A tied
+    Matrices decay. 1-D parameters (norm weights, biases), the experts' stacked biases and
+    embedding tables do not, unless cfg.decay_norms_and_biases / cfg.decay_embeddings say
+    otherwise. A tied
     embedding/output weight is one parameter and is classified once, as an embedding.
     with_names adds each group's "names" (qualified parameter names, in "params" order).
     """
@@ -50,7 +56,7 @@ def param_groups(
     for name, param in model.named_parameters():  # de-duplicated: a tied weight appears once
         if id(param) in embedding_ids:
             (decay if cfg.decay_embeddings else no_decay).append((name, param))
-        elif param.ndim < 2:
+        elif param.ndim < 2 or name.endswith(STACKED_BIASES):
             (decay if cfg.decay_norms_and_biases else no_decay).append((name, param))
         else:
             decay.append((name, param))
@@ -136,13 +142,14 @@ def build_lion(params: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimiz
     )
 
 
-# Matrices that Muon leaves to AdamW: lookups, the logit projection and the MoE routers'
-# gates (a few rows of logits, not a hidden layer).
+# Matrices that Muon leaves to AdamW: lookups, the logit projection, the MoE routers'
+# gates (a few rows of logits, not a hidden layer) and the experts' stacked biases.
 MUON_EXCLUDED_SUFFIXES = (
     "tok_embeddings.weight",
     "output.weight",
     "position_embedding",
     "router.gate.weight",
+    *STACKED_BIASES,
 )
 
 

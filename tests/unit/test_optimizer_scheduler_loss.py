@@ -59,6 +59,28 @@ def test_param_group_switches_and_tied_weight_counted_once():
     assert sum(p.numel() for p in groups[0]["params"]) == tied.num_params()
 
 
+def test_the_experts_stacked_biases_are_biases_for_decay_and_for_muon():
+    """GPT-OSS's expert biases are (experts, width): 2-D, yet biases. They do not decay by
+    default, and Muon leaves them to AdamW instead of orthogonalising them as matrices."""
+    cfg = ModelConfig(
+        **{**TINY.__dict__, "num_experts": 4, "moe_top_k": 2, "moe_expert_bias": True}
+    )
+    model = build_model(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    biases = [n for n in names.values() if n.endswith(("experts.b1", "experts.b2", "experts.b3"))]
+    assert biases and all(model.get_parameter(n).ndim == 2 for n in biases)
+    decay, no_decay = param_groups(model, OptimizerConfig(weight_decay=0.1))
+    assert set(biases) <= {names[id(p)] for p in no_decay["params"]}
+    for decay_biases in (False, True):
+        config = OptimizerConfig(name="muon", decay_norms_and_biases=decay_biases)
+        muon = build_optimizer(model, config)
+        orthogonalised = {
+            names[id(p)] for g in muon.param_groups if g["use_muon"] for p in g["params"]
+        }
+        assert orthogonalised and not orthogonalised & set(biases)
+        assert any(n.endswith("experts.w1") for n in orthogonalised)
+
+
 def test_adamw_is_built_and_unknown_name_lists_choices():
     model = build_model(TINY)
     opt = build_optimizer(model, OptimizerConfig(lr=1e-3, betas=[0.8, 0.9]))
