@@ -36,7 +36,8 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Adam epsilon, added to the root of the second moment; > 0 and at most 1."""
     decay_norms_and_biases: bool = False
-    """Also apply weight decay to norm weights and biases (1-D parameters)."""
+    """Also apply weight decay to norm weights and biases (1-D parameters, and the experts'
+    biases stacked per expert)."""
     decay_embeddings: bool = False
     """Also apply weight decay to the token embedding table."""
     implementation: str = "auto"
