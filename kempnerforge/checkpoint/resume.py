@@ -24,8 +24,10 @@ from kempnerforge.checkpoint.failures import FAILURES, describe_failure, first_c
 from kempnerforge.checkpoint.integrity import checkpoint_problems, train_state_source
 from kempnerforge.checkpoint.planner import WeightsOnlyLoadPlanner, refusal
 from kempnerforge.checkpoint.reader import AllowListedReader
+from kempnerforge.checkpoint.tied_head import rename_head_copy, saved_name
 from kempnerforge.core.errors import CheckpointError, incomplete
 from kempnerforge.core.logging import get_logger
+from kempnerforge.model.contract import FamilyModel
 from kempnerforge.model.lora import is_adapter_parameter
 
 logger = get_logger(__name__)
@@ -123,18 +125,20 @@ def load_model_and_optimizer(
     has_saved_state = {
         id(param)
         for name, param in model.named_parameters(remove_duplicate=False)
-        if state_fqn(name) in with_state
+        if saved_name(model, state_fqn(name)) in with_state
     }
     try:
         for param in trainable:
             param.requires_grad_(True)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        check_model_keys(root, saved, model_sd)
+        check_model_keys(root, saved, model_sd, partial=is_pipeline_stage(model))
         if not optim_sd.get("state") and with_state:
             raise CheckpointError(root, "the optimizer has no state to load the saved one into")
+        rename_head_copy(model, optim_sd, to_saved=True)
         optim_sd = _saved_state_only(optim_sd, with_state)
         to_load: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         read_dcp(root, to_load, "model/optimizer do not load", process_group, no_dist)
+        rename_head_copy(model, to_load["optimizer"], to_saved=False)
         for param in trainable:
             param.requires_grad_(id(param) in has_saved_state)
         set_state_dict(
@@ -192,7 +196,7 @@ def load_model_weights(
     import-hf step_0, a pretraining run). Every other missing entry fails the load.
     """
     model_sd = get_model_state_dict(model)
-    check_model_keys(root, saved, model_sd)
+    check_model_keys(root, saved, model_sd, partial=is_pipeline_stage(model))
     fresh = [k for k in model_sd if is_adapter_parameter(k) and f"model.{k}" not in saved]
     for key in fresh:
         del model_sd[key]
@@ -232,12 +236,38 @@ def read_dcp(
         raise CheckpointError(root, f"{failure}: {describe_failure(e)}") from e
 
 
-def check_model_keys(root: Path, saved: set[str], model_sd: dict[str, Any]) -> None:
-    """Raise CheckpointError when `root` holds model entries `model_sd` does not have."""
-    unknown = sorted(k for k in saved if k.startswith("model.") and k[6:] not in model_sd)
+def check_model_keys(
+    root: Path, saved: set[str], model_sd: dict[str, Any], *, partial: bool = False
+) -> None:
+    """Raise CheckpointError when `root` holds model entries `model_sd` does not have.
+
+    With ``partial`` (a pipeline stage: some layers, and the embedding or the head) only
+    the parts of the model this rank holds are compared, a part being a top-level module
+    or one layer: the other stages' entries are theirs to load, not unknown.
+    """
+    held = {_part(key) for key in model_sd}
+    unknown = sorted(
+        k
+        for k in saved
+        if k.startswith("model.")
+        and k[6:] not in model_sd
+        and (not partial or _part(k[6:]) in held)
+    )
     if unknown:
         raise CheckpointError(
             root,
             f"{len(unknown)} saved model entries do not exist in this model (first: "
             f"{unknown[0]}); was it saved from another model config?",
         )
+
+
+def is_pipeline_stage(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is one pipeline rank's stages (it holds part of the model)."""
+    return isinstance(model, FamilyModel) and model.pipeline_group is not None
+
+
+def _part(key: str) -> str:
+    """The part of the model a state-dict key belongs to: 'layers.<i>' for a layer's
+    entries, else its top-level module ('tok_embeddings', 'norm', 'output', ...)."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]

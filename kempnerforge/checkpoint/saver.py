@@ -68,6 +68,7 @@ from kempnerforge.checkpoint.store_saves import (
     prepare_store_save,
     upload_rank_files,
 )
+from kempnerforge.checkpoint.tied_head import rename_head_copy
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
@@ -178,6 +179,7 @@ class CheckpointSaver:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         if fresh:
             optimizer.state.clear()
+        rename_head_copy(model, optim_sd, to_saved=True)
         state["optimizer_initialized"] = not fresh
         # Serialized now: the bytes are the state at this call, whenever they are written.
         train_state_data = torch_bytes(state)

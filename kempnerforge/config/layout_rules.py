@@ -80,7 +80,8 @@ def check_tensor_parallel_sizes(config: JobConfig) -> None:
 
 def check_pipeline_layout(config: JobConfig) -> None:
     """Pipeline parallelism against the model and the job: split points only with pp > 1,
-    a layer per stage, no tied embedding, whole rounds of micro-batches."""
+    a layer per stage, whole rounds of micro-batches. (A tied embedding and head on two
+    stages is two copies kept equal: distributed/tied_head.py.)"""
     dist, model, train = config.distributed, config.model, config.train
     if dist.pp == 1:
         if dist.pp_split_points:
@@ -105,13 +106,6 @@ def check_pipeline_layout(config: JobConfig) -> None:
             points,
             f"{stages - 1} increasing layer indices in [1, {model.n_layers - 1}] "
             f"(one per stage after the first, {stages} stages)",
-        )
-    if model.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings",
-            True,
-            "false with distributed.pp > 1",
-            "the embedding and the output head live on different pipeline stages",
         )
     if train.grad_accum_steps < dist.pp or train.grad_accum_steps % dist.pp:
         raise ConfigError(

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from kempnerforge.distributed.tied_head import tied_head_copy
 from kempnerforge.model.contract import FamilyModel
 
 
@@ -27,7 +28,9 @@ def total_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     group = model.pipeline_group if isinstance(model, FamilyModel) else None
     squares = torch.zeros((), dtype=torch.float32, device=_model_device(model))
     by_mesh = _params_by_mesh(params)
-    for same_mesh in by_mesh:
+    # A tied weight split over two stages is counted once: its embedding's copy.
+    head_copy = model.get_parameter("output.weight") if tied_head_copy(model) else None
+    for same_mesh in _params_by_mesh([p for p in params if p is not head_copy]):
         grads = [p.grad for p in same_mesh if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(norm, DTensor):

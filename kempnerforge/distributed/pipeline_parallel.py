@@ -173,9 +173,14 @@ def build_stage_model(
     for index in list(model.layers):
         if int(index) not in kept:
             del model.layers[index]
-    if 0 not in stage_ids:
+    # A tied head whose embedding is on another rank is a parameter of its own there: the
+    # embedding's copy (model/contract.py's tied_head_copy, distributed/tied_head.py).
+    first, last = 0 in stage_ids, num_stages - 1 in stage_ids
+    tied_apart = model_cfg.tie_embeddings and first != last
+    model.tied_head_copy, model.embedding_copied = tied_apart and last, tied_apart and first
+    if not first:
         model.tok_embeddings = None
-    if num_stages - 1 not in stage_ids:
+    if not last:
         model.norm = None
         model.output = None
     stages = [StageModule(model, s, num_stages, ranges[s]) for s in stage_ids]

@@ -55,6 +55,15 @@ class FamilyModel(nn.Module):
         self.pipeline_group: dist.ProcessGroup | None = None
         """On a pipeline rank, the group of its pipeline stages: the gradient norm sums
         every stage's squares over it (set by the build; None without pipelining)."""
+        self.tied_head_copy = False
+        """Whether this rank's output head is its own copy of the embedding another
+        pipeline rank holds (model.tie_embeddings with the head and the embedding on
+        different stages): kept equal to it by summing their gradients
+        (distributed/tied_head.py), counted once in the gradient norm, and its optimizer
+        state saved and loaded under the embedding's name (checkpoint/tied_head.py)."""
+        self.embedding_copied = False
+        """Whether this rank's embedding is tied to a head another pipeline rank holds as
+        its copy (the other side of tied_head_copy)."""
 
     def decoder_stacks(self) -> list[DecoderStack]:
         """The modules holding this model's decoder blocks, in model order: where tensor

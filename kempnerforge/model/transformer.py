@@ -236,7 +236,10 @@ class Transformer(FamilyModel):
             for param, std in module.adapter_init_stds().items()
         }
         for name, param in self.named_parameters():
-            seed_of_name = parameter_seed(seed, prefix + name)
+            # A pipeline rank's copy of a tied embedding draws the embedding's values.
+            tied_copy = self.tied_head_copy and name == "output.weight"
+            drawn_as = "tok_embeddings.weight" if tied_copy else name
+            seed_of_name = parameter_seed(seed, prefix + drawn_as)
             std = adapters[name] if name in adapters else self._init_std(name)
             fill_parameter(param, std, seed_of_name, constant=gains.get(name, 1.0))
 

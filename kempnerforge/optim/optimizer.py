@@ -51,6 +51,9 @@ def param_groups(
         if isinstance(m, EMBEDDING_MODULE_TYPES)
         for p in m.parameters(recurse=False)
     }
+    if getattr(model, "tied_head_copy", False):
+        # A pipeline rank's copy of a tied embedding (model/contract.py) is the embedding.
+        embedding_ids.add(id(model.get_parameter("output.weight")))
     decay: list[tuple[str, torch.nn.Parameter]] = []
     no_decay: list[tuple[str, torch.nn.Parameter]] = []
     for name, param in model.named_parameters():  # de-duplicated: a tied weight appears once

@@ -12,6 +12,7 @@ import torch
 
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.distributed.tied_head import sum_tied_gradients
 from kempnerforge.model.attention import needs_document_mask
 from kempnerforge.model.heads import HeadLossSpec, logits_head_loss
 from kempnerforge.model.moe import begin_router_step, record_stage_router_stats
@@ -192,6 +193,8 @@ def pipeline_step(session: TrainingSession, step: int) -> StepResult:
     with training_autocast(tc, runtime.device):
         loss_sums = bundle.run(inputs, labels, tokens.scale, doc_ids)
     record_stage_router_stats([stage.submod for stage in bundle.stages], bundle.num_microbatches)
+    # A tied embedding and head on two stages: each copy gets both gradients.
+    sum_tied_gradients(session.model, bundle.group, bundle.pp_size)
     if per_dataset is not None:
         # Only the last stage has per-token losses; every stage counts the tokens.
         token_losses: list[torch.Tensor | None] = list(bundle.token_losses)

@@ -109,6 +109,50 @@ def test_a_pipeline_trains_like_one_process_and_every_stage_reports_the_loss(
         assert row["tokens_per_sec_per_device"] == pytest.approx(row["tokens_per_sec"] / 2)
 
 
+TIED = ["--model.tie_embeddings=true"]
+PIPELINE = ["--distributed.pp=2", "--distributed.dp_shard=1"]
+MICRO = ["--train.batch_size=2", "--train.grad_accum_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def tied_reference(base, tmp_path_factory) -> dict:
+    return _one_process(base, tmp_path_factory.mktemp("tied-one"), *TIED, "--train.batch_size=4")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_tied_head_on_the_last_stage_trains_like_the_one_tied_weight(
+    base, tied_reference, tmp_path, schedule
+) -> None:
+    """The embedding on stage 0 and the head on the last stage, two ranks apart (also with
+    two stages a rank): two copies that sum their gradients (distributed/tied_head.py)
+    train as the whole model's one weight."""
+    layout = [*PIPELINE, f"--distributed.pp_schedule={schedule}"]
+    ranks = _two_ranks(base, tmp_path / "two", *TIED, *layout, *MICRO)
+    _assert_matches(ranks, tied_reference, base)
+
+
+@pytest.mark.parametrize("pipelined_first", [True, False], ids=["pp-to-one", "one-to-pp"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_checkpoint_resumes_between_pipeline_stages_and_one_process(
+    base, reference, tied_reference, tmp_path, pipelined_first, tied
+) -> None:
+    """Each stage loads its own layers of a whole model's checkpoint, and one process
+    loads every stage's. A tied weight's optimizer state is in the checkpoint once, under
+    the embedding's name, whichever layout wrote it: the head's copy on a pipeline rank
+    reads it from there, and one process reads what the pipeline's copies wrote."""
+    run, model = tmp_path / "run", TIED if tied else []
+    if pipelined_first:
+        _two_ranks(base, run, *model, *PIPELINE, *MICRO, "--train.max_steps=2")
+        resumed = [_one_process(base, run, *model, "--train.batch_size=4")]
+    else:
+        _one_process(base, run, *model, "--train.batch_size=4", "--train.max_steps=2")
+        resumed = _two_ranks(base, run, *model, *PIPELINE, *MICRO)
+    assert {r["start_step"] for r in resumed} == {2}
+    want = (tied_reference if tied else reference)["losses"][2:]
+    _assert_losses(resumed[0]["losses"], want, base, first=2)
+    assert all(r["grad_norms"] == resumed[0]["grad_norms"] for r in resumed)
+
+
 def test_a_run_resumed_on_one_process_sees_the_samples_the_two_rank_run_would_have(
     base, tmp_path
 ) -> None:

@@ -24,11 +24,14 @@ class FamilyOptions(NamedTuple):
 
 
 FAMILY_OPTIONS = {
-    # Per-head query and key norms, 4 heads of 32 (twice dim 64). Untied, as Qwen3 4B and
-    # up are: pipeline stages refuse a tied head (the embedding and the head live on
-    # different stages), so the small sizes' tied head trains on the other layouts only.
+    # Per-head query and key norms, 4 heads of 32 (twice dim 64), the head tied to the
+    # embedding as in Qwen3 0.6B and 1.7B (on two pipeline stages: two copies summing their
+    # gradients, distributed/tied_head.py).
     "qwen3": FamilyOptions(
-        ["--model.qk_norm=per_head", "--model.head_size=32", "--model.n_kv_heads=2"]
+        [
+            *("--model.qk_norm=per_head", "--model.head_size=32", "--model.n_kv_heads=2"),
+            "--model.tie_embeddings=true",
+        ]
     ),
     # A window of 8 of the 32 positions on every layer, over packed documents.
     "mistral": FamilyOptions(["--model.sliding_window=8", "--model.n_kv_heads=2"]),
@@ -38,10 +41,11 @@ FAMILY_OPTIONS = {
     ),
     # Gemma 3's block: four zero-centred norms, per-head q/k norms, GeGLU, embeddings times
     # sqrt(256), a logit scale of 1/sqrt(48) for heads of 64, sliding layers (window 8)
-    # alternating with global ones, each kind with its RoPE (the global one scaled 8x).
-    # Untied, as under Qwen3 (pipeline stages refuse a tied head).
+    # alternating with global ones, each kind with its RoPE (the global one scaled 8x); the
+    # head tied to the embedding, as in every Gemma 3.
     "gemma3": FamilyOptions(
         [
+            "--model.tie_embeddings=true",
             *("--model.norm_placement=sandwich", "--model.zero_centered_norms=true"),
             *("--model.qk_norm=per_head", "--model.ffn_activation=gelu_tanh"),
             *("--model.embedding_multiplier=16.0", "--model.attention_scale_size=48"),

@@ -201,11 +201,6 @@ def test_dump_leaves_out_none_fields():
             "distributed.pp_split_points = [4]: expected 1 increasing layer indices in [1, 3]",
         ),
         (
-            ["--distributed.pp=2", "--model.tie_embeddings=true", "--train.grad_accum_steps=2"],
-            2,
-            "model.tie_embeddings = True: expected false with distributed.pp > 1",
-        ),
-        (
             ["--distributed.pp=2"],
             2,
             "train.grad_accum_steps = 1: expected a multiple of distributed.pp = 2",
