@@ -38,6 +38,7 @@ from kempnerforge.interop.hf_model_checks import (
     differing_field,
 )
 from kempnerforge.interop.hf_state import copy_into, plain_state
+from kempnerforge.interop.mxfp4 import dequantize_folder_tensors, is_mxfp4
 
 SUPPORTED_MODEL_TYPES = ARCHITECTURES.model_types
 """The model_types import and export know, in registration order (a live view)."""
@@ -133,7 +134,10 @@ def import_hf(
     else:
         architecture = ARCHITECTURES.named(model_type)
     cfg = architecture.read_config(hf)
-    source = HFTensors(read_safetensors(hf_dir), hf_dir)
+    tensors = read_safetensors(hf_dir)
+    if is_mxfp4(hf.data):  # published GPT-OSS: the experts in MXFP4, read back exactly
+        tensors = dequantize_folder_tensors(tensors)
+    source = HFTensors(tensors, hf_dir)
     cfg = held_mtp_depth(cfg, source)
     return cfg, architecture.from_hf(source, hf, cfg)
 

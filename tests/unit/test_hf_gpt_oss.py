@@ -228,3 +228,79 @@ def test_yarn_tables_equal_transformers_rope_init(case):
     # error is position * |d freq|, under 64 * 3 u of the largest frequency (1).
     for got, want in ((cos, want_cos[0]), (sin, want_sin[0])):
         assert_reordered_close(got, want, terms=3 * seq, magnitude=got_factor, dtype=torch.float32)
+
+
+MXFP4_QUANTIZATION = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+"""config.json's quantization_config in the published GPT-OSS folders."""
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory):
+    """A GPT-OSS folder as published: each expert projection in MXFP4 blocks and scales
+    (random bytes; scales of 2**-6 to 2**-3, the size of trained experts' weights), every
+    other tensor and config.json as transformers saves them (experts 64 wide: MXFP4 blocks
+    cover 32 inputs)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    make_gpt_oss(root / "float", intermediate_size=64)
+    generator = torch.Generator().manual_seed(5)
+    tensors = {}
+    for name, value in load_file(root / "float" / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = value
+            continue
+        experts, inputs, outputs = value.shape  # (experts, in, out), the float layout
+        shape = (experts, outputs, inputs // 32)
+        tensors[f"{name}_blocks"] = torch.randint(
+            0, 256, (*shape, 16), generator=generator, dtype=torch.uint8
+        )
+        tensors[f"{name}_scales"] = torch.randint(
+            121, 125, shape, generator=generator, dtype=torch.uint8
+        )
+    folder = root / "mxfp4"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((root / "float" / "config.json").read_text())
+    config["quantization_config"] = MXFP4_QUANTIZATION
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_mxfp4_experts_dequantize_as_transformers_does(mxfp4_folder):
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kempnerforge.interop.mxfp4 import dequantize_folder_tensors
+
+    packed = load_file(mxfp4_folder / "model.safetensors")
+    ours = dequantize_folder_tensors(packed)
+    checked = 0
+    for name in [n for n in packed if n.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")
+        want = convert_moe_packed_tensors(
+            packed[name], packed[f"{base}_scales"], dtype=torch.float32
+        )
+        assert torch.equal(ours[base], want), base
+        assert f"{base}_scales" not in ours and name not in ours
+        checked += 1
+    assert checked == 4  # gate_up and down of each of the 2 layers
+
+
+def test_a_published_mxfp4_folder_imports_to_transformers_logits(mxfp4_folder):
+    theirs = transformers.GptOssForCausalLM.from_pretrained(
+        mxfp4_folder,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+    ).eval()
+    ours = fam.imported_model(mxfp4_folder)
+    fam.assert_unpacked_logits_equal(ours, theirs)
+    fam.assert_packed_logits_equal(ours, theirs)

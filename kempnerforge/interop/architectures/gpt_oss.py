@@ -13,8 +13,8 @@ gate and up projections interleaved along the last dimension of gate_up_proj (ex
 hidden, 2 * expert width; gate = [..., 0::2], up = [..., 1::2], and so their biases),
 and down_proj (experts, expert width, hidden), which is our (experts, in, out) layout,
 so nothing is transposed. The published checkpoints hold the experts in MXFP4 blocks
-and scales, which transformers dequantizes on load; a folder saved by transformers in a
-float dtype holds the tensors above.
+and scales, which import_hf turns back into the tensors above before this module reads
+them (interop/mxfp4.py), as a folder saved by transformers in a float dtype holds them.
 """
 
 from __future__ import annotations
