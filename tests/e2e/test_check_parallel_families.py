@@ -18,8 +18,16 @@ MOE_WORLDS = {"dp_shard=2": "2", "tp=2": "2", "pp=2": "2", "cp=2": "2", "dp_shar
 heads, latent attention's included), ep the experts over data-parallel ranks."""
 
 
+OWN_WORLDS = {"deepseek_v3": {"cp=2,ring=2": "2"}}
+"""Layouts a family adds: latent attention's keys and values (a latent and a shared RoPE
+key, expanded per head) passed around a ring of context-parallel ranks."""
+
 FAMILIES = {
-    name: (options.args, options.config, MOE_WORLDS if options.is_moe else WORLDS)
+    name: (
+        options.args,
+        options.config,
+        {**(MOE_WORLDS if options.is_moe else WORLDS), **OWN_WORLDS.get(name, {})},
+    )
     for name, options in FAMILY_OPTIONS.items()
 }
 """Each family's decoder options (tests/support/family_options.py), the debug run they
