@@ -16,6 +16,10 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 """The projections an adapter may go on: attention's query, key, value and output, and a
 dense feed-forward's gate (w1), down (w2) and up (w3) projections."""
 
+MAX_ALPHA = 1e6
+"""lora.alpha's bound: alpha / rank scales the update, and no use needs it near float32's
+range (common values are rank to 4 x rank)."""
+
 HF_NAMES = {
     "q_proj": "wq",
     "k_proj": "wk",
@@ -44,7 +48,7 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if self.rank:
             check_positive("lora.rank", self.rank, 2**16)
-        check_positive("lora.alpha", self.alpha)
+        check_positive("lora.alpha", self.alpha, MAX_ALPHA)
         check_in_range("lora.dropout", self.dropout, 0.0, 0.999)
         if not self.target_modules:
             raise ConfigError("lora.target_modules", [], f"one or more of {', '.join(PROJECTIONS)}")
