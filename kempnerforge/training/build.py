@@ -18,8 +18,11 @@ from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.config.train import TrainConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.data.sampling import PairSampler
 from kempnerforge.distributed.fsdp import refresh_sharded_trainable
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
@@ -238,12 +241,26 @@ def build_session(
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),
     )
     if REF_LOGPS in objective_of(config).batch_keys:
+        _check_pairs(data, config.data.path)
         reference = build_model_on_mesh(config, runtime, loss_fn)[0]
         load_reference_weights(reference, checkpointer, config.checkpoint)
         autocast = functools.partial(training_autocast, tc, runtime.device)
         add_logps = ReferenceLogps(freeze_reference(reference), runtime.device, autocast)
         session.use_batches(BatchStream(data, add_keys=add_logps))
     return session
+
+
+def _check_pairs(data: DataPipeline, path: str) -> None:
+    """A preference objective reads pairs: refuse training data that is not a preference
+    corpus (its sampler lays out pairs), before the reference is built."""
+    if not isinstance(data.sampler, PairSampler):
+        raise ConfigError(
+            "data.path",
+            path,
+            "a preference corpus with train.loss_fn = 'dpo'",
+            "prepare pairs with `kempnerforge prepare-data --format preference --seq-len N` "
+            "and set data.path to its directory (data.datasets mixtures are not read as pairs)",
+        )
 
 
 def load_reference_weights(
