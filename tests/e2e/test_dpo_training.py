@@ -7,12 +7,14 @@ resumed logs the same losses and rewards as one that was not."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support import config_header
 from tests.support.metrics_rows import train_rows
 
 pytestmark = pytest.mark.slow
@@ -39,6 +41,14 @@ DPO = [
     "--data.path=data/prefs",
     "--checkpoint.resume_from=runs/sft-chat/checkpoints/step_60",
 ]
+
+
+def test_the_docs_show_the_commands_of_the_config_header():
+    docs = re.sub(r"[ ]+", " ", (REPO / "docs" / "training.md").read_text())
+    commands = config_header.header_commands(REPO / "configs" / "train" / "dpo_chat.toml")
+    assert len(commands) == 3
+    for command in commands:
+        assert re.sub(r"[ ]+", " ", command) in docs, command
 
 
 def _run(tmp_path: Path, *args: str) -> None:
