@@ -53,7 +53,7 @@ def preference_pair(rng: random.Random) -> dict[str, list[dict[str, str]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--count", type=int, default=4000, help="conversations to write")
     parser.add_argument("--output", required=True, help="the .jsonl file to write")
     parser.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,7 @@ reordering."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_dpo_trains_on_two_ranks_like_one_process(tmp_path, layout):
     config = load_config(None, base)
     # Each logged value sums whole responses' log-probabilities: the chain of a forward and
     # its response's tokens (SEQ at most), per pair of the step.
-    bound = dict(cfg=config.model, seq_len=SEQ, tokens=SEQ)
+    bound: dict[str, Any] = dict(cfg=config.model, seq_len=SEQ, tokens=SEQ)
     for record in two:
         assert record["losses"] == two[0]["losses"]
     assert_layout_close(two[0]["losses"], one["losses"], **bound)

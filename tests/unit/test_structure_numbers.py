@@ -52,7 +52,7 @@ def typed_parameters(root: pathlib.Path, type_name: str) -> list[str]:
 def long_functions(root: pathlib.Path, limit: int) -> list[str]:
     """'file:function: N lines' for every function longer than ``limit`` lines."""
     return [
-        f"{path.relative_to(root)}:{fn.name}: {fn.end_lineno - fn.lineno + 1} lines"
+        f"{path.relative_to(root)}:{fn.name}: {(fn.end_lineno or fn.lineno) - fn.lineno + 1} lines"
         for path, fn in _functions(root)
         if (fn.end_lineno or fn.lineno) - fn.lineno + 1 > limit
     ]
