@@ -6,7 +6,12 @@ below 100 and is answered in one fixed form, so a small model fine-tuned on them
 learns the assistant's format; a third of them start with a system turn and a fifth have a
 second exchange. The same ``--seed`` gives the same file.
 
+With ``--preference`` each line is a preference pair for ``prepare-data --format
+preference`` instead: a question as the prompt, the right answer chosen and an answer off
+by a few rejected (docs/training.md, "Preference optimisation (DPO)").
+
     python -m examples.chat_conversations --count 4000 --output data/arithmetic.jsonl
+    python -m examples.chat_conversations --preference --count 2000 --output data/prefs.jsonl
 """
 
 from __future__ import annotations
@@ -38,19 +43,35 @@ def conversation(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     return {"messages": messages}
 
 
+def preference_pair(rng: random.Random) -> dict[str, list[dict[str, str]]]:
+    """A question, its right answer (chosen) and the same answer off by 1 to 9 (rejected)."""
+    question, answer = exchange(rng)
+    left, right = answer["content"].rstrip(".").split(" = ")
+    wrong = int(right) + rng.choice([-1, 1]) * rng.randrange(1, 10)
+    rejected = {"role": "assistant", "content": f"{left} = {wrong}."}
+    return {"prompt": [question], "chosen": [answer], "rejected": [rejected]}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--count", type=int, default=4000, help="conversations to write")
     parser.add_argument("--output", required=True, help="the .jsonl file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--preference",
+        action="store_true",
+        help="write preference pairs (prompt, chosen, rejected)",
+    )
     args = parser.parse_args()
+    make = preference_pair if args.preference else conversation
     rng = random.Random(args.seed)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w", encoding="utf-8") as f:
         for _ in range(args.count):
-            f.write(json.dumps(conversation(rng)) + "\n")
-    print(f"wrote {args.count} conversations to {output}")
+            f.write(json.dumps(make(rng)) + "\n")
+    kind = "preference pairs" if args.preference else "conversations"
+    print(f"wrote {args.count} {kind} to {output}")
 
 
 if __name__ == "__main__":

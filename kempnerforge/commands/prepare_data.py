@@ -72,20 +72,22 @@ def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="with --format chat (required there): pack whole conversations into windows of "
-        "N tokens, the training job's train.seq_len, so none crosses a window boundary",
+        "N tokens, the training job's train.seq_len, so none crosses a window boundary; with "
+        "--format preference (required there): each response's window",
     )
     parser.add_argument(
         "--long-conversations",
         choices=("cut", "drop"),
         default=None,
-        help="with --format chat: a conversation longer than --seq-len keeps its first N "
-        "tokens ('cut', the default; dropped when that keeps no assistant token) or is left "
-        "out ('drop'); both are counted",
+        help="with --format chat or preference: a conversation longer than --seq-len keeps "
+        "its first N tokens ('cut', the default; dropped when that keeps no assistant token) "
+        "or is left out ('drop'); both are counted",
     )
     parser.add_argument(
         "--stop-on-refused",
         action="store_true",
-        help="with --format chat: stop at the first conversation the chat template refuses "
+        help="with --format chat or preference: stop at the first conversation the chat "
+        "template refuses "
         "(default: skip it, count it in meta.json and the summary line, and go on)",
     )
     parser.add_argument(
@@ -192,6 +194,8 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     shard = _shard(args)
     tokenizer = load_tokenizer(args.tokenizer)  # a wrong path is named before any template
     input_format = check_format_options(args.format, vars(args))
+    if input_format.name == "preference":
+        return _prepare_preference(args, tokenizer, input_format)
     chat_template, packing = _chat_encoding(args) if input_format.name == "chat" else (None, None)
     meta = prepare_data(
         args.input,
@@ -217,6 +221,37 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         f"({meta['dtype']}{', BOS per document' if args.bos else ''}) into {output}"
     )
     print(summary + input_format.summary(meta) + _held_out_clause(args, shard))
+    return 0
+
+
+def _prepare_preference(args: argparse.Namespace, tokenizer: Any, input_format: Any) -> int:
+    """prepare-data --format preference: pairs into windows of --seq-len (one process, no
+    held-out split, no shards)."""
+    from kempnerforge.core.errors import DataError
+    from kempnerforge.data.prepare import write_preference_corpus
+
+    for given, option in ((args.eval_fraction > 0.0, "--eval-fraction"),
+                          (args.shard_index is not None, "--shard-index"),
+                          (args.bos, "--bos")):  # fmt: skip
+        if given:
+            raise DataError(
+                f"{option} does not go with --format preference: a preference set is written "
+                "whole, by one process (prepare held-out pairs as a directory of their own)"
+            )
+    chat_template, packing = _chat_encoding(args)
+    meta = write_preference_corpus(
+        args.input,
+        args.output,
+        tokenizer,
+        chat_template,
+        packing.seq_len,
+        long_conversations=packing.long_conversations,
+        stop_on_refused=args.stop_on_refused,
+    )
+    print(
+        f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
+        f"({meta['dtype']}) into {args.output}" + input_format.summary(meta)
+    )
     return 0
 
 
@@ -265,7 +300,7 @@ def _chat_encoding(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if args.seq_len is None:
         raise DataError(
-            "--format chat needs --seq-len N, the training job's train.seq_len: "
+            f"--format {args.format} needs --seq-len N, the training job's train.seq_len: "
             "conversations are packed into windows of N tokens so that none crosses a "
             "window boundary"
         )

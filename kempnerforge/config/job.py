@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.data import DataConfig
 from kempnerforge.config.distributed import DistributedConfig
+from kempnerforge.config.dpo import DPOConfig, check_dpo_job
 from kempnerforge.config.eval import EvalConfig, missing_eval_data
 from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.config.float8 import check_float8_config
@@ -50,6 +51,7 @@ class JobConfig:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     vision_encoder: VisionEncoderConfig | None = None
     adapter: AdapterConfig | None = None
     vlm: VLMConfig | None = None
@@ -151,6 +153,7 @@ class JobConfig:
         check_mixture_weights(self)
         check_float8_config(self)
         check_lora_job(self)
+        check_dpo_job(self)
         # A vision-language job's sequence is its image tokens plus vlm.max_text_len
         # (checked in config/vlm.py's check_job); train.seq_len is not used by it.
         if train.seq_len > model.max_seq_len and not self.is_vlm:

@@ -19,7 +19,7 @@ from kempnerforge.data.dataloader import TrainDataLoader, build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.image_text import build_image_text_datasets
 from kempnerforge.data.pipeline import DataPipeline
-from kempnerforge.data.sampling import MixtureDataset, MixtureSampler, ShardedSampler
+from kempnerforge.data.sampling import MixtureDataset, MixtureSampler, PairSampler, ShardedSampler
 from kempnerforge.data.tokenizer import Tokenizer, load_tokenizer
 from kempnerforge.data.tokens import StoreReads
 
@@ -176,7 +176,11 @@ def _open_token_train_data(
         dataset, sampler, train_dir = _open_mixture(cfg, open_dataset, dp_rank, dp_size, seed)
     else:
         dataset = open_dataset(train_dir, "data.path" if cfg.path else None)
-        sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
+        if is_preference(dataset.meta):
+            check_pair_windows(train_dir, dataset.meta, seq_len)
+            sampler = PairSampler(len(dataset), batch_size, dp_rank, dp_size, seed, cfg.shuffle)
+        else:
+            sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
     loader = _train_loader(
         dataset,
         sampler,
@@ -365,3 +369,20 @@ def _bos_per_document(
                 "with" if bos else "without",
             )
     return bos
+
+
+def is_preference(meta: dict[str, Any]) -> bool:
+    """Whether a prepared directory's meta.json is a preference corpus (--format preference)."""
+    return meta.get("format") == "preference"
+
+
+def check_pair_windows(path: str, meta: dict[str, Any], seq_len: int) -> None:
+    """A preference corpus is read one response per window: train.seq_len must be the
+    --seq-len it was prepared with (DataError naming the directory otherwise)."""
+    prepared = meta.get("packed_seq_len")
+    if prepared != seq_len:
+        raise DataError(
+            f"{path}: a preference corpus prepared with --seq-len {prepared} holds one response "
+            f"per window of {prepared} tokens, but train.seq_len is {seq_len}; train with "
+            f"--train.seq_len={prepared} or prepare it again with --seq-len {seq_len}"
+        )

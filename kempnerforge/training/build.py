@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import random
@@ -11,13 +12,17 @@ import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.context_parallel import cp_ring
 from kempnerforge.config.eval import EvalConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.config.train import TrainConfig
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
+from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.data.sampling import PairSampler
 from kempnerforge.distributed.fsdp import refresh_sharded_trainable
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
@@ -36,13 +41,21 @@ from kempnerforge.resilience.spikes import LossSpikeRule
 from kempnerforge.training.eval import load_job_tasks
 from kempnerforge.training.families import ModelSummary, family_of
 from kempnerforge.training.float8 import apply_float8
+from kempnerforge.training.forward import training_autocast
 from kempnerforge.training.freeze import FreezeSchedule, describe, freeze_for_step
 from kempnerforge.training.hooks import HookRunner, load_hooks
 from kempnerforge.training.layout import ModelLayout, RankModel, layout_of
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
+from kempnerforge.training.objectives import (
+    REF_LOGPS,
+    ReferenceLogps,
+    freeze_reference,
+    objective_of,
+)
 from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.preflight import check_model_fits
+from kempnerforge.training.session import BatchStream
 
 logger = get_logger(__name__)
 
@@ -206,7 +219,7 @@ def build_session(
         checkpointer = build_checkpointer(config, runtime)
     # Data traced to a fault in an earlier launch of this run stays skipped (bad_windows.py).
     data.add_bad_windows(read_bad_data(checkpointer.directory))
-    return TrainingSession(
+    session = TrainingSession(
         config=config,
         runtime=runtime,
         model=model,
@@ -227,6 +240,43 @@ def build_session(
         pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),
     )
+    if REF_LOGPS in objective_of(config).batch_keys:
+        _check_pairs(data, config.data.path)
+        reference = build_model_on_mesh(config, runtime, loss_fn)[0]
+        load_reference_weights(reference, checkpointer, config.checkpoint)
+        autocast = functools.partial(training_autocast, tc, runtime.device)
+        add_logps = ReferenceLogps(freeze_reference(reference), runtime.device, autocast)
+        session.use_batches(BatchStream(data, add_keys=add_logps))
+    return session
+
+
+def _check_pairs(data: DataPipeline, path: str) -> None:
+    """A preference objective reads pairs: refuse training data that is not a preference
+    corpus (its sampler lays out pairs), before the reference is built."""
+    if not isinstance(data.sampler, PairSampler):
+        raise ConfigError(
+            "data.path",
+            path,
+            "a preference corpus with train.loss_fn = 'dpo'",
+            "prepare pairs with `kempnerforge prepare-data --format preference --seq-len N` "
+            "and set data.path to its directory (data.datasets mixtures are not read as pairs)",
+        )
+
+
+def load_reference_weights(
+    reference: torch.nn.Module, checkpointer: CheckpointManager, cfg: CheckpointConfig
+) -> None:
+    """Give a preference objective's reference (built as the policy is, from the seed) the
+    weights of the checkpoint checkpoint.resume_from names, or keep the seed's when it names
+    none ('auto' or 'none': a run that resumes its own checkpoints keeps the reference its
+    first launch had). Collective (the checkpoint's verdict and load)."""
+    if cfg.resume_from in ("auto", "none"):
+        logger.info("dpo: reference weights from the seed's initialisation (train.seed)")
+        return
+    path = checkpointer.find_resume_path()
+    assert path is not None, "an explicit checkpoint.resume_from resolves or raises"
+    checkpointer.load_weights(path, model=reference)
+    logger.info("dpo: reference weights from %s", checkpointer.location_of(path))
 
 
 def build_tracker(

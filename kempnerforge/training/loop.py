@@ -35,7 +35,7 @@ from kempnerforge.training.hooks import HookRunner, StepContext, announce_commit
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
 from kempnerforge.training.mixture_metrics import dataset_metrics_row
-from kempnerforge.training.objectives import finish_mtp_step
+from kempnerforge.training.objectives import finish_mtp_step, objective_metrics_row, objective_of
 from kempnerforge.training.phases import PhaseState
 from kempnerforge.training.session import BatchStream, StepResult, TrainingSession
 from kempnerforge.training.state import capture_train_state
@@ -241,7 +241,14 @@ def _finish_good_step(session: TrainingSession, result: StepResult, progress: _P
         session.runtime.group("dp_cp"),
         with_metrics=session.tracker.logs_step(progress.step),
     )
-    router_row = {**(router_row or {}), **(mtp_row or {})} or None
+    # The objective's own metrics on log steps (DPO's rewards; nothing for the token loss).
+    objective_row = objective_metrics_row(
+        objective_of(session.config),
+        session.objective_sums,
+        session.runtime.group("dp_cp"),
+        with_metrics=session.tracker.logs_step(progress.step),
+    )
+    router_row = {**(router_row or {}), **(mtp_row or {}), **(objective_row or {})} or None
     advance_phases(session, progress.step)
     _log_step(session, result, ctx, tokens, router_row)
     _evaluate_if_due(session, progress.step)

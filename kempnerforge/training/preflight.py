@@ -23,7 +23,7 @@ from kempnerforge.optim.scheduler import SCHEDULES
 from kempnerforge.training.float8 import check_float8
 from kempnerforge.training.hooks import hook_class
 from kempnerforge.training.layout import PIPELINE_STAGES, layout_of
-from kempnerforge.training.objectives import objective_of
+from kempnerforge.training.objectives import Objective, objective_of
 from kempnerforge.training.store_checks import check_stores
 
 logger = get_logger(__name__)
@@ -37,17 +37,16 @@ def preflight(config: JobConfig) -> None:
     check_stores(config)
     OPTIMIZERS.get(config.optimizer.name)
     SCHEDULES.get(config.scheduler.name)
-    _check_objective(config.train)
+    _check_objective(objective_of(config), config.train)
     for path in config.train.hooks:
         hook_class(path)
     check_float8(config)
     check_sequence_split(config, torch.__version__)
 
 
-def _check_objective(train: TrainConfig) -> None:
-    """Refuse an unknown train.loss_fn; say once when its objective cannot use the chunked
-    head that train.loss_chunk_tokens asks for."""
-    objective = objective_of(train)
+def _check_objective(objective: Objective, train: TrainConfig) -> None:
+    """Say once when the job's objective (objective_of refuses an unknown train.loss_fn)
+    cannot use the chunked head that train.loss_chunk_tokens asks for."""
     chunk_tokens = train.loss_chunk_tokens
     if objective.per_token_grad and chunk_tokens > 0:
         logger.warning(

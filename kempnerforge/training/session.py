@@ -39,8 +39,13 @@ class BatchStream:
     leaving a stale snapshot.
     """
 
-    def __init__(self, pipeline: DataPipeline) -> None:
+    def __init__(
+        self,
+        pipeline: DataPipeline,
+        add_keys: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         self._pipeline = pipeline
+        self._add_keys = add_keys  # what an objective reads besides the data (a reference's)
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._iterator_loader: Any = None  # the loader the live iterator came from
         self._wait_s = 0.0  # seconds spent in next_batch since the last take_wait_s
@@ -119,7 +124,9 @@ class BatchStream:
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch: a replayed one while replay_attempt's are left, else the
-        loader's next; under context parallelism, this rank's slice of its sequences."""
+        loader's next; under context parallelism, this rank's slice of its sequences; with
+        ``add_keys``, with the keys it adds (a preference objective's reference
+        log-probabilities, training/objectives/reference.py)."""
         if self._replay is not None:
             if not self._replay:
                 raise RuntimeError(
@@ -131,6 +138,8 @@ class BatchStream:
             batch = self._timed_next_batch()
             if self._pipeline.batch_slice is not None:
                 batch = self._pipeline.batch_slice(batch)
+        if self._add_keys is not None:
+            batch = self._add_keys(batch)
         if self._attempt is not None:
             self._attempt.append(batch)
         return batch
@@ -261,6 +270,13 @@ class TrainingSession:
         """The replica groups the step's token count, loss and gradients are summed over:
         none beyond this launch unless use_replicas said otherwise."""
         return self.__dict__.get("_replicas") or _ONE_LAUNCH
+
+    @property
+    def objective_sums(self) -> list[torch.Tensor]:
+        """This rank's sums of the objective's own metrics, one per micro-batch of the
+        step (on the device, not yet reduced over ranks): the step body appends, the loop
+        takes them on log steps (training/objectives/objective.py objective_metrics_row)."""
+        return self.__dict__.setdefault("_objective_sums", [])
 
     def use_replicas(self, replicas: Replicas) -> None:
         """Sum the steps' reductions over ``replicas`` from now on."""

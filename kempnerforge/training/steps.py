@@ -52,7 +52,9 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             for b in micro_batches
         ]
     per_dataset = _dataset_sums(session.data, micro_batches, session.runtime.device)
-    objective = objective_of(tc)
+    objective = objective_of(session.config)
+    metric_sums = session.objective_sums
+    metric_sums.clear()  # a step run again after a fault starts its sums afresh
     spec = HeadLossSpec(tc.loss_chunk_tokens, tc.z_loss_weight)
     # The model computes the loss only when it is the built-in one (a replaced
     # session.loss_fn gets the logits).
@@ -76,6 +78,8 @@ def text_step(session: TrainingSession, step: int) -> StepResult:
             head = logits_head_loss(logits, labels, tc.z_loss_weight, objective.per_token_grad)
         if per_dataset is not None:
             per_dataset.add(head.token_losses, batch)
+        if objective.metric_sums is not None:
+            metric_sums.append(objective.metric_sums(head, batch))
         return objective.loss(head, batch)
 
     loss, grad_norm, supervised = accumulate(session, micro_batches, micro_loss, objective.count)

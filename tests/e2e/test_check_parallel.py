@@ -259,3 +259,26 @@ def test_every_accepted_two_process_layout_trains_as_one_process(tmp_path, built
     assert "sweep: 11 accepted layouts checked, 11 pass, 0 fail; 0 refused" in proc.stdout
     passed = set(passed_layouts(proc.stdout))
     assert len(passed) == 11 and passed <= recorded_layouts()["dense-accum"]
+
+
+def test_dpo_under_fsdp_and_tensor_parallelism_matches_one_process(tmp_path, builtin_cache):
+    """train.loss_fn = "dpo" on prepared preference pairs: each rank's micro-batch holds
+    whole pairs (the pair sampler), the step's loss is the mean over all ranks' pairs, and
+    each rank runs the frozen reference (sharded or split as the policy) on its own rows.
+    With dp_shard=2 each rank holds one of the step's two pairs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = {"cwd": tmp_path, "env": env, "check": True, "capture_output": True, "timeout": 300}
+    example = [sys.executable, "-m", "examples.chat_conversations", "--preference"]
+    subprocess.run([*example, "--count", "16", "--output", "prefs.jsonl"], **run)
+    prepare = [sys.executable, "-m", "kempnerforge", "prepare-data", "--format", "preference"]
+    subprocess.run(
+        [*prepare, "--seq-len", "96", "--input", "prefs.jsonl", "--output", "prefs"], **run
+    )
+    worlds = {"dp_shard=2": "2", "tp=2": "2"}
+    dpo = ["--train.loss_fn=dpo", f"--data.path={tmp_path / 'prefs'}", "--data.eval_path="]
+    dpo += ["--eval.interval=0", "--train.seq_len=96", "--model.max_seq_len=96"]
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "3", *dpo, "--optimizer.lr=1e-2",
+        cwd=tmp_path, cache=builtin_cache,
+    )  # fmt: skip
+    assert_every_layout_passes(proc, worlds)

@@ -20,7 +20,7 @@ from tests.support.metrics_rows import train_rows
 
 
 def test_the_default_objective_is_token_cross_entropy(tiny_job_config):
-    objective = objective_of(tiny_job_config.train)
+    objective = objective_of(tiny_job_config)
     assert objective.name == "cross_entropy" and objective.logits_loss
     assert not objective.per_token_grad
     labels = torch.tensor([[1, IGNORE_INDEX, 3], [IGNORE_INDEX, IGNORE_INDEX, 5]])

@@ -21,7 +21,9 @@ import kempnerforge
 
 PACKAGE = pathlib.Path(kempnerforge.__file__).parent
 
-JOB_CONFIG_PARAMETERS_AT_MOST = 30
+# 31: objective_of reads train.loss_fn and the section the objective names ([dpo]),
+# which only the registered objective knows, as family_of reads the section of its family.
+JOB_CONFIG_PARAMETERS_AT_MOST = 31
 SESSION_PARAMETERS_AT_MOST = 36
 MAX_FUNCTION_LINES = 80
 TRAINING_FLOORS_AT_MOST = 9
@@ -50,7 +52,7 @@ def typed_parameters(root: pathlib.Path, type_name: str) -> list[str]:
 def long_functions(root: pathlib.Path, limit: int) -> list[str]:
     """'file:function: N lines' for every function longer than ``limit`` lines."""
     return [
-        f"{path.relative_to(root)}:{fn.name}: {fn.end_lineno - fn.lineno + 1} lines"
+        f"{path.relative_to(root)}:{fn.name}: {(fn.end_lineno or fn.lineno) - fn.lineno + 1} lines"
         for path, fn in _functions(root)
         if (fn.end_lineno or fn.lineno) - fn.lineno + 1 > limit
     ]

@@ -59,7 +59,31 @@ CHAT = InputFormat(
     },
     summary=_chat_summary,
 )
-INPUT_FORMATS = {f.name: f for f in (TEXT, CHAT)}
+
+
+def _preference_summary(meta: dict[str, Any]) -> str:
+    return (
+        f" ({meta['pairs']:,} pairs, one window of {meta['packed_seq_len']:,} tokens per "
+        f"response with {meta['pad_tokens']:,} pad tokens; {meta['pairs_cut']:,} pairs cut and "
+        f"{meta['pairs_dropped']:,} dropped as longer; {meta['pairs_refused']:,} refused by "
+        "the chat template and skipped)"
+    )
+
+
+PREFERENCE = InputFormat(
+    "preference",
+    "each is a preference pair (prompt, chosen, rejected: strings or lists of messages), each "
+    "response rendered after the prompt with the chat template into a window of its own, a "
+    "loss mask on the response",
+    default_field="prompt",
+    own_options={
+        "seq_len": "packing conversations into windows",
+        "long_conversations": "packing conversations into windows",
+        "stop_on_refused": "conversations the chat template refuses",
+    },
+    summary=_preference_summary,
+)
+INPUT_FORMATS = {f.name: f for f in (TEXT, CHAT, PREFERENCE)}
 """Every --format value, the default first."""
 
 

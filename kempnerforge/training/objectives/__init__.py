@@ -2,11 +2,15 @@
 by, one value per objective, chosen by train.loss_fn. The step bodies read the objective
 through this seam, so a new objective (a preference loss, a policy-gradient loss) is a new
 file registered here, not a branch in a step body. mtp.py adds a model's multi-token-
-prediction term (model.mtp_depth) to whichever objective the job trains."""
+prediction term (model.mtp_depth) to whichever objective the job trains; dpo.py is direct
+preference optimisation ([dpo]), reference.py its frozen reference model."""
 
 from __future__ import annotations
 
 from kempnerforge.training.objectives import cross_entropy as _cross_entropy  # registers it
+from kempnerforge.training.objectives import dpo as _dpo  # registers it
+from kempnerforge.training.objectives.dpo import METRIC_KEYS as DPO_METRIC_KEYS
+from kempnerforge.training.objectives.dpo import REF_LOGPS, response_logps
 from kempnerforge.training.objectives.mtp import (
     MTP_LOSS,
     MTP_LOSS_BY_DEPTH,
@@ -20,20 +24,33 @@ from kempnerforge.training.objectives.objective import (
     Batch,
     Objective,
     label_count,
+    objective_metrics_row,
     objective_of,
+)
+from kempnerforge.training.objectives.reference import (
+    ReferenceLogps,
+    freeze_reference,
+    reference_logps,
 )
 
 __all__ = [
+    "DPO_METRIC_KEYS",
     "MTP_LOSS",
     "MTP_LOSS_BY_DEPTH",
     "OBJECTIVES",
+    "REF_LOGPS",
+    "ReferenceLogps",
     "Batch",
     "Objective",
     "add_mtp_loss",
+    "freeze_reference",
     "begin_mtp_step",
     "finish_mtp_step",
     "label_count",
     "mtp_forward_args",
+    "objective_metrics_row",
     "objective_of",
+    "reference_logps",
+    "response_logps",
 ]
-del _cross_entropy
+del _cross_entropy, _dpo

@@ -1,0 +1,80 @@
+"""[dpo]: direct preference optimisation (train.loss_fn = "dpo"): the loss variant, its beta
+and label smoothing, and where the reference log-probabilities come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kempnerforge.config.checks import check_choice, check_in_range, check_positive
+from kempnerforge.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kempnerforge.config.job import JobConfig
+
+DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
+"""The preference losses offered, under TRL's loss_type names: sigmoid (DPO; with
+label_smoothing > 0 conservative DPO), robust (rDPO), ipo (IPO, length-normalised as TRL
+does), hinge (SLiC's hinge)."""
+
+REFERENCES = ("live",)
+"""Where the reference log-probabilities come from: "live", a frozen copy of the
+policy's starting weights run forward on every micro-batch."""
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """The strength of the pull towards the reference (beta in the DPO paper; IPO's tau).
+    Larger keeps the policy closer to the reference. In (0, 1000]."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO), robust (rDPO), ipo (IPO, log-ratios per response token) or hinge
+    (SLiC), as TRL's DPOTrainer computes them."""
+    label_smoothing: float = 0.0
+    """The assumed share of pairs whose preference label is flipped, in [0, 0.5): with
+    sigmoid, conservative DPO (cDPO); with robust, rDPO's noise rate; 0 otherwise."""
+    reference: str = "live"
+    """"live": a frozen copy of the starting weights (the model checkpoint.resume_from names,
+    or the seed's initialisation without one) gives the reference log-probabilities: one
+    more forward per micro-batch and one more copy of the weights (sharded as the policy's)
+    on every rank."""
+
+    def __post_init__(self) -> None:
+        check_positive("dpo.beta", self.beta, 1000.0)
+        check_choice("dpo.loss_type", self.loss_type, DPO_LOSS_TYPES)
+        check_in_range("dpo.label_smoothing", self.label_smoothing, 0.0, 0.4999)
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ConfigError(
+                "dpo.label_smoothing",
+                self.label_smoothing,
+                f"0 with dpo.loss_type = {self.loss_type!r}",
+                "label smoothing applies to the sigmoid (cDPO) and robust losses only",
+            )
+        check_choice("dpo.reference", self.reference, REFERENCES)
+
+
+def check_dpo_job(config: JobConfig) -> None:
+    """train.loss_fn = "dpo" against the rest of the job: a text model, one sequence per
+    context-parallel rank, no pipeline, no z-loss (it would join the log-probabilities) and
+    an even micro-batch (a pair's two rows travel together)."""
+    if config.train.loss_fn != "dpo":
+        return
+    train, dist = config.train, config.distributed
+    rules = [
+        (config.is_vlm, "train.loss_fn", "dpo", "a text model", "DPO trains text models"),
+        (dist.pp > 1, "distributed.pp", dist.pp, "1 with train.loss_fn = 'dpo'",
+         "the pipeline step computes the token loss only; use FSDP or tensor parallelism"),
+        (dist.cp > 1, "distributed.cp", dist.cp, "1 with train.loss_fn = 'dpo'",
+         "a response's log-probability is summed over its whole sequence on one rank"),
+        (train.z_loss_weight > 0, "train.z_loss_weight", train.z_loss_weight,
+         "0 with train.loss_fn = 'dpo'", "the z-loss would join the log-probabilities"),
+        (train.batch_size % 2 == 1, "train.batch_size", train.batch_size,
+         "an even number with train.loss_fn = 'dpo'",
+         "a micro-batch holds batch_size / 2 pairs, chosen rows first, then rejected"),
+        (config.fault_tolerance.enabled, "fault_tolerance.enabled", True,
+         "false with train.loss_fn = 'dpo'",
+         "replica groups read their own batch stream, which carries no reference"),
+    ]  # fmt: skip
+    for failed, field, value, expected, hint in rules:
+        if failed:
+            raise ConfigError(field, value, expected, hint)

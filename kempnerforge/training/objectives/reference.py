@@ -1,0 +1,67 @@
+"""The reference model of a preference objective (dpo.reference = "live"): a frozen copy of
+the policy's starting weights, built and sharded as the policy is, whose log-probability of
+each row's response the batch stream adds to every micro-batch before the step reads it.
+
+Its cost: one more copy of the weights (no gradients, no optimizer state) and one more
+forward per micro-batch, without a backward: about a third more compute per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kempnerforge.model.heads import logits_head_loss
+from kempnerforge.training.objectives.dpo import REF_LOGPS, response_logps
+from kempnerforge.training.objectives.objective import Batch
+
+
+@torch.no_grad()
+def reference_logps(
+    reference: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> torch.Tensor:
+    """Each row's log-probability of its response under ``reference``, (rows,) fp32 on
+    ``device``: the same forward (under ``autocast``, the training's) and per-token losses
+    as the policy's, without a graph. A preference row is one sequence: no document mask."""
+    inputs = batch["input_ids"].to(device)
+    labels = batch["labels"].to(device)
+    with autocast():
+        logits = reference(inputs)
+    return response_logps(logits_head_loss(logits, labels, 0.0).token_losses)
+
+
+def freeze_reference(model: nn.Module) -> nn.Module:
+    """Make ``model`` a reference: eval mode (no dropout), no parameter asks for a gradient."""
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+class ReferenceLogps:
+    """Adds each row's reference log-probability (batch[REF_LOGPS], on the device) to a
+    micro-batch: the batch stream's ``add_keys`` (training/session.py BatchStream). Every
+    rank of a tensor-parallel or FSDP group runs the reference's forward on its own
+    micro-batch, in step with its peers, as the policy does."""
+
+    def __init__(
+        self,
+        reference: nn.Module,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
+        self.reference = reference
+        self._device = device
+        self._autocast = autocast
+
+    def __call__(self, batch: Batch) -> Batch:
+        if REF_LOGPS in batch:  # a replayed micro-batch keeps its reference log-probabilities
+            return batch
+        batch[REF_LOGPS] = reference_logps(self.reference, batch, self._device, self._autocast)
+        return batch

@@ -1,0 +1,65 @@
+"""DPO on two gloo ranks against one process: under FSDP each rank holds one of the step's
+two pairs and runs the sharded reference on its own rows, under tensor parallelism both
+ranks hold the same pairs; the loss, the gradient norm and the rewards and log-probabilities
+logged (reduced over every data-parallel rank's pairs) match one process within fp32
+reordering."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from examples.chat_conversations import preference_pair
+from kempnerforge.config.loader import load_config
+from kempnerforge.data.chat import load_chat_template
+from kempnerforge.data.prepare import write_preference_corpus
+from kempnerforge.data.tokenizer import load_tokenizer
+from tests.support.chat_files import write_conversations
+from tests.support.metrics_rows import train_rows
+from tests.support.tiny import layout_run
+from tests.support.tolerance import assert_layout_close, grad_norm_terms
+from tests.support.train_run import train_ranks
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+SEQ = 96
+LOGGED = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+
+
+@pytest.mark.parametrize("layout", [["--distributed.dp_shard=2"], ["--distributed.tp=2"]],
+                         ids=["fsdp", "tp"])  # fmt: skip
+def test_dpo_trains_on_two_ranks_like_one_process(tmp_path, layout):
+    rows = [preference_pair(random.Random(seed)) for seed in range(16)]
+    source = write_conversations(tmp_path / "pairs.jsonl", rows)
+    prefs = tmp_path / "prefs"
+    write_preference_corpus(
+        [str(source)], str(prefs), load_tokenizer("byte"), load_chat_template("byte"), SEQ
+    )
+    base = layout_run(
+        None, STEPS, f"--data.path={prefs}", "--data.eval_path=", f"--train.seq_len={SEQ}",
+        f"--model.max_seq_len={SEQ}", "--train.loss_fn=dpo", "--optimizer.lr=1e-2",
+        "--eval.interval=0",
+    )  # fmt: skip
+    one = train_ranks(base, tmp_path / "one", 1, "--train.batch_size=4")[0]
+    per_rank = "--train.batch_size=2" if "dp_shard" in layout[0] else "--train.batch_size=4"
+    two = train_ranks(base, tmp_path / "two", 2, *layout, per_rank)
+    config = load_config(None, base)
+    # Each logged value sums whole responses' log-probabilities: the chain of a forward and
+    # its response's tokens (SEQ at most), per pair of the step.
+    bound: dict[str, Any] = dict(cfg=config.model, seq_len=SEQ, tokens=SEQ)
+    for record in two:
+        assert record["losses"] == two[0]["losses"]
+    assert_layout_close(two[0]["losses"], one["losses"], **bound)
+    norm_terms = grad_norm_terms(config)
+    assert_layout_close(two[0]["grad_norms"], one["grad_norms"], norm_terms=norm_terms, **bound)
+    want, got = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert len(got) == len(want) == STEPS
+    assert (
+        [r["supervised_tokens"] for r in got] == [r["supervised_tokens"] for r in want] == [2] * 3
+    )
+    for key in LOGGED:
+        assert_layout_close([r[key] for r in got], [r[key] for r in want], **bound)
+    assert want[-1]["rewards/margins"] != 0.0
