@@ -159,9 +159,12 @@ class GoodputAccount:
     def _add_event(self, row: dict[str, Any], event: str, step: int, since_s: float) -> None:
         if event == "checkpoint":
             self.seconds["checkpoint"] += _number(row.get("seconds")) or 0.0
+        elif event == "replica_step":
+            self._take_steps(step)  # committed: trained, in the next row's interval
         elif event == "replica_rejoined":
+            # The group jumps to its peers' step: the steps between were not trained here.
             self.seconds["replica_heal"] += max(0.0, since_s)
-            self._row_step = step
+            self._row_step = max(self._row_step, step)
         elif event in RESTART_EVENTS:
             # The steps trained since the previous row, up to the one rolled back from,
             # are in the next row's interval too.

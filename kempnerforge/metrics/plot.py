@@ -141,7 +141,7 @@ def plot_goodput(
     present = [(name, report) for name, report in reports if report.total_s > 0]
     if not present:
         return None
-    figure = _new_figure(8, 1.5 + 0.6 * len(present))
+    figure = _new_figure(10, 2.0 + 0.6 * len(present))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     axes = figure.add_subplot()
@@ -152,10 +152,11 @@ def plot_goodput(
         widths = [max(report.shares()[cause], 0.0) for _, report in present]
         axes.barh(names, widths, left=left, label=cause)
         left = [a + b for a, b in zip(left, widths, strict=True)]
+    axes.invert_yaxis()  # the first run on top, as the runs were named
     axes.set_xlabel("share of wall time (goodput share in brackets)")
     axes.set_xlim(0, max(1.0, *left))
     axes.set_title("where the wall time went")
-    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize="small")
+    axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     figure.tight_layout()
     path = out / GOODPUT_PLOT
     figure.savefig(path, format="png")

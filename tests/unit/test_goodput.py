@@ -129,18 +129,20 @@ def test_a_rollback_counts_the_steps_trained_again():
 def test_a_replica_heal_lasts_from_the_previous_row_to_its_event():
     rows = [
         start(0, started=0.0, at=0.25),
-        train(1, at=2.0, step_time_s=1.0),
-        event(1, "replica_step", at=2.125, group=0),
-        event(5, "replica_rejoined", at=6.125, group=0),  # the peers were at step 5
-        train(6, at=7.0, step_time_s=0.5),
+        event(1, "replica_step", at=1.5, group=0),  # each committed step, before its row
+        train(1, at=2.0, step_time_s=1.0),  # start-up 1
+        event(2, "replica_step", at=2.9, group=0),  # step 2 trains, unlogged (interval 2)
+        event(5, "replica_rejoined", at=6.9, group=0),  # the peers were at step 5
+        event(6, "replica_step", at=7.5, group=0),
+        train(6, at=7.75, step_time_s=0.5),  # the tracker's interval: steps 2 and 6
     ]
     assert_seconds(
         rows,
-        total=7.0,
-        productive=1.5,
+        total=7.75,
+        productive=1.0 + 1.0,
         startup=1.0,
         replica_heal=4.0,
-        unattributed=0.5,
+        unattributed=0.75,
     )
 
 
