@@ -174,6 +174,7 @@ def _build_and_train(
     (nothing left to train, a stop signal during the build). Every rank returns alike."""
     from kempnerforge.core.logging import get_logger
     from kempnerforge.launch.allocator import describe_allocator
+    from kempnerforge.metrics.goodput import START_EVENT
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
@@ -196,7 +197,7 @@ def _build_and_train(
     session = build_session(config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown)
     # The process's first row: its start time, from which goodput counts its start-up
     # (metrics/goodput.py); written once the run directory is this launch's (the run lock).
-    session.tracker.log_event(plan.step if plan else 0, "start", started=round(started, 3))
+    session.tracker.log_event(plan.step if plan else 0, START_EVENT, started=round(started, 3))
     if allocator is not None:  # once the data and model are known to be fine
         logger.info(describe_allocator(allocator))
     if agreed_stop(shutdown, runtime):  # a signal during the build

@@ -44,8 +44,9 @@ TAIL_LIMIT_BYTES = 64 << 20
 """How far from the end resume_account looks for a state before streaming the whole file."""
 
 RESTART_EVENTS = ("resume", "nan_rollback")
-"""Events after which the run continues from the event's step (as metrics/plot.py reads
-them): steps past it trained again are recomputed."""
+"""Events after which the run continues from the event's step: rows logged earlier for a
+later step belong to the part of the run that was redone (the plots drop them), and steps
+past it trained again are recomputed."""
 
 
 @dataclass

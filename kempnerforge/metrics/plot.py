@@ -17,7 +17,7 @@ from typing import Any
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.metrics_file import iter_rows
-from kempnerforge.metrics.goodput import CAUSES, GoodputReport
+from kempnerforge.metrics.goodput import CAUSES, RESTART_EVENTS, GoodputReport
 
 PLOTTED = {
     "loss": "training loss",
@@ -28,10 +28,6 @@ PLOTTED = {
 }
 """The metrics plotted, by their metrics.jsonl key, with their axis labels; one PNG each,
 named <key>.png."""
-
-RESTART_EVENTS = ("resume", "nan_rollback")
-"""Events after which the run continues from the event's step: rows logged earlier for a
-later step belong to the part of the run that was redone."""
 
 GOODPUT_PLOT = "goodput.png"
 """The wall-time breakdown's file name, beside the curves."""

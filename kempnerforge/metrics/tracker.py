@@ -16,7 +16,7 @@ from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.core.metrics_file import METRICS_FILE, jsonable, merge_row, open_append
 from kempnerforge.metrics.backends import MetricBackend, scalar_values
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
-from kempnerforge.metrics.goodput import STATE_KEY, GoodputAccount, resume_account
+from kempnerforge.metrics.goodput import START_EVENT, STATE_KEY, GoodputAccount, resume_account
 from kempnerforge.metrics.memory import memory_row, peak_memory_gib, reset_peak_memory
 from kempnerforge.metrics.mfu import mfu
 
@@ -42,7 +42,7 @@ STEP_KEYS = (
 """Keys of a training row, in order; 'mfu' only when a peak is known, the memory keys only
 when the tracker knows the device (the cuda_* ones on a GPU, host_rss_gib on Linux),
 'goodput' only on rank 0 (the writer: metrics/goodput.py). Extra keys follow."""
-SNAPSHOT_EVENTS = ("start", "checkpoint")
+SNAPSHOT_EVENTS = (START_EVENT, "checkpoint")
 """Events whose rows carry the goodput account's state (metrics/goodput.py STATE_KEY)."""
 MEMORY_KEYS = ("peak_memory_gib", "host_rss_gib", "cuda_allocated_gib", "cuda_reserved_gib")
 
