@@ -40,7 +40,7 @@ STATE_KEY = "goodput_state"
 event rows, so that the next launch restores it from the file's end (resume_account)
 instead of reading the whole file again."""
 
-TAIL_LIMIT_BYTES = 64 << 20
+TAIL_LIMIT_BYTES = 16 << 20
 """How far from the end resume_account looks for a state before streaming the whole file."""
 
 RESTART_EVENTS = ("resume", "nan_rollback")
@@ -263,20 +263,29 @@ def resume_account(path: str | os.PathLike[str]) -> GoodputAccount:
         begin = max(0, size - span)
         with open(path, "rb") as f:
             f.seek(begin)
-            lines = f.read().split(b"\n")
-        if begin > 0:
-            lines = lines[1:]  # the first may be a row's end only
-        for i in range(len(lines) - 1, -1, -1):
-            account = _restored(lines[i]) if STATE_KEY.encode() in lines[i] else None
-            if account is not None:
-                for line in lines[i + 1 :]:
-                    row = _decoded(line)
-                    if row is not None:
-                        account.add(row)
-                return account
+            data = f.read()
+        # The first line of a cut read may be a row's end only.
+        account = _restored_from(data, cut=begin > 0) if STATE_KEY.encode() in data else None
+        if account is not None:
+            return account
         if begin == 0 or span >= TAIL_LIMIT_BYTES:
             return read_account(path)
         span *= 2
+
+
+def _restored_from(data: bytes, *, cut: bool) -> GoodputAccount | None:
+    """The account of the newest state in ``data`` (rows of metrics.jsonl), with the rows
+    after it added; None when no line holds one."""
+    lines = data.split(b"\n")[1 if cut else 0 :]
+    for i in range(len(lines) - 1, -1, -1):
+        account = _restored(lines[i]) if STATE_KEY.encode() in lines[i] else None
+        if account is not None:
+            for line in lines[i + 1 :]:
+                row = _decoded(line)
+                if row is not None:
+                    account.add(row)
+            return account
+    return None
 
 
 def _decoded(line: bytes) -> dict[str, Any] | None:

@@ -288,6 +288,7 @@ def test_an_account_fed_row_by_row_equals_the_report_of_the_file(tmp_path):
 def test_a_new_launch_restores_the_account_from_the_files_end(tmp_path):
     rows = [start(0, 0.0, 0.5)] + [train(s, 1.0 + s, 1.0) for s in range(1, 2001)]
     path = write(tmp_path, rows)
+    assert resume_account(path).report() == account_file(path)  # no state yet: read whole
     state = account_rows(rows)  # the state the checkpoint row carries, as the tracker writes it
     account = GoodputAccount()
     for row in rows:
