@@ -179,7 +179,7 @@ def _build_and_train(
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.replicas import checkpointer_kind
-    from kempnerforge.training.resume_plan import plan_resume
+    from kempnerforge.training.resume_plan import WEIGHTS, plan_resume
     from kempnerforge.training.store_checks import store_save_limits
     from kempnerforge.training.workspace import record_config
 
@@ -195,9 +195,11 @@ def _build_and_train(
             )
         return exit_codes.FINISHED
     session = build_session(config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown)
-    # The process's first row: its start time, from which goodput counts its start-up
-    # (metrics/goodput.py); written once the run directory is this launch's (the run lock).
-    session.tracker.log_event(plan.step if plan else 0, START_EVENT, started=round(started, 3))
+    # The process's first row, at the step it trains from: its start time, from which
+    # goodput counts its start-up (metrics/goodput.py); written once the run directory is
+    # this launch's (the run lock).
+    first_step = plan.step if plan is not None and plan.mode != WEIGHTS else 0
+    session.tracker.log_event(first_step, START_EVENT, started=round(started, 3))
     if allocator is not None:  # once the data and model are known to be fine
         logger.info(describe_allocator(allocator))
     if agreed_stop(shutdown, runtime):  # a signal during the build

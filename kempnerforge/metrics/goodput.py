@@ -166,6 +166,8 @@ class GoodputAccount:
             # The group jumps to its peers' step: the steps between were not trained here.
             self.seconds["replica_heal"] += max(0.0, since_s)
             self._row_step = max(self._row_step, step)
+        elif event == "load_weights":
+            self._row_step = step  # a new run from another's weights starts at step 0
         elif event in RESTART_EVENTS:
             # The steps trained since the previous row, up to the one rolled back from,
             # are in the next row's interval too.

@@ -335,7 +335,7 @@ class MetricsTracker:
             row.update(memory_row(self._device))
         row["time"] = time.time()
         if self._account is not None:
-            self._account_row(row)
+            self._account.add(row)
             row["goodput"] = self._account.goodput()
         return merge_row(row, extra) if extra else row
 

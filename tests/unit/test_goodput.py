@@ -156,6 +156,16 @@ def test_a_process_stopped_during_its_build_is_all_start_up():
     assert_seconds(rows, total=13.0, productive=1.0, startup=1.0 + 3.0, restart_gap=8.0)
 
 
+def test_a_run_from_another_runs_weights_counts_its_steps_from_0():
+    rows = [
+        start(30, started=0.0, at=0.5),  # planned from a step-30 checkpoint's weights
+        event(0, "load_weights", at=0.75, path="other/step_30"),
+        train(1, at=2.0, step_time_s=1.0),
+        train(3, at=4.0, step_time_s=1.0),  # steps 2 and 3
+    ]
+    assert_seconds(rows, total=4.0, productive=3.0, startup=1.0)
+
+
 def test_a_file_without_start_events_counts_a_resume_as_a_restart():
     rows = [
         train(1, at=2.0, step_time_s=1.0),  # the run began when this step did
