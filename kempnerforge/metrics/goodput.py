@@ -162,9 +162,11 @@ class GoodputAccount:
             self.seconds["checkpoint"] += _number(row.get("seconds")) or 0.0
         elif event == "replica_step":
             self._take_steps(step)  # committed: trained, in the next row's interval
-        elif event == "replica_rejoined":
+        elif event in ("replica_joined", "replica_rejoined"):
             # The group jumps to its peers' step: the steps between were not trained here.
-            self.seconds["replica_heal"] += max(0.0, since_s)
+            # Joining at start-up is start-up; a running group's heal is its own cause.
+            if event == "replica_rejoined":
+                self.seconds["replica_heal"] += max(0.0, since_s)
             self._row_step = max(self._row_step, step)
         elif event == "load_weights":
             self._row_step = step  # a new run from another's weights starts at step 0

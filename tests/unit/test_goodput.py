@@ -146,6 +146,16 @@ def test_a_replica_heal_lasts_from_the_previous_row_to_its_event():
     )
 
 
+def test_a_relaunched_replica_group_joining_its_peers_counts_its_steps_from_theirs():
+    rows = [
+        start(0, started=0.0, at=0.5),
+        event(40, "replica_joined", at=2.0, group=1),  # the peers were at step 40
+        event(41, "replica_step", at=3.5, group=1),
+        train(41, at=4.0, step_time_s=1.0),  # start-up 4 - 1 - 0 = 3, the join included
+    ]
+    assert_seconds(rows, total=4.0, productive=1.0, startup=3.0)
+
+
 def test_a_process_stopped_during_its_build_is_all_start_up():
     rows = [
         start(0, started=0.0, at=0.5),
