@@ -93,6 +93,13 @@ COMMANDS: dict[str, Command] = {
         "draw the training curves of one or more runs as PNG files",
         takes_overrides=False,
     ),
+    "goodput": Command(
+        "kempnerforge.commands.goodput",
+        "add_goodput_arguments",
+        "run_goodput",
+        "say where a run's wall time went, cause by cause, and its goodput share",
+        takes_overrides=False,
+    ),
     "lighthouse": Command(
         "kempnerforge.commands.lighthouse",
         "add_lighthouse_arguments",

@@ -1,4 +1,5 @@
-"""`kempnerforge plot`: draw the training curves of one or more runs as PNG files."""
+"""`kempnerforge plot`: draw the training curves of one or more runs, and where their wall
+time went, as PNG files."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.metrics_file import METRICS_FILE
-from kempnerforge.metrics.plot import PLOTS_DIR, plot_runs, read_curves, run_names
+from kempnerforge.metrics.goodput import account_file
+from kempnerforge.metrics.plot import PLOTS_DIR, plot_goodput, plot_runs, read_curves, run_names
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,4 +50,7 @@ def run_plot(args: argparse.Namespace, overrides: list[str]) -> int:
     out = args.out or os.path.join(args.run_dirs[0], PLOTS_DIR)
     for path in plot_runs(runs, out):
         print(path)
+    breakdown = plot_goodput([(n, account_file(p)) for p, n in zip(paths, names, strict=True)], out)
+    if breakdown is not None:
+        print(breakdown)
     return 0

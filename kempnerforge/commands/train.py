@@ -72,12 +72,15 @@ def _record_exit_code(code: int) -> None:
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     """Train ``args.config`` with ``overrides``; the exit code (also written to the exit-code
     file). Errors propagate to the CLI, which reports them in one line."""
+    # The launch's start, before torch is imported: its start-up is counted from here
+    # (the `start` event's `started`, metrics/goodput.py).
+    started = time.time()
     allocator = put_allocator_in_place(
         args.config, overrides, restart=getattr(args, "may_restart", False)
     )
     code = exit_codes.FAILED
     try:
-        code = _train_stopping_on_signals(args, overrides, allocator)
+        code = _train_stopping_on_signals(args, overrides, allocator, started)
         return code
     except BaseException as error:
         code = exit_codes.code_of(error)
@@ -87,7 +90,10 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _train_stopping_on_signals(
-    args: argparse.Namespace, overrides: list[str], allocator: AllocatorPlan | None
+    args: argparse.Namespace,
+    overrides: list[str],
+    allocator: AllocatorPlan | None,
+    started: float,
 ) -> int:
     from kempnerforge.resilience.shutdown import ShutdownHandler
 
@@ -97,7 +103,7 @@ def _train_stopping_on_signals(
     # the run is over; then a stopped run ignores further stop signals, so a late second
     # signal during teardown cannot turn the requeue exit code into a kill.
     with shutdown:
-        code = _train_under(args, overrides, shutdown, allocator)
+        code = _train_under(args, overrides, shutdown, allocator, started)
     if code == exit_codes.PREEMPTED:
         _ignore_stop_signals()
     return code
@@ -108,6 +114,7 @@ def _train_under(
     overrides: list[str],
     shutdown: ShutdownHandler,
     allocator: AllocatorPlan | None,
+    started: float,
 ) -> int:
     # Heavy imports here, so `kempnerforge --help` and config errors stay fast.
     from kempnerforge.config.context_parallel import cp_ring
@@ -124,7 +131,6 @@ def _train_under(
     from kempnerforge.training.preflight import preflight
     from kempnerforge.training.workspace import rank0_workspace
 
-    started = time.time()
     configure_logging(rank_from_env())  # before validate, which may warn
     config = load_config(args.config, overrides)
     config.validate(world_size_from_env())
@@ -168,11 +174,12 @@ def _build_and_train(
     (nothing left to train, a stop signal during the build). Every rank returns alike."""
     from kempnerforge.core.logging import get_logger
     from kempnerforge.launch.allocator import describe_allocator
+    from kempnerforge.metrics.goodput import START_EVENT
     from kempnerforge.resilience.agreement import agreed_stop
     from kempnerforge.resilience.hang import HangWatchdog
     from kempnerforge.training.build import build_checkpointer, build_session
     from kempnerforge.training.replicas import checkpointer_kind
-    from kempnerforge.training.resume_plan import plan_resume
+    from kempnerforge.training.resume_plan import WEIGHTS, plan_resume
     from kempnerforge.training.store_checks import store_save_limits
     from kempnerforge.training.workspace import record_config
 
@@ -188,6 +195,11 @@ def _build_and_train(
             )
         return exit_codes.FINISHED
     session = build_session(config, runtime, checkpointer=checkpointer, shutdown_handler=shutdown)
+    # The process's first row, at the step it trains from: its start time, from which
+    # goodput counts its start-up (metrics/goodput.py); written once the run directory is
+    # this launch's (the run lock).
+    first_step = plan.step if plan is not None and plan.mode != WEIGHTS else 0
+    session.tracker.log_event(first_step, START_EVENT, started=round(started, 3))
     if allocator is not None:  # once the data and model are known to be fine
         logger.info(describe_allocator(allocator))
     if agreed_stop(shutdown, runtime):  # a signal during the build

@@ -1,7 +1,8 @@
 """Training curves of one or more runs from their metrics.jsonl, as PNGs (`kempnerforge plot`).
 
 One PNG per metric (loss, eval loss, learning rate, tokens/s, gradient norm) with one line
-per run, so runs compare on the same axes. Reading follows the tracker's rules for a
+per run, so runs compare on the same axes, and goodput.png: each run's wall time split by
+cause (metrics/goodput.py), one stacked bar per run. Reading follows the tracker's rules for a
 resumed run: see read_curves. matplotlib (the ``plot`` extra) is imported only when
 plotting, with the Agg backend, so the package never needs a display or matplotlib itself.
 """
@@ -12,9 +13,11 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.metrics_file import iter_rows
+from kempnerforge.metrics.goodput import CAUSES, RESTART_EVENTS, GoodputReport
 
 PLOTTED = {
     "loss": "training loss",
@@ -26,9 +29,8 @@ PLOTTED = {
 """The metrics plotted, by their metrics.jsonl key, with their axis labels; one PNG each,
 named <key>.png."""
 
-RESTART_EVENTS = ("resume", "nan_rollback")
-"""Events after which the run continues from the event's step: rows logged earlier for a
-later step belong to the part of the run that was redone."""
+GOODPUT_PLOT = "goodput.png"
+"""The wall-time breakdown's file name, beside the curves."""
 
 PLOTS_DIR = "plots"
 """Where the PNGs go by default, inside the first run directory."""
@@ -100,13 +102,7 @@ def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Pa
     Each figure has one line per run that logged the metric, labelled with its name.
     Raises DataError when matplotlib is not installed.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise DataError(
-            "kempnerforge plot needs matplotlib: pip install 'kempnerforge[plot]'"
-        ) from None
+    _new_figure(1, 1)  # matplotlib present, before any directory is made
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -114,8 +110,7 @@ def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Pa
         present = [run for run in runs if key in run.points]
         if not present:
             continue
-        figure = Figure(figsize=(8, 4.5), dpi=100)
-        FigureCanvasAgg(figure)  # the Agg backend, whatever pyplot's default is
+        figure = _new_figure(8, 4.5)
         axes = figure.add_subplot()
         for run in present:
             steps, ys = zip(*run.points[key], strict=True)
@@ -131,3 +126,49 @@ def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Pa
         figure.savefig(path, format="png")
         written.append(path)
     return written
+
+
+def plot_goodput(
+    reports: list[tuple[str, GoodputReport]], out_dir: str | os.PathLike[str]
+) -> Path | None:
+    """Write <out_dir>/goodput.png: per run, a bar of its wall time split into the CAUSES'
+    shares (labelled with its goodput share); None, and no file, when no run has wall time.
+    Raises DataError when matplotlib is not installed."""
+    present = [(name, report) for name, report in reports if report.total_s > 0]
+    if not present:
+        return None
+    figure = _new_figure(10, 2.0 + 0.6 * len(present))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    axes = figure.add_subplot()
+    names = [f"{name} ({report.goodput or 0:.0%})" for name, report in present]
+    left = [0.0] * len(present)
+    for cause in CAUSES:
+        # A negative unattributed share (overlapping clocks) is drawn as nothing.
+        widths = [max(report.shares()[cause], 0.0) for _, report in present]
+        axes.barh(names, widths, left=left, label=cause)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    axes.invert_yaxis()  # the first run on top, as the runs were named
+    axes.set_xlabel("share of wall time (goodput share in brackets)")
+    axes.set_xlim(0, max(1.0, *left))
+    axes.set_title("where the wall time went")
+    axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    figure.tight_layout()
+    path = out / GOODPUT_PLOT
+    figure.savefig(path, format="png")
+    return path
+
+
+def _new_figure(width: float, height: float) -> Any:
+    """A matplotlib Figure on the Agg canvas (whatever pyplot's default backend is);
+    DataError naming the extra when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise DataError(
+            "kempnerforge plot needs matplotlib: pip install 'kempnerforge[plot]'"
+        ) from None
+    figure = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(figure)
+    return figure

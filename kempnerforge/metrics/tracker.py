@@ -16,6 +16,7 @@ from kempnerforge.config.metrics import MetricsConfig
 from kempnerforge.core.metrics_file import METRICS_FILE, jsonable, merge_row, open_append
 from kempnerforge.metrics.backends import MetricBackend, scalar_values
 from kempnerforge.metrics.console import Console, duration, fmt, resolve_progress
+from kempnerforge.metrics.goodput import START_EVENT, STATE_KEY, GoodputAccount, resume_account
 from kempnerforge.metrics.memory import memory_row, peak_memory_gib, reset_peak_memory
 from kempnerforge.metrics.mfu import mfu
 
@@ -36,10 +37,13 @@ STEP_KEYS = (
     "cuda_allocated_gib",
     "cuda_reserved_gib",
     "time",
+    "goodput",
 )
 """Keys of a training row, in order; 'mfu' only when a peak is known, the memory keys only
-when the tracker knows the device (the cuda_* ones on a GPU, host_rss_gib on Linux). Extra
-keys follow."""
+when the tracker knows the device (the cuda_* ones on a GPU, host_rss_gib on Linux),
+'goodput' only on rank 0 (the writer: metrics/goodput.py). Extra keys follow."""
+SNAPSHOT_EVENTS = (START_EVENT, "checkpoint")
+"""Events whose rows carry the goodput account's state (metrics/goodput.py STATE_KEY)."""
 MEMORY_KEYS = ("peak_memory_gib", "host_rss_gib", "cuda_allocated_gib", "cuda_reserved_gib")
 
 _RECENT_STEPS = 20  # steps averaged for the ETA and the bar's tok/s
@@ -111,6 +115,9 @@ class MetricsTracker:
         self._num_devices = max(1, num_devices)
         if device is not None:
             reset_peak_memory(device)
+        # The run's account so far, for each row's running `goodput`: restored from the
+        # state the newest start or checkpoint event carries, and the rows after it.
+        self._account: GoodputAccount | None = resume_account(self.path) if rank == 0 else None
         self._file = open_append(self.path) if rank == 0 else None
         self._backends = list(backends or []) if rank == 0 else []
         out: IO[str] = stream if stream is not None else sys.stdout
@@ -233,6 +240,7 @@ class MetricsTracker:
         """
         row = merge_row({"step": step}, metrics)
         row = merge_row(row, {"time": time.time()})
+        self._account_row(row)
         self._write(row)
         if self._console is not None:
             fields = " | ".join(f"{k} {fmt(v)}" for k, v in metrics.items())
@@ -246,6 +254,9 @@ class MetricsTracker:
         """
         row = merge_row({"step": step, "event": event}, fields)
         row = merge_row(row, {"time": time.time()})
+        self._account_row(row)
+        if self._account is not None and event in SNAPSHOT_EVENTS:
+            row[STATE_KEY] = self._account.state_dict()  # the next launch starts from it
         self._write(row)
         if self._console is not None:
             text = " | ".join([f"event step {step}/{self.max_steps}", event])
@@ -323,7 +334,14 @@ class MetricsTracker:
             row["peak_memory_gib"] = peak_memory_gib(self._device)
             row.update(memory_row(self._device))
         row["time"] = time.time()
+        if self._account is not None:
+            self._account.add(row)
+            row["goodput"] = self._account.goodput()
         return merge_row(row, extra) if extra else row
+
+    def _account_row(self, row: dict[str, Any]) -> None:
+        if self._account is not None:
+            self._account.add(row)
 
     def _write(self, row: dict[str, Any]) -> None:
         if self._file is None:

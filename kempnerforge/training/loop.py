@@ -11,6 +11,7 @@ StepResult and BatchStream (session.py) are re-exported here.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +337,7 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
     tasks = tasks_due(config.eval, config.train.max_steps, session.data.eval_tasks, step)
     if not heldout and not tasks:
         return
+    began = time.perf_counter()
     with watch(EVAL, step), optimizer_eval_mode(session.optimizer):
         metrics = evaluate(session.model, session.data, config, session.runtime) if heldout else {}
         metrics.update(
@@ -349,7 +351,9 @@ def _evaluate_if_due(session: TrainingSession, step: int) -> None:
             )
         )
     if metrics:
-        session.tracker.log_eval(step, metrics)
+        # The loop's seconds in eval, for the goodput account (metrics/goodput.py).
+        eval_time_s = round(time.perf_counter() - began, 3)
+        session.tracker.log_eval(step, {**metrics, "eval_time_s": eval_time_s})
         session.hooks.on_eval_end(step, metrics)
 
 
@@ -408,7 +412,9 @@ def _drain_after_failure(checkpointer: CheckpointManager) -> None:
 
 def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:
     """Start a checkpoint of ``step`` (committed now in sync mode, later in async mode) with
-    the loop's metadata and train state, and log its ``checkpoint`` event; its path."""
+    the loop's metadata and train state, and log its ``checkpoint`` event (with the seconds
+    the loop blocked for); its path."""
+    began = time.perf_counter()
     extra = checkpoint_extra(session.config, step, session.phases)
     train_state = capture_train_state(session.data, session.nan_detector, step, tokens_seen, extra)
     # Schedule-free optimizers save their averaged point (a no-op for the others); the
@@ -421,5 +427,7 @@ def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> st
             scheduler=session.scheduler,
             train_state=train_state,
         )
-    session.tracker.log_event(step, "checkpoint", path=path)
+    # seconds: what the loop blocked for (in async mode the staging only), for goodput.
+    seconds = round(time.perf_counter() - began, 3)
+    session.tracker.log_event(step, "checkpoint", path=path, seconds=seconds)
     return path

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kempnerforge.config.loader import load_config
+from kempnerforge.metrics.goodput import account_file
 from kempnerforge.resilience.exit_codes import PREEMPTED
 from kempnerforge.training.replicas.participation import HEALS_KEY, PARTICIPATION_KEY
 from tests.support.data_files import write_token_dir
@@ -128,6 +129,12 @@ def test_a_killed_group_is_left_out_and_a_relaunched_one_rejoins_from_its_peer(
     relaunched = run.log(1)
     assert "with a peer's live state (not read from disk)" in relaunched, relaunched[-3000:]
     _assert_each_window_once(tmp_path, 0, (0, 1))
+    # Both launches of group 1 joined at the peer's step: goodput counts no step it did not
+    # train and none twice.
+    joined = [r for r in read_rows(tmp_path / "replica_1") if r.get("event") == "replica_joined"]
+    assert len(joined) == 2
+    report = account_file(tmp_path / "replica_1" / "metrics.jsonl")
+    assert report.num_processes == 2 and report.seconds["recomputed"] == 0.0
 
 
 def test_both_groups_killed_resume_from_the_last_checkpoint_exactly(tmp_path, data, uninterrupted):
@@ -170,6 +177,7 @@ def test_a_stalled_group_falls_behind_and_catches_up_with_its_peers_state(
     ]
     assert rejoined, run.log(1)[-3000:]
     assert MAX_STEPS in behind  # it caught up and trained to the end
+    assert account_file(tmp_path / "replica_1" / "metrics.jsonl").seconds["replica_heal"] > 0
     _assert_each_window_once(tmp_path, 0, (0, 1))
 
 

@@ -68,7 +68,7 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     debug_metrics = (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text()
 
     commands = readme_commands()
-    assert len(commands) == 8, commands
+    assert len(commands) == 9, commands
     results = []
     for line in commands:
         result = run(line, tmp_path, env)
@@ -95,5 +95,10 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     assert {"config.json", "model.safetensors"} <= {p.name for p in exported.iterdir()}
     plots = sorted(p.name for p in (quick / "plots").iterdir())
     assert {"loss.png", "lr.png", "tokens_per_sec.png", "grad_norm.png"} <= set(plots)
+    assert "goodput.png" in plots
+    # Two start-ups and the gap between the two launches of runs/quick, each shown.
+    table = {line.split()[0]: line.split() for line in results[8].stdout.splitlines()[2:-2]}
+    assert float(table["startup"][1]) > 0 and float(table["restart_gap"][1]) > 0
+    assert "goodput: " in results[8].stdout
     # None of them touched the run `make train` made.
     assert (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text() == debug_metrics

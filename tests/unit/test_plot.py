@@ -11,7 +11,7 @@ import pytest
 
 from kempnerforge.commands.plot import add_plot_arguments, run_plot
 from kempnerforge.core.errors import ConfigError, DataError
-from kempnerforge.metrics.plot import PLOTTED, plot_runs, read_curves, run_names
+from kempnerforge.metrics.plot import GOODPUT_PLOT, PLOTTED, plot_runs, read_curves, run_names
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -118,14 +118,17 @@ def test_plot_overlays_runs_into_one_png_per_metric(tmp_path, capsys):
     write_jsonl(second, [train_row(s, 9.5 - s) for s in range(1, 6)])
     assert run_plot(parse(str(first), str(second)), []) == 0
     written = sorted((first / "plots").iterdir())
-    assert [p.name for p in written] == sorted(f"{key}.png" for key in PLOTTED)
+    # The curves, and the wall-time breakdown (the first run has a second of wall time).
+    names = [f"{key}.png" for key in PLOTTED] + [GOODPUT_PLOT]
+    assert [p.name for p in written] == sorted(names)
     for path in written:
         assert_png(path)
-    assert capsys.readouterr().out.split() == [str(first / "plots" / f"{k}.png") for k in PLOTTED]
+    assert capsys.readouterr().out.split() == [str(first / "plots" / n) for n in names]
 
     out = tmp_path / "elsewhere" / "figures"
     assert run_plot(parse(str(second), "--out", str(out)), []) == 0
-    # The second run has no eval rows: no eval_loss.png.
+    # The second run has no eval rows: no eval_loss.png; all its rows share one time: no
+    # wall time, no goodput.png.
     assert sorted(p.name for p in out.iterdir()) == sorted(
         f"{key}.png" for key in PLOTTED if key != "eval_loss"
     )

@@ -241,6 +241,8 @@ class ReplicaGroup(TrainingHook):
                 self.group_id,
                 step,
             )
+            # The loop starts at the peers' step: the steps before it were not trained here.
+            self.session.tracker.log_event(step, "replica_joined", group=self.group_id)
         else:
             step, tokens_seen = apply_resume(self.session, plan)
             self._loop_position = (step, tokens_seen)
