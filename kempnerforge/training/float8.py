@@ -15,8 +15,7 @@ import os
 import torch
 from torch import nn
 
-from kempnerforge.config.float8 import check_float8_config
-from kempnerforge.config.job import JobConfig
+from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.runtime import resolve_device
@@ -29,18 +28,17 @@ MIN_CAPABILITY = (8, 9)
 INSTALL_HINT = "install the float8 extra: pip install 'kempnerforge[float8]' (torchao)"
 
 
-def check_float8(config: JobConfig) -> None:
+def check_float8(train: TrainConfig) -> None:
     """Refuse train.float8 where it cannot run, before anything is built: a ConfigError
     whose one line names the field and says why. Does nothing when FP8 is off.
 
-    The rules of the config alone come first, then the device train.device resolves to
-    on this rank, then whether torchao is installed.
+    The device train.device resolves to on this rank, then whether torchao is installed;
+    the rules of the config alone (config/float8.py) ran in JobConfig.validate before.
     """
-    if not config.train.float8:
+    if not train.float8:
         return
-    check_float8_config(config)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-    check_float8_device(resolve_device(config.train.device, local_rank))
+    check_float8_device(resolve_device(train.device, local_rank))
     check_torchao_installed()
 
 

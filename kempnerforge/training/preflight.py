@@ -40,7 +40,7 @@ def preflight(config: JobConfig) -> None:
     _check_objective(objective_of(config), config.train)
     for path in config.train.hooks:
         hook_class(path)
-    check_float8(config)
+    check_float8(config.train)
     check_sequence_split(config, torch.__version__)
 
 

@@ -35,7 +35,7 @@ def fp8_config(*overrides: str):
 
 def test_float8_on_the_cpu_is_refused_naming_the_field_and_why():
     with pytest.raises(ConfigError) as info:
-        check_float8(fp8_config("--train.device=cpu"))
+        check_float8(fp8_config("--train.device=cpu").train)
     message = str(info.value)
     assert message.startswith("train.float8 = True: expected false on a cpu device")
     assert "compute capability 8.9" in message and "\n" not in message
@@ -57,7 +57,9 @@ def test_the_cli_refuses_float8_on_the_cpu_in_one_line_with_exit_2_before_buildi
 
 
 def test_float8_off_checks_nothing():
-    check_float8(load_config(None, ["--train.device=cpu", "--model.dim=72", "--train.seq_len=9"]))
+    check_float8(
+        load_config(None, ["--train.device=cpu", "--model.dim=72", "--train.seq_len=9"]).train
+    )
 
 
 def test_a_missing_torchao_is_refused_naming_the_extra(monkeypatch):

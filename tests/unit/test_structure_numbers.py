@@ -21,9 +21,7 @@ import kempnerforge
 
 PACKAGE = pathlib.Path(kempnerforge.__file__).parent
 
-# 31: objective_of reads train.loss_fn and the section the objective names ([dpo]),
-# which only the registered objective knows, as family_of reads the section of its family.
-JOB_CONFIG_PARAMETERS_AT_MOST = 31
+JOB_CONFIG_PARAMETERS_AT_MOST = 30
 SESSION_PARAMETERS_AT_MOST = 36
 MAX_FUNCTION_LINES = 80
 TRAINING_FLOORS_AT_MOST = 9
