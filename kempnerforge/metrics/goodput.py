@@ -248,7 +248,7 @@ def read_account(path: str | os.PathLike[str]) -> GoodputAccount:
     """The account of the metrics.jsonl at ``path`` (empty when there is none), streamed: a
     torn last line (a live or killed run) is skipped."""
     account = GoodputAccount()
-    if os.path.exists(path):
+    if os.path.isfile(path):  # not a device or pipe standing in for the file: no end to read
         for row in iter_rows(path):
             account.add(row)
     return account
@@ -260,14 +260,14 @@ def resume_account(path: str | os.PathLike[str]) -> GoodputAccount:
     read from the file's end, so a restart costs the rows since the last save, not the
     run's; equal to read_account's. The whole file is streamed instead when no state lies
     within TAIL_LIMIT_BYTES of its end (a file written before states were)."""
-    if not os.path.exists(path):
+    if not os.path.isfile(path):  # absent, or a device standing in for it (/dev/full)
         return GoodputAccount()
     size, span = os.path.getsize(path), 256 << 10
     while True:
         begin = max(0, size - span)
         with open(path, "rb") as f:
             f.seek(begin)
-            data = f.read()
+            data = f.read(size - begin)  # the rows there now, not what a live run appends
         # The first line of a cut read may be a row's end only.
         account = _restored_from(data, cut=begin > 0) if STATE_KEY.encode() in data else None
         if account is not None:

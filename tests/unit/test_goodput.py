@@ -20,6 +20,7 @@ from kempnerforge.metrics.goodput import (
     GoodputAccount,
     account_file,
     account_rows,
+    read_account,
     resume_account,
 )
 from kempnerforge.metrics.tracker import MetricsTracker
@@ -327,3 +328,13 @@ def test_a_new_launch_restores_the_account_from_the_files_end(tmp_path):
     path.write_text(text)
     assert resume_account(path).report().seconds["productive"] == 2002.0
     assert account_file(path).seconds["productive"] > 2002.0
+
+
+def test_a_device_standing_in_for_the_metrics_file_is_not_read(tmp_path):
+    """A metrics.jsonl linked to /dev/full (the full-disk tests) or /dev/zero has no end:
+    the account starts empty instead of reading forever."""
+    for device in ("/dev/full", "/dev/zero"):
+        path = tmp_path / f"metrics-{device.rsplit('/', 1)[-1]}.jsonl"
+        path.symlink_to(device)
+        assert resume_account(path).report().total_s == 0
+        assert read_account(path).report().total_s == 0
