@@ -183,6 +183,12 @@ def test_a_hardware_fault_moves_the_run_to_a_job_without_the_host_named(slurm, f
     new_job = int(log.split(line)[1].split(",")[0])
     fault_jobs["resubmitted"] = (new_job, where)
     pending = slurm.job(new_job)
+    # Until the scheduler's next pass after the old job's end, the reason is still its
+    # dependency on that job; then it is the nodes the job may not have.
+    deadline = time.monotonic() + 60
+    while pending["Reason"].startswith("Dependency") and time.monotonic() < deadline:
+        time.sleep(1)
+        pending = slurm.job(new_job)
     assert pending["JobState"] == "PENDING" and pending["ExcNodeList"] == slurm.node, pending
     assert pending["Reason"].startswith("ReqNodeNotAvail"), pending
     assert pending["StdOut"] == record["StdOut"] and pending["Command"] == SCRIPT
