@@ -51,6 +51,13 @@ def read_conversations(
 
 
 def _read_jsonl(path: Path, messages_field: str) -> Iterator[Conversation]:
+    for where, record in jsonl_records(path):
+        yield conversation_of(record, where, messages_field)
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) of each non-blank line of a .jsonl file (optionally .gz), in order,
+    ``where`` being 'path:line' for errors; a line that is not JSON is a DataError."""
     with read_errors(path), open_binary(path) as stream:
         for number, raw in enumerate(stream, start=1):
             where = f"{path}:{number}"
@@ -63,7 +70,7 @@ def _read_jsonl(path: Path, messages_field: str) -> Iterator[Conversation]:
                 raise DataError(
                     f"{where}: not valid JSON ({exc.msg}); fix or remove the line"
                 ) from None
-            yield conversation_of(record, where, messages_field)
+            yield where, record
 
 
 def conversation_columns(path: Path, columns: list[str], messages_field: str) -> list[str]:

@@ -7,7 +7,6 @@ window, its response's tokens the only targets (token_flags.bin). The pair sampl
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +22,8 @@ from kempnerforge.data.chat import (
     conversation_of,
     encode_conversations,
 )
-from kempnerforge.data.prepare.sources import (
-    decode_utf8,
-    discover_input_files,
-    input_kind,
-    open_binary,
-    read_errors,
-)
+from kempnerforge.data.prepare.chat_sources import jsonl_records
+from kempnerforge.data.prepare.sources import discover_input_files, input_kind
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.data.tokens import TokenFileWriter
 
@@ -62,28 +56,17 @@ def read_pairs(path: Path) -> Iterator[tuple[Conversation, Conversation]]:
             f"{path}: --format preference reads .jsonl files (optionally .gz), one pair a line "
             "with 'prompt', 'chosen' and 'rejected'"
         )
-    with read_errors(path), open_binary(path) as stream:
-        for number, raw in enumerate(stream, start=1):
-            where = f"{path}:{number}"
-            line = decode_utf8(raw, where)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{where}: not valid JSON ({exc.msg}); fix or remove the line"
-                ) from None
-            missing = [f for f in PAIR_FIELDS if not isinstance(record, dict) or f not in record]
-            if missing:
-                raise DataError(
-                    f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; "
-                    f"missing {', '.join(missing)}"
-                )
-            yield tuple(  # type: ignore[misc]
-                conversation_of({"prompt": record["prompt"], "completion": record[side]}, where)
-                for side in ("chosen", "rejected")
+    for where, record in jsonl_records(path):
+        missing = [f for f in PAIR_FIELDS if not isinstance(record, dict) or f not in record]
+        if missing:
+            raise DataError(
+                f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; "
+                f"missing {', '.join(missing)}"
             )
+        yield tuple(  # type: ignore[misc]
+            conversation_of({"prompt": record["prompt"], "completion": record[side]}, where)
+            for side in ("chosen", "rejected")
+        )
 
 
 Fitted = tuple[np.ndarray, np.ndarray]
