@@ -14,6 +14,7 @@ from kempnerforge.config.dpo import DPOConfig, check_dpo_job
 from kempnerforge.config.eval import EvalConfig, missing_eval_data
 from kempnerforge.config.fault_tolerance import FaultToleranceConfig
 from kempnerforge.config.float8 import check_float8_config
+from kempnerforge.config.grpo import GRPOConfig, check_grpo_job
 from kempnerforge.config.layout_rules import check_parallel_layout
 from kempnerforge.config.lora import LoRAConfig, check_lora_job
 from kempnerforge.config.metrics import MetricsConfig
@@ -52,6 +53,7 @@ class JobConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     vision_encoder: VisionEncoderConfig | None = None
     adapter: AdapterConfig | None = None
     vlm: VLMConfig | None = None
@@ -154,6 +156,7 @@ class JobConfig:
         check_float8_config(self)
         check_lora_job(self)
         check_dpo_job(self)
+        check_grpo_job(self)
         # A vision-language job's sequence is its image tokens plus vlm.max_text_len
         # (checked in config/vlm.py's check_job); train.seq_len is not used by it.
         if train.seq_len > model.max_seq_len and not self.is_vlm:

@@ -21,6 +21,8 @@ from kempnerforge.config.train import TrainConfig
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
+from kempnerforge.data.chat import end_of_turn_ids, load_chat_template
+from kempnerforge.data.dataloader import build_train_loader
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.sampling import PairSampler
 from kempnerforge.distributed.fsdp import refresh_sharded_trainable
@@ -48,9 +50,13 @@ from kempnerforge.training.layout import ModelLayout, RankModel, layout_of
 from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.objectives import (
+    OLD_LOGPS,
     REF_LOGPS,
+    Decoding,
     ReferenceLogps,
+    RolloutStream,
     freeze_reference,
+    load_reward,
     objective_of,
 )
 from kempnerforge.training.phases import PhaseState, TrainingPhase
@@ -247,7 +253,81 @@ def build_session(
         autocast = functools.partial(training_autocast, tc, runtime.device)
         add_logps = ReferenceLogps(freeze_reference(reference), runtime.device, autocast)
         session.use_batches(BatchStream(data, add_keys=add_logps))
+    if OLD_LOGPS in objective_of(config).batch_keys:
+        session.use_batches(build_rollouts(config, runtime, session, loss_fn))
     return session
+
+
+def build_rollouts(
+    config: JobConfig, runtime: RuntimeContext, session: TrainingSession, loss_fn: LossFn
+) -> RolloutStream:
+    """GRPO's batch stream (training/objectives/rollouts.py): the reward, the prompt
+    corpus's loader resized to one rollout's prompts per rank, the frozen reference when
+    grpo.kl_beta > 0, and the decoding settings (stops at the chat template's end of turn
+    and EOS). The policy samples with the session's own model."""
+    tc, cfg, data = config.train, config.grpo, session.data
+    reward = load_reward(cfg.reward, cfg.reward_pattern)  # a bad name fails before the build
+    _check_prompts(data, config.data.path)
+    prompts = tc.batch_size * tc.grad_accum_steps // cfg.group_size
+    assert data.dataset is not None and data.sampler is not None
+    if data.sampler.samples_per_rank < prompts:
+        raise ConfigError(
+            "train.batch_size",
+            tc.batch_size,
+            f"a rollout of {prompts} prompts per rank within the "
+            f"{data.sampler.samples_per_rank} prompts each rank reads of {config.data.path}",
+            "prepare more prompts, or lower train.batch_size or train.grad_accum_steps",
+        )
+    data.dataloader = build_train_loader(
+        data.dataset, data.sampler, prompts, config.data.num_workers, tc.seed
+    )
+    reference = None
+    if cfg.kl_beta > 0:
+        reference = build_model_on_mesh(config, runtime, loss_fn)[0]
+        load_reference_weights(reference, session.checkpointer, config.checkpoint)
+        freeze_reference(reference)
+    tokenizer = data.tokenizer
+    stops = end_of_turn_ids(tokenizer, load_chat_template(config.data.tokenizer))
+    decoding = Decoding(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        stop_ids=frozenset({*stops, tokenizer.eos_id}),
+        pad_id=tokenizer.pad_id,
+        width=tc.seq_len,
+        rows_per_forward=tc.batch_size,
+        length_multiple=runtime.tp_size,
+    )
+    return RolloutStream(
+        data,
+        model=session.model,
+        reference=reference,
+        cfg=cfg,
+        reward=reward,
+        tokenizer=tokenizer,
+        decoding=decoding,
+        seed=tc.seed,
+        micro_batches=tc.grad_accum_steps,
+        device=runtime.device,
+        group=runtime.group("world"),
+        autocast=functools.partial(training_autocast, tc, runtime.device),
+    )
+
+
+def _check_prompts(data: DataPipeline, path: str) -> None:
+    """GRPO samples completions of prepared prompts: refuse training data that is not a
+    prompt corpus, before anything is built for it."""
+    meta = getattr(data.dataset, "meta", None) or {}
+    if meta.get("format") != "prompts":
+        raise ConfigError(
+            "data.path",
+            path,
+            "a prompt corpus with train.loss_fn = 'grpo'",
+            "prepare prompts and answers with `kempnerforge prepare-data --format prompts "
+            "--seq-len N` and set data.path to its directory (data.datasets mixtures are not "
+            "read as prompts)",
+        )
 
 
 def _check_pairs(data: DataPipeline, path: str) -> None:
@@ -271,12 +351,12 @@ def load_reference_weights(
     none ('auto' or 'none': a run that resumes its own checkpoints keeps the reference its
     first launch had). Collective (the checkpoint's verdict and load)."""
     if cfg.resume_from in ("auto", "none"):
-        logger.info("dpo: reference weights from the seed's initialisation (train.seed)")
+        logger.info("reference weights from the seed's initialisation (train.seed)")
         return
     path = checkpointer.find_resume_path()
     assert path is not None, "an explicit checkpoint.resume_from resolves or raises"
     checkpointer.load_weights(path, model=reference)
-    logger.info("dpo: reference weights from %s", checkpointer.location_of(path))
+    logger.info("reference weights from %s", checkpointer.location_of(path))
 
 
 def build_tracker(

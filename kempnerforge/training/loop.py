@@ -416,7 +416,14 @@ def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> st
     the loop blocked for); its path."""
     began = time.perf_counter()
     extra = checkpoint_extra(session.config, step, session.phases)
-    train_state = capture_train_state(session.data, session.nan_detector, step, tokens_seen, extra)
+    train_state = capture_train_state(
+        session.data,
+        session.nan_detector,
+        step,
+        tokens_seen,
+        extra,
+        session.batches.state_dict(),
+    )
     # Schedule-free optimizers save their averaged point (a no-op for the others); the
     # save stages its copy before returning, so leaving the context right after is safe.
     with watch(CHECKPOINT, step), optimizer_eval_mode(session.optimizer):

@@ -66,6 +66,16 @@ class BatchStream:
         """Stop recording and drop the recorded micro-batches."""
         self._attempt = self._replay = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the stream holds beyond the data position (a checkpoint keeps it in each
+        rank's train state): nothing for a stream that reads the loader; a GRPO rank's
+        current rollout (training/objectives/rollouts.py)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what state_dict returned (after the data position is restored)."""
+        del state
+
     def take_wait_s(self) -> float:
         """Seconds next_batch has waited for batches since the last call (a step's data
         wait, for the tracker); resets the count."""

@@ -18,13 +18,15 @@ def capture_train_state(
     step: int,
     tokens_seen: int,
     extra: dict[str, Any],
+    stream: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything besides weights and optimizer that a resume needs to continue exactly:
-    the data position, the RNG, the NaN detector's counters and ``extra``
-    (checkpoint_extra)."""
+    the data position, the RNG, the NaN detector's counters, ``extra`` (checkpoint_extra)
+    and, when it has any, the batch stream's own state (``stream``: the rollout a GRPO rank
+    is training on, training/objectives/rollouts.py)."""
     counters = nan_detector.state_dict()
     position = data.state_dict()
-    return {
+    state = {
         "step": step,
         "tokens_seen": tokens_seen,
         "dataloader": position,
@@ -32,6 +34,9 @@ def capture_train_state(
         "nan_detector": counters,
         "extra": extra,
     }
+    if stream:
+        state["batches"] = stream
+    return state
 
 
 def restore_train_state(
@@ -48,6 +53,7 @@ def restore_train_state(
     """
     if state.get("dataloader") and not keep_live_position:
         session.data.load_state_dict(state["dataloader"])
+        session.batches.load_state_dict(state.get("batches", {}))
     if not keep_live_position:
         session.nan_detector.load_state_dict(state["nan_detector"])
     else:

@@ -3,14 +3,19 @@ by, one value per objective, chosen by train.loss_fn. The step bodies read the o
 through this seam, so a new objective (a preference loss, a policy-gradient loss) is a new
 file registered here, not a branch in a step body. mtp.py adds a model's multi-token-
 prediction term (model.mtp_depth) to whichever objective the job trains; dpo.py is direct
-preference optimisation ([dpo]), reference.py its frozen reference model."""
+preference optimisation ([dpo]), reference.py its frozen reference model; grpo.py is group
+relative policy optimisation ([grpo]), rollouts.py the completions the policy samples for it
+and rewards.py what scores them."""
 
 from __future__ import annotations
 
 from kempnerforge.training.objectives import cross_entropy as _cross_entropy  # registers it
 from kempnerforge.training.objectives import dpo as _dpo  # registers it
+from kempnerforge.training.objectives import grpo as _grpo  # registers it
 from kempnerforge.training.objectives.dpo import METRIC_KEYS as DPO_METRIC_KEYS
 from kempnerforge.training.objectives.dpo import REF_LOGPS, response_logps
+from kempnerforge.training.objectives.grpo import METRIC_KEYS as GRPO_METRIC_KEYS
+from kempnerforge.training.objectives.grpo import OLD_LOGPS
 from kempnerforge.training.objectives.mtp import (
     MTP_LOSS,
     MTP_LOSS_BY_DEPTH,
@@ -27,6 +32,8 @@ from kempnerforge.training.objectives.objective import (
     objective_metrics_row,
     objective_of,
 )
+from kempnerforge.training.objectives.rewards import load_reward
+from kempnerforge.training.objectives.rollouts import Decoding, RolloutStream
 from kempnerforge.training.objectives.reference import (
     ReferenceLogps,
     freeze_reference,
@@ -35,6 +42,11 @@ from kempnerforge.training.objectives.reference import (
 
 __all__ = [
     "DPO_METRIC_KEYS",
+    "Decoding",
+    "GRPO_METRIC_KEYS",
+    "OLD_LOGPS",
+    "RolloutStream",
+    "load_reward",
     "MTP_LOSS",
     "MTP_LOSS_BY_DEPTH",
     "OBJECTIVES",
@@ -53,4 +65,4 @@ __all__ = [
     "reference_logps",
     "response_logps",
 ]
-del _cross_entropy, _dpo
+del _cross_entropy, _dpo, _grpo
