@@ -3,7 +3,8 @@ by, one value per objective, chosen by train.loss_fn. The step bodies read the o
 through this seam, so a new objective (a preference loss, a policy-gradient loss) is a new
 file registered here, not a branch in a step body. mtp.py adds a model's multi-token-
 prediction term (model.mtp_depth) to whichever objective the job trains; dpo.py is direct
-preference optimisation ([dpo]), reference.py its frozen reference model."""
+preference optimisation ([dpo]), reference.py its frozen reference model; rewards.py the
+reward functions (grpo.reward) that score completions against a reference answer."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ from kempnerforge.training.objectives.reference import (
     freeze_reference,
     reference_logps,
 )
+from kempnerforge.training.objectives.rewards import (
+    REWARDS,
+    RewardFn,
+    checked_reward,
+    exact_answer,
+    load_reward,
+)
 
 __all__ = [
     "DPO_METRIC_KEYS",
@@ -39,14 +47,19 @@ __all__ = [
     "MTP_LOSS_BY_DEPTH",
     "OBJECTIVES",
     "REF_LOGPS",
+    "REWARDS",
+    "RewardFn",
     "ReferenceLogps",
     "Batch",
     "Objective",
     "add_mtp_loss",
     "freeze_reference",
     "begin_mtp_step",
+    "checked_reward",
+    "exact_answer",
     "finish_mtp_step",
     "label_count",
+    "load_reward",
     "mtp_forward_args",
     "objective_metrics_row",
     "objective_of",
