@@ -10,8 +10,13 @@ With ``--preference`` each line is a preference pair for ``prepare-data --format
 preference`` instead: a question as the prompt, the right answer chosen and an answer off
 by a few rejected (docs/training.md, "Preference optimisation (DPO)").
 
+With ``--prompts`` each line is a prompt and its reference answer for ``prepare-data --format
+prompts``: the question as the prompt (one user message) and the full answer (``"37 + 5 =
+42."``) as the answer a reward function checks (docs/data.md, "Prompts and answers").
+
     python -m examples.chat_conversations --count 4000 --output data/arithmetic.jsonl
     python -m examples.chat_conversations --preference --count 2000 --output data/prefs.jsonl
+    python -m examples.chat_conversations --prompts --count 2000 --output data/prompts.jsonl
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SYSTEM = "You are a calculator. Answer with the equation."
 
@@ -52,6 +59,12 @@ def preference_pair(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     return {"prompt": [question], "chosen": [answer], "rejected": [rejected]}
 
 
+def prompt_row(rng: random.Random) -> dict[str, Any]:
+    """A question (one user message) and its full answer, the text a reward checks."""
+    question, answer = exchange(rng)
+    return {"prompt": [question], "answer": answer["content"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--count", type=int, default=4000, help="conversations to write")
@@ -62,15 +75,26 @@ def main() -> None:
         action="store_true",
         help="write preference pairs (prompt, chosen, rejected)",
     )
+    parser.add_argument(
+        "--prompts",
+        action="store_true",
+        help="write prompts and their reference answers (prompt, answer)",
+    )
     args = parser.parse_args()
-    make = preference_pair if args.preference else conversation
+    if args.preference and args.prompts:
+        parser.error("--preference and --prompts write different files; give one")
+    make: Callable[[random.Random], dict[str, Any]] = conversation
+    kind = "conversations"
+    if args.preference:
+        make, kind = preference_pair, "preference pairs"
+    elif args.prompts:
+        make, kind = prompt_row, "prompts"
     rng = random.Random(args.seed)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w", encoding="utf-8") as f:
         for _ in range(args.count):
             f.write(json.dumps(make(rng)) + "\n")
-    kind = "preference pairs" if args.preference else "conversations"
     print(f"wrote {args.count} {kind} to {output}")
 
 

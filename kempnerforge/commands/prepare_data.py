@@ -73,7 +73,8 @@ def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --format chat (required there): pack whole conversations into windows of "
         "N tokens, the training job's train.seq_len, so none crosses a window boundary; with "
-        "--format preference (required there): each response's window",
+        "--format preference (required there): each response's window; with --format "
+        "prompts (required there): each prompt's window, its answer included",
     )
     parser.add_argument(
         "--long-conversations",
@@ -81,14 +82,15 @@ def _add_reading_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --format chat or preference: a conversation longer than --seq-len keeps "
         "its first N tokens ('cut', the default; dropped when that keeps no assistant token) "
-        "or is left out ('drop'); both are counted",
+        "or is left out ('drop'); both are counted (with --format prompts a row longer than "
+        "--seq-len is always dropped: neither a prompt nor its answer is cut)",
     )
     parser.add_argument(
         "--stop-on-refused",
         action="store_true",
-        help="with --format chat or preference: stop at the first conversation the chat "
-        "template refuses "
-        "(default: skip it, count it in meta.json and the summary line, and go on)",
+        help="with --format chat, preference or prompts: stop at the first conversation the "
+        "chat template refuses (default: skip it, count it in meta.json and the summary "
+        "line, and go on)",
     )
     parser.add_argument(
         "--text-field",
@@ -196,6 +198,8 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     input_format = check_format_options(args.format, vars(args))
     if input_format.name == "preference":
         return _prepare_preference(args, tokenizer, input_format)
+    if input_format.name == "prompts":
+        return _prepare_prompts(args, tokenizer, input_format)
     chat_template, packing = _chat_encoding(args) if input_format.name == "chat" else (None, None)
     meta = prepare_data(
         args.input,
@@ -227,17 +231,9 @@ def run_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
 def _prepare_preference(args: argparse.Namespace, tokenizer: Any, input_format: Any) -> int:
     """prepare-data --format preference: pairs into windows of --seq-len (one process, no
     held-out split, no shards)."""
-    from kempnerforge.core.errors import DataError
     from kempnerforge.data.prepare import write_preference_corpus
 
-    for given, option in ((args.eval_fraction > 0.0, "--eval-fraction"),
-                          (args.shard_index is not None, "--shard-index"),
-                          (args.bos, "--bos")):  # fmt: skip
-        if given:
-            raise DataError(
-                f"{option} does not go with --format preference: a preference set is written "
-                "whole, by one process (prepare held-out pairs as a directory of their own)"
-            )
+    _refuse_split_options(args, "a preference set", "pairs")
     chat_template, packing = _chat_encoding(args)
     meta = write_preference_corpus(
         args.input,
@@ -248,11 +244,50 @@ def _prepare_preference(args: argparse.Namespace, tokenizer: Any, input_format: 
         long_conversations=packing.long_conversations,
         stop_on_refused=args.stop_on_refused,
     )
+    _print_whole_summary(args, meta, input_format)
+    return 0
+
+
+def _prepare_prompts(args: argparse.Namespace, tokenizer: Any, input_format: Any) -> int:
+    """prepare-data --format prompts: each prompt and its reference answer into a window of
+    --seq-len (one process, no held-out split, no shards)."""
+    from kempnerforge.data.prepare import write_prompts_corpus
+
+    _refuse_split_options(args, "a prompt set", "prompts")
+    chat_template, packing = _chat_encoding(args)
+    meta = write_prompts_corpus(
+        args.input,
+        args.output,
+        tokenizer,
+        chat_template,
+        packing.seq_len,
+        stop_on_refused=args.stop_on_refused,
+    )
+    _print_whole_summary(args, meta, input_format)
+    return 0
+
+
+def _refuse_split_options(args: argparse.Namespace, what: str, rows: str) -> None:
+    """Refuse the held-out, shard and BOS options for a format written whole by one
+    process (``what``, e.g. "a preference set", of ``rows``)."""
+    from kempnerforge.core.errors import DataError
+
+    for given, option in ((args.eval_fraction > 0.0, "--eval-fraction"),
+                          (args.shard_index is not None, "--shard-index"),
+                          (args.bos, "--bos")):  # fmt: skip
+        if given:
+            raise DataError(
+                f"{option} does not go with --format {args.format}: {what} is written "
+                f"whole, by one process (prepare held-out {rows} as a directory of their own)"
+            )
+
+
+def _print_whole_summary(args: argparse.Namespace, meta: dict[str, Any], input_format: Any) -> None:
+    """The summary line of a corpus written whole (no held-out split, no shards)."""
     print(
         f"prepared {meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents "
         f"({meta['dtype']}) into {args.output}" + input_format.summary(meta)
     )
-    return 0
 
 
 def _check_what_to_do(args: argparse.Namespace, overrides: list[str]) -> None:

@@ -180,6 +180,8 @@ def _open_token_train_data(
             check_pair_windows(train_dir, dataset.meta, seq_len)
             sampler = PairSampler(len(dataset), batch_size, dp_rank, dp_size, seed, cfg.shuffle)
         else:
+            if is_prompts(dataset.meta):
+                check_prompt_windows(train_dir, dataset.meta, seq_len)
             sampler = ShardedSampler(len(dataset), dp_rank, dp_size, seed, shuffle=cfg.shuffle)
     loader = _train_loader(
         dataset,
@@ -376,13 +378,30 @@ def is_preference(meta: dict[str, Any]) -> bool:
     return meta.get("format") == "preference"
 
 
+def is_prompts(meta: dict[str, Any]) -> bool:
+    """Whether a prepared directory's meta.json is a prompts corpus (--format prompts)."""
+    return meta.get("format") == "prompts"
+
+
 def check_pair_windows(path: str, meta: dict[str, Any], seq_len: int) -> None:
     """A preference corpus is read one response per window: train.seq_len must be the
     --seq-len it was prepared with (DataError naming the directory otherwise)."""
+    _check_prepared_windows(path, meta, seq_len, "a preference corpus", "one response")
+
+
+def check_prompt_windows(path: str, meta: dict[str, Any], seq_len: int) -> None:
+    """A prompts corpus is read one prompt and its answer per window: train.seq_len must be
+    the --seq-len it was prepared with (DataError naming the directory otherwise)."""
+    _check_prepared_windows(path, meta, seq_len, "a prompts corpus", "one prompt and its answer")
+
+
+def _check_prepared_windows(
+    path: str, meta: dict[str, Any], seq_len: int, corpus: str, holds: str
+) -> None:
     prepared = meta.get("packed_seq_len")
     if prepared != seq_len:
         raise DataError(
-            f"{path}: a preference corpus prepared with --seq-len {prepared} holds one response "
-            f"per window of {prepared} tokens, but train.seq_len is {seq_len}; train with "
+            f"{path}: {corpus} prepared with --seq-len {prepared} holds {holds} per window of "
+            f"{prepared} tokens, but train.seq_len is {seq_len}; train with "
             f"--train.seq_len={prepared} or prepare it again with --seq-len {seq_len}"
         )

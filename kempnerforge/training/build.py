@@ -24,6 +24,7 @@ from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.data.chat import end_of_turn_ids, load_chat_template
 from kempnerforge.data.dataloader import build_train_loader
 from kempnerforge.data.pipeline import DataPipeline
+from kempnerforge.data.pipeline_build import is_prompts
 from kempnerforge.data.sampling import PairSampler
 from kempnerforge.distributed.fsdp import refresh_sharded_trainable
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
@@ -318,8 +319,7 @@ def build_rollouts(
 def _check_prompts(data: DataPipeline, path: str) -> None:
     """GRPO samples completions of prepared prompts: refuse training data that is not a
     prompt corpus, before anything is built for it."""
-    meta = getattr(data.dataset, "meta", None) or {}
-    if meta.get("format") != "prompts":
+    if not is_prompts(getattr(data.dataset, "meta", None) or {}):
         raise ConfigError(
             "data.path",
             path,

@@ -83,7 +83,30 @@ PREFERENCE = InputFormat(
     },
     summary=_preference_summary,
 )
-INPUT_FORMATS = {f.name: f for f in (TEXT, CHAT, PREFERENCE)}
+
+
+def _prompts_summary(meta: dict[str, Any]) -> str:
+    return (
+        f" ({meta['prompts']:,} prompts, one window of {meta['packed_seq_len']:,} tokens each "
+        f"with {meta['pad_tokens']:,} pad tokens; {meta['prompts_dropped']:,} dropped as "
+        f"longer; {meta['prompts_refused']:,} refused by the chat template and skipped)"
+    )
+
+
+PROMPTS = InputFormat(
+    "prompts",
+    "each is a prompt (a string or a list of messages) and the reference answer a reward "
+    "checks, the prompt rendered with the chat template and the assistant's turn opened, "
+    "then the answer as the only targets, in a window of its own",
+    default_field="prompt",
+    own_options={
+        "seq_len": "packing conversations into windows",
+        "long_conversations": "packing conversations into windows",
+        "stop_on_refused": "conversations the chat template refuses",
+    },
+    summary=_prompts_summary,
+)
+INPUT_FORMATS = {f.name: f for f in (TEXT, CHAT, PREFERENCE, PROMPTS)}
 """Every --format value, the default first."""
 
 

@@ -64,9 +64,10 @@ META_DEFAULTS: dict[str, Any] = {
     "assistant_tokens": None,  # tokens whose loss is on; None: no mask, every token counts
     "max_document_tokens": None,  # the longest document, BOS and EOS included; None: unknown
 }
-FORMATS = ("text", "chat", "preference")
-"""meta.json's ``format``: plain text (every token a target), loss-masked conversations, or
-preference pairs (a chosen and a rejected response, one window each: prepare/preference.py)."""
+FORMATS = ("text", "chat", "preference", "prompts")
+"""meta.json's ``format``: plain text (every token a target), loss-masked conversations,
+preference pairs (a chosen and a rejected response, one window each: prepare/preference.py),
+or prompts with their reference answers (one window each: prepare/prompts.py)."""
 # The largest id in tokens.bin, -1 when it holds none. Written by every writer since it was
 # added; a directory prepared before lacks it until it is scanned once (token_ids.py).
 MAX_ID_KEY = "max_token_id"

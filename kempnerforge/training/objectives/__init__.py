@@ -32,13 +32,19 @@ from kempnerforge.training.objectives.objective import (
     objective_metrics_row,
     objective_of,
 )
-from kempnerforge.training.objectives.rewards import load_reward
-from kempnerforge.training.objectives.rollouts import Decoding, RolloutStream
 from kempnerforge.training.objectives.reference import (
     ReferenceLogps,
     freeze_reference,
     reference_logps,
 )
+from kempnerforge.training.objectives.rewards import (
+    REWARDS,
+    RewardFn,
+    checked_reward,
+    exact_answer,
+    load_reward,
+)
+from kempnerforge.training.objectives.rollouts import Decoding, RolloutStream
 
 __all__ = [
     "DPO_METRIC_KEYS",
@@ -46,19 +52,23 @@ __all__ = [
     "GRPO_METRIC_KEYS",
     "OLD_LOGPS",
     "RolloutStream",
-    "load_reward",
     "MTP_LOSS",
     "MTP_LOSS_BY_DEPTH",
     "OBJECTIVES",
     "REF_LOGPS",
+    "REWARDS",
+    "RewardFn",
     "ReferenceLogps",
     "Batch",
     "Objective",
     "add_mtp_loss",
     "freeze_reference",
     "begin_mtp_step",
+    "checked_reward",
+    "exact_answer",
     "finish_mtp_step",
     "label_count",
+    "load_reward",
     "mtp_forward_args",
     "objective_metrics_row",
     "objective_of",
