@@ -14,7 +14,9 @@ import torch
 from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.context_parallel import cp_ring
+from kempnerforge.config.data import DataConfig
 from kempnerforge.config.eval import EvalConfig
+from kempnerforge.config.grpo import GRPOConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import dump_config
 from kempnerforge.config.train import TrainConfig
@@ -23,6 +25,7 @@ from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import read_bad_data
 from kempnerforge.data.chat import end_of_turn_ids, load_chat_template
 from kempnerforge.data.dataloader import build_train_loader
+from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.pipeline_build import is_prompts
 from kempnerforge.data.sampling import PairSampler
@@ -55,7 +58,7 @@ from kempnerforge.training.objectives import (
     REF_LOGPS,
     Decoding,
     ReferenceLogps,
-    RolloutStream,
+    Rollouts,
     freeze_reference,
     load_reward,
     objective_of,
@@ -255,64 +258,70 @@ def build_session(
         add_logps = ReferenceLogps(freeze_reference(reference), runtime.device, autocast)
         session.use_batches(BatchStream(data, add_keys=add_logps))
     if OLD_LOGPS in objective_of(config).batch_keys:
-        session.use_batches(build_rollouts(config, runtime, session, loss_fn))
+        reference = None
+        if config.grpo.kl_beta > 0:
+            reference = build_model_on_mesh(config, runtime, loss_fn)[0]
+            load_reference_weights(reference, checkpointer, config.checkpoint)
+            freeze_reference(reference)
+        rollouts = build_rollouts(tc, config.grpo, config.data, runtime, data, model, reference)
+        session.use_batches(BatchStream(data, source=rollouts))
     return session
 
 
 def build_rollouts(
-    config: JobConfig, runtime: RuntimeContext, session: TrainingSession, loss_fn: LossFn
-) -> RolloutStream:
-    """GRPO's batch stream (training/objectives/rollouts.py): the reward, the prompt
-    corpus's loader resized to one rollout's prompts per rank, the frozen reference when
-    grpo.kl_beta > 0, and the decoding settings (stops at the chat template's end of turn
-    and EOS). The policy samples with the session's own model."""
-    tc, cfg, data = config.train, config.grpo, session.data
-    reward = load_reward(cfg.reward, cfg.reward_pattern)  # a bad name fails before the build
-    _check_prompts(data, config.data.path)
-    prompts = tc.batch_size * tc.grad_accum_steps // cfg.group_size
-    assert data.dataset is not None and data.sampler is not None
+    train: TrainConfig,
+    grpo: GRPOConfig,
+    data_cfg: DataConfig,
+    runtime: RuntimeContext,
+    data: DataPipeline,
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+) -> Rollouts:
+    """GRPO's batch source (training/objectives/rollouts.py): the reward, the prompt
+    corpus's loader resized to one rollout's prompts per rank, and the decoding settings
+    (stops at the chat template's end of turn and EOS). The policy samples with the
+    session's own ``model``; ``reference`` is the frozen one of grpo.kl_beta > 0."""
+    reward = load_reward(grpo.reward, grpo.reward_pattern)  # a bad name fails first
+    _check_prompts(data, data_cfg.path)
+    rows = train.batch_size * train.grad_accum_steps
+    prompts = rows // grpo.group_size
+    assert isinstance(data.dataset, MemoryMappedDataset) and data.sampler is not None
     if data.sampler.samples_per_rank < prompts:
         raise ConfigError(
             "train.batch_size",
-            tc.batch_size,
+            train.batch_size,
             f"a rollout of {prompts} prompts per rank within the "
-            f"{data.sampler.samples_per_rank} prompts each rank reads of {config.data.path}",
+            f"{data.sampler.samples_per_rank} prompts each rank reads of {data_cfg.path}",
             "prepare more prompts, or lower train.batch_size or train.grad_accum_steps",
         )
     data.dataloader = build_train_loader(
-        data.dataset, data.sampler, prompts, config.data.num_workers, tc.seed
+        data.dataset, data.sampler, prompts, data_cfg.num_workers, train.seed
     )
-    reference = None
-    if cfg.kl_beta > 0:
-        reference = build_model_on_mesh(config, runtime, loss_fn)[0]
-        load_reference_weights(reference, session.checkpointer, config.checkpoint)
-        freeze_reference(reference)
     tokenizer = data.tokenizer
-    stops = end_of_turn_ids(tokenizer, load_chat_template(config.data.tokenizer))
+    stops = end_of_turn_ids(tokenizer, load_chat_template(data_cfg.tokenizer))
     decoding = Decoding(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
+        max_new_tokens=grpo.max_new_tokens,
+        temperature=grpo.temperature,
+        top_k=grpo.top_k,
+        top_p=grpo.top_p,
         stop_ids=frozenset({*stops, tokenizer.eos_id}),
         pad_id=tokenizer.pad_id,
-        width=tc.seq_len,
-        rows_per_forward=tc.batch_size,
+        width=train.seq_len,
+        rows_per_forward=train.batch_size,
         length_multiple=runtime.tp_size,
     )
-    return RolloutStream(
-        data,
-        model=session.model,
+    return Rollouts(
+        model=model,
         reference=reference,
-        cfg=cfg,
+        cfg=grpo,
         reward=reward,
         tokenizer=tokenizer,
         decoding=decoding,
-        seed=tc.seed,
-        micro_batches=tc.grad_accum_steps,
+        seed=train.seed,
+        layout=(data.dp_rank, data.dp_size, rows),
         device=runtime.device,
         group=runtime.group("world"),
-        autocast=functools.partial(training_autocast, tc, runtime.device),
+        autocast=functools.partial(training_autocast, train, runtime.device),
     )
 
 

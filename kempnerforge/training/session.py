@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +30,21 @@ from kempnerforge.training.phases import PhaseState
 logger = get_logger(__name__)
 
 
+class BatchSource(Protocol):
+    """What makes a stream's micro-batches out of the loader's batches instead of handing
+    those out (GRPO's rollouts: training/objectives/rollouts.py), with state of its own
+    that a checkpoint keeps."""
+
+    def next_batch(self, read: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The next micro-batch; ``read`` draws the loader's next batch (timed as a data
+        wait)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class BatchStream:
     """The training dataloader plus its live iterator.
 
@@ -43,9 +58,11 @@ class BatchStream:
         self,
         pipeline: DataPipeline,
         add_keys: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        source: BatchSource | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._add_keys = add_keys  # what an objective reads besides the data (a reference's)
+        self._source = source  # what makes batches of the loader's (GRPO's rollouts)
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._iterator_loader: Any = None  # the loader the live iterator came from
         self._wait_s = 0.0  # seconds spent in next_batch since the last take_wait_s
@@ -68,13 +85,13 @@ class BatchStream:
 
     def state_dict(self) -> dict[str, Any]:
         """What the stream holds beyond the data position (a checkpoint keeps it in each
-        rank's train state): nothing for a stream that reads the loader; a GRPO rank's
-        current rollout (training/objectives/rollouts.py)."""
-        return {}
+        rank's train state): its source's state, nothing without one."""
+        return {} if self._source is None else self._source.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back what state_dict returned (after the data position is restored)."""
-        del state
+        if self._source is not None:
+            self._source.load_state_dict(state)
 
     def take_wait_s(self) -> float:
         """Seconds next_batch has waited for batches since the last call (a step's data
@@ -155,6 +172,11 @@ class BatchStream:
         return batch
 
     def _timed_next_batch(self) -> dict[str, torch.Tensor]:
+        if self._source is not None:
+            return self._source.next_batch(self._timed_loader_batch)
+        return self._timed_loader_batch()
+
+    def _timed_loader_batch(self) -> dict[str, torch.Tensor]:
         started = time.perf_counter()
         try:
             return self._next_batch()

@@ -282,3 +282,37 @@ def test_dpo_under_fsdp_and_tensor_parallelism_matches_one_process(tmp_path, bui
         cwd=tmp_path, cache=builtin_cache,
     )  # fmt: skip
     assert_every_layout_passes(proc, worlds)
+
+
+GRPO_REWARD = """
+def digits(completion, answer, prompt):
+    return float(sum(c.isdigit() for c in completion) % 3) + 0.25 * (len(completion) % 2)
+"""
+
+
+def test_grpo_under_fsdp_and_tensor_parallelism_matches_one_process(tmp_path, builtin_cache):
+    """train.loss_fn = "grpo" on prepared prompts: each rank samples its own prompts' groups
+    through the sharded or split training forward (every rank decoding the same number of
+    steps), from seeds of the prompt and the completion's number, so the layouts sample the
+    completions one process samples; a reward of the working directory's module scores
+    them with varied values (an untrained model answers no sum right)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = {"cwd": tmp_path, "env": env, "check": True, "capture_output": True, "timeout": 300}
+    (tmp_path / "grpo_check_reward.py").write_text(GRPO_REWARD)
+    example = [sys.executable, "-m", "examples.chat_conversations", "--prompts"]
+    subprocess.run([*example, "--count", "32", "--output", "prompts.jsonl"], **run)
+    prepare = [sys.executable, "-m", "kempnerforge", "prepare-data", "--format", "prompts"]
+    subprocess.run(
+        [*prepare, "--seq-len", "64", "--input", "prompts.jsonl", "--output", "prompts"], **run
+    )
+    worlds = {"dp_shard=2": "2", "tp=2": "2"}
+    grpo = ["--train.loss_fn=grpo", f"--data.path={tmp_path / 'prompts'}", "--data.eval_path="]
+    grpo += ["--eval.interval=0", "--train.seq_len=64", "--model.max_seq_len=64"]
+    grpo += ["--grpo.group_size=4", "--grpo.max_new_tokens=8", "--grpo.iterations=2"]
+    grpo += ["--grpo.reward=grpo_check_reward:digits", "--grpo.kl_beta=0.1"]
+    grpo += ["--train.batch_size=8"]  # 8 completions a step: one group per rank at dp_shard=2
+    proc = check_parallel(
+        "--layouts", *worlds, "--steps", "3", *grpo, "--optimizer.lr=1e-2",
+        cwd=tmp_path, cache=builtin_cache,
+    )  # fmt: skip
+    assert_every_layout_passes(proc, worlds)

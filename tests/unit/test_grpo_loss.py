@@ -196,9 +196,7 @@ def test_batched_decoding_samples_what_the_cached_generator_samples(tiny_job_con
     )  # fmt: skip
     ours = decode_completions(model, prompts, seeds, decoding, torch.device("cpu"), None)
     for prompt, seed, completion in zip(prompts, seeds, ours, strict=True):
-        expected = generate(
-            model, prompt, 10, temperature=1.3, top_p=0.95, stop_id=stop, seed=seed
-        )
+        expected = generate(model, prompt, 10, temperature=1.3, top_p=0.95, stop_id=stop, seed=seed)
         stopped = completion[-1:] == [stop]
         assert completion == expected + ([stop] if stopped else [])
     assert any(len(c) < 10 for c in ours) or all(len(c) == 10 for c in ours)
@@ -215,4 +213,5 @@ def test_grpo_job_rules_name_their_fields(tiny_overrides):
     assert "grpo.clip_low" in refusal("--grpo.clip_low=1.0")
     assert "grpo.reward" in refusal("--grpo.reward= ")
     with pytest.raises(ConfigError, match="distributed.pp"):
-        load_config(None, [*tiny_overrides, "--train.loss_fn=grpo", "--distributed.pp=2"]).validate(2)
+        config = load_config(None, [*tiny_overrides, "--train.loss_fn=grpo", "--distributed.pp=2"])
+        config.validate(2)

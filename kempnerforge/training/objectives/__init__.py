@@ -44,14 +44,14 @@ from kempnerforge.training.objectives.rewards import (
     exact_answer,
     load_reward,
 )
-from kempnerforge.training.objectives.rollouts import Decoding, RolloutStream
+from kempnerforge.training.objectives.rollouts import Decoding, Rollouts
 
 __all__ = [
     "DPO_METRIC_KEYS",
     "Decoding",
     "GRPO_METRIC_KEYS",
     "OLD_LOGPS",
-    "RolloutStream",
+    "Rollouts",
     "MTP_LOSS",
     "MTP_LOSS_BY_DEPTH",
     "OBJECTIVES",

@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor
 from kempnerforge.config.grpo import GRPOConfig
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
-from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.tokenizer import Tokenizer
 from kempnerforge.model.generation import eval_mode, sample_token, seeded_generator
 from kempnerforge.model.heads import IGNORE_INDEX, token_losses
@@ -55,7 +54,6 @@ from kempnerforge.training.objectives.grpo import (
 )
 from kempnerforge.training.objectives.objective import Batch
 from kempnerforge.training.objectives.rewards import RewardFn, checked_reward
-from kempnerforge.training.session import BatchStream
 
 logger = get_logger(__name__)
 
@@ -225,19 +223,18 @@ def label_logps(
     return (-token_losses(logits, labels.to(device))).float().cpu()
 
 
-class RolloutStream(BatchStream):
-    """The batch stream of a GRPO job: micro-batches of the current rollout, sampled afresh
-    every grpo.iterations passes over them.
+class Rollouts:
+    """The micro-batches of a GRPO rank (a BatchSource of training/session.py's BatchStream):
+    those of the current rollout, sampled afresh every grpo.iterations passes over them.
 
     It draws one batch of the pipeline's loader (which the build sizes to a rollout's
-    prompts on this rank) per rollout; the loader's position and this stream's rollout, its
-    number and the micro-batches read of it are its state (state_dict, part of each rank's
-    train state in a checkpoint).
+    prompts on this rank) per rollout; this rank's rollout, its number and the micro-batches
+    read of it are its state (state_dict, part of each rank's train state in a checkpoint),
+    beside the loader's position.
     """
 
     def __init__(
         self,
-        pipeline: DataPipeline,
         *,
         model: nn.Module,
         reference: nn.Module | None,
@@ -246,27 +243,25 @@ class RolloutStream(BatchStream):
         tokenizer: Tokenizer,
         decoding: Decoding,
         seed: int,
-        micro_batches: int,
+        layout: tuple[int, int, int],
         device: torch.device,
         group: dist.ProcessGroup | None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        super().__init__(pipeline)
         self._model, self._reference = model, reference
         self._cfg, self._reward, self._tokenizer = cfg, reward, tokenizer
         self._decoding, self._seed = decoding, seed
-        self._micro_batches, self._device, self._group = micro_batches, device, group
-        self._autocast = autocast
+        self._layout = list(layout)  # [dp rank, dp size, rows per rank]: whose rollout it is
+        self._device, self._group, self._autocast = device, group, autocast
         self._rollout: list[Batch] = []  # the current rollout's micro-batches (on the host)
         self._rollouts = 0  # rollouts sampled so far (the next one's number)
         self._read = 0  # micro-batches read from the current rollout, over its passes
 
-    # --- the stream ----------------------------------------------------------------------
-
-    def _timed_next_batch(self) -> Batch:
-        # Only reading the prompts counts as waiting for data; sampling is the step's work.
+    def next_batch(self, read: Callable[[], Batch]) -> Batch:
+        """The current rollout's next micro-batch, on the device; a new rollout of the
+        prompts ``read`` draws once the last one has served its passes."""
         if self._read >= self._cfg.iterations * len(self._rollout):
-            self._rollout = self._sample_rollout(super()._timed_next_batch())
+            self._rollout = self._sample_rollout(read())
             self._rollouts += 1
             self._read = 0
         batch = self._rollout[self._read % len(self._rollout)]
@@ -280,21 +275,16 @@ class RolloutStream(BatchStream):
             "rollouts": self._rollouts,
             "read": self._read,
             "rollout": [dict(batch) for batch in self._rollout],
-            "layout": self._layout(),
+            "layout": list(self._layout),
         }
 
-    def _layout(self) -> list[int]:
-        """[data-parallel rank, data-parallel size, rows per rank]: whose rollout it is."""
-        rows = self._micro_batches * self._decoding.rows_per_forward
-        return [self._pipeline.dp_rank, self._pipeline.dp_size, rows]
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved rollout where it was left; a rollout saved by a rank with
-        another number of rows is refused while it still has passes to run."""
+        """Continue the saved rollout where it was left; one sampled by another rank, or
+        with another number of rows, is refused while it still has passes to run."""
         rollout = list(state.get("rollout", []))
         read = int(state.get("read", 0))
         unfinished = read < self._cfg.iterations * len(rollout)
-        saved, here = list(state.get("layout", [])), self._layout()
+        saved, here = list(state.get("layout", [])), self._layout
         if unfinished and saved != here:
             raise DataError(
                 "the checkpoint was saved in the middle of a GRPO rollout, sampled by "
@@ -374,9 +364,7 @@ class RolloutStream(BatchStream):
         size = self._decoding.rows_per_forward
         return torch.cat(
             [
-                label_logps(
-                    logits_of, input_ids[i : i + size], labels[i : i + size], self._device
-                )
+                label_logps(logits_of, input_ids[i : i + size], labels[i : i + size], self._device)
                 for i in range(0, input_ids.shape[0], size)
             ]
         )
