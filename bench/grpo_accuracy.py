@@ -28,7 +28,7 @@ from kempnerforge.training.objectives.rollouts import Decoding, decode_completio
 
 
 def accuracy(checkpoint: str, prompts_dir: str, count: int, reward_name: str) -> dict:
-    job = open_for_inference("grpo-accuracy", checkpoint, validate=False)
+    job = open_for_inference("generate", checkpoint, validate=False)
     model = load_for_inference(job)
     config = job.config
     seq_len = config.train.seq_len

@@ -1,13 +1,14 @@
 """DPO through the command line: write arithmetic conversations and preference pairs (the
 right answer chosen, a wrong one rejected), fine-tune the tiny model on the conversations,
 prepare the pairs, train with train.loss_fn = "dpo" from the fine-tuned checkpoint (also the
-reference): the reward accuracy rises and the margins grow; a run stopped halfway and
-resumed logs the same losses and rewards as one that was not."""
+reference): the reward accuracy rises and the margins grow; a run killed with SIGKILL and
+relaunched logs the same losses and rewards as one that was not."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,17 +52,31 @@ def test_the_docs_show_the_commands_of_the_config_header():
         assert re.sub(r"[ ]+", " ", command) in docs, command
 
 
-def _run(tmp_path: Path, *args: str) -> None:
+SIGKILL_HOOK = """
+import os
+import signal
+
+from kempnerforge.training.hooks import TrainingHook
+
+
+class KillAtStep20(TrainingHook):
+    def on_step_end(self, ctx):
+        if ctx.step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _run(tmp_path: Path, *args: str, expect: int = 0) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(tmp_path / "cache")}
     env["PYTHONPATH"] = str(REPO)
     result = subprocess.run(
         [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == expect, result.stderr[-3000:]
 
 
-def _train(tmp_path: Path, config: str, *overrides: str) -> None:
-    _run(tmp_path, "-m", "kempnerforge", "train", config, *MODEL, *overrides)
+def _train(tmp_path: Path, config: str, *overrides: str, expect: int = 0) -> None:
+    _run(tmp_path, "-m", "kempnerforge", "train", config, *MODEL, *overrides, expect=expect)
 
 
 def test_dpo_raises_the_reward_accuracy_and_resumes_exactly(tmp_path):
@@ -91,13 +106,16 @@ def test_dpo_raises_the_reward_accuracy_and_resumes_exactly(tmp_path):
     assert mean(last, "rewards/margins") > mean(first, "rewards/margins") + 0.2
     assert mean(last, "loss") < mean(first, "loss") - 0.1
 
-    # Stopped at step 16 and resumed from its own checkpoint (the reference again from
-    # checkpoint.resume_from): the same losses and rewards, bitwise (deterministic CPU run).
+    # Killed with SIGKILL at the end of step 20 and relaunched: it resumes from its own
+    # checkpoint of step 16 (the reference again from checkpoint.resume_from) and logs the
+    # same losses and rewards, bitwise (deterministic CPU run), steps 17 to 20 twice.
+    (tmp_path / "sigkill_hook.py").write_text(SIGKILL_HOOK)
     halves = ["--train.name=dpo-halves", "--checkpoint.interval=16"]
-    _train(tmp_path, "configs/train/dpo_chat.toml", *DPO, *halves, "--train.max_steps=16")
+    kill = ["--train.hooks=['sigkill_hook:KillAtStep20']"]
+    _train(tmp_path, "configs/train/dpo_chat.toml", *DPO, *halves, *kill, expect=-signal.SIGKILL)
     _train(tmp_path, "configs/train/dpo_chat.toml", *DPO, *halves)
     resumed = train_rows(tmp_path / "runs/dpo-halves")
-    assert [r["step"] for r in resumed] == list(range(1, 33))
+    assert [r["step"] for r in resumed] == [*range(1, 21), *range(17, 33)]
     keys = ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "logps/chosen")
-    for want, got in zip(rows, resumed, strict=True):
+    for want, got in zip([*rows[:20], *rows[16:]], resumed, strict=True):
         assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, got["step"]
