@@ -99,9 +99,10 @@ def check_grpo_job(config: JobConfig) -> None:
          f"a divisor of train.batch_size x train.grad_accum_steps = {rows}",
          "a rank's step holds whole groups: every completion of a prompt is sampled and "
          "trained on the same rank"),
-        (config.fault_tolerance.enabled, "fault_tolerance.enabled", True,
-         "false with train.loss_fn = 'grpo'",
-         "replica groups read their own batch stream, which samples no rollouts"),
+        (config.fault_tolerance.enabled and grpo.iterations > 1, "grpo.iterations",
+         grpo.iterations, "1 with fault_tolerance.enabled",
+         "a replica group samples the prompts of the slots each step's quorum assigns it, "
+         "so a rollout cannot outlive its step"),
     ]  # fmt: skip
     for failed, field, value, expected, hint in rules:
         if failed:

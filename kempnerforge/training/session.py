@@ -44,6 +44,16 @@ class BatchSource(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def windows_per_micro_batch(self, batch_size: int) -> int:
+        """How many of the data's windows one micro-batch of ``batch_size`` rows is made
+        of (a GRPO micro-batch: batch_size / group_size prompts)."""
+        ...
+
+    def micro_batch(self, windows: dict[str, torch.Tensor], number: int) -> dict[str, torch.Tensor]:
+        """The micro-batch made of ``windows`` alone, keyed by ``number`` (the data step):
+        how replica groups, which read the slots their quorum assigned, use the source."""
+        ...
+
 
 class BatchStream:
     """The training dataloader plus its live iterator.
@@ -98,6 +108,11 @@ class BatchStream:
         wait, for the tracker); resets the count."""
         wait, self._wait_s = self._wait_s, 0.0
         return wait
+
+    @property
+    def source(self) -> BatchSource | None:
+        """What makes the micro-batches of the loader's batches, if anything does."""
+        return self._source
 
     @property
     def dataloader(self) -> Any:

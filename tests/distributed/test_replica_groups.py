@@ -7,16 +7,22 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import random
 import signal
 
 import numpy as np
 import pytest
 import torch
 
+from examples.chat_conversations import prompt_row
 from kempnerforge.config.loader import load_config
+from kempnerforge.data.chat import load_chat_template
+from kempnerforge.data.prepare import write_prompts_corpus
+from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.metrics.goodput import account_file
 from kempnerforge.resilience.exit_codes import PREEMPTED
 from kempnerforge.training.replicas.participation import HEALS_KEY, PARTICIPATION_KEY
+from tests.support.chat_files import write_conversations
 from tests.support.data_files import write_token_dir
 from tests.support.metrics_rows import read_rows, train_rows
 from tests.support.replica_groups import (
@@ -334,3 +340,56 @@ def test_groups_that_miss_quorums_show_in_participation_and_one_warning(tmp_path
     said = [run.log(g).count(warning) for g in (0, 1, 2)]
     assert sum(said) >= 1, [run.log(g)[-2000:] for g in (0, 1, 2)]
     assert all(n <= steps // window for n in said), said
+
+
+GRPO_STEPS = 10
+
+
+def test_grpo_groups_sample_each_prompt_once_through_a_kill_and_rejoin(tmp_path):
+    """GRPO's prompts are the slots: each group samples the completions of the slots its
+    quorum assigned (seeded by the prompt, the data step and the completion's number), so
+    a group that steps alone samples both slots' completions as the pair does, and a killed
+    and relaunched group rejoins from its peer: the losses are the uninterrupted pair's and
+    every step's slots are read once."""
+    rows = [prompt_row(random.Random(seed)) for seed in range(64)]
+    source = write_conversations(tmp_path / "prompts.jsonl", rows)
+    prompts = tmp_path / "prompts"
+    write_prompts_corpus(
+        [str(source)], str(prompts), load_tokenizer("byte"), load_chat_template("byte"), 64
+    )
+    grpo = (
+        f"--train.max_steps={GRPO_STEPS}", "--train.seq_len=64", "--model.max_seq_len=64",
+        "--train.loss_fn=grpo", "--grpo.group_size=4", "--grpo.max_new_tokens=6",
+        "--grpo.reward=tests.support.rewards:digits", "--optimizer.lr=1e-2",
+    )  # fmt: skip
+    data = (str(prompts), "")
+    together, faulty = tmp_path / "together", tmp_path / "faulty"
+    together.mkdir()
+    faulty.mkdir()
+    with ReplicaJob(together, data, *grpo) as run:
+        run.start(0, 1)
+        run.finish()
+    reference = {**losses(together / "replica_0"), **losses(together / "replica_1")}
+    assert sorted(reference) == list(range(1, GRPO_STEPS + 1))
+
+    with ReplicaJob(faulty, data, *grpo) as run:
+        run.start(0)
+        run.wait_for_step(0, 1)
+        run.start(1)
+        run.wait_for_step(1, 3)
+        kill(run.groups[1])
+        run.wait_for_step(0, 5)
+        run.start(1)
+        run.finish()
+        assert "with a peer's live state (not read from disk)" in run.log(1)
+    survivor = losses(faulty / "replica_0")
+    assert sorted(survivor) == list(range(1, GRPO_STEPS + 1))
+    model = load_config(DEBUG, tiny_run(None, None, "--model.n_kv_heads=2")).model
+    for step, loss in survivor.items():
+        # One group summing both slots against the pair all-reducing them: fp32 reordering
+        # of the chain over the step's completion tokens (at most 2 slots x 4 x 64).
+        atol = layout_atol(model, 64, tokens=2 * 4 * 64, updates=step - 1, magnitude=1.0)
+        assert loss == pytest.approx(reference[step], abs=atol), step
+    timeline = [e["data_step"] for e in replica_steps(faulty / "replica_0")]
+    assert timeline == list(range(timeline[0], GRPO_STEPS))
+    _assert_slots_split(faulty, (0, 1))

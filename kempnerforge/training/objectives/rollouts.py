@@ -261,11 +261,23 @@ class Rollouts:
         """The current rollout's next micro-batch, on the device; a new rollout of the
         prompts ``read`` draws once the last one has served its passes."""
         if self._read >= self._cfg.iterations * len(self._rollout):
-            self._rollout = self._sample_rollout(read())
+            self._rollout = self._sample_rollout(read(), self._rollouts)
             self._rollouts += 1
             self._read = 0
         batch = self._rollout[self._read % len(self._rollout)]
         self._read += 1
+        return {key: value.to(self._device) for key, value in batch.items()}
+
+    def windows_per_micro_batch(self, batch_size: int) -> int:
+        """A micro-batch of ``batch_size`` completions samples batch_size / group_size
+        prompts."""
+        return batch_size // self._cfg.group_size
+
+    def micro_batch(self, windows: Batch, number: int) -> Batch:
+        """The one micro-batch of a rollout of ``windows``' prompts, numbered ``number``
+        (its seeds), on the device: a replica group's slot (grpo.iterations is 1 there,
+        so nothing is kept for another step)."""
+        (batch,) = self._sample_rollout(windows, number)
         return {key: value.to(self._device) for key, value in batch.items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -308,14 +320,14 @@ class Rollouts:
 
         return logits_of
 
-    def _sample_rollout(self, prompt_batch: Batch) -> list[Batch]:
-        """The micro-batches of a new rollout of ``prompt_batch``'s prompts."""
+    def _sample_rollout(self, prompt_batch: Batch, number: int) -> list[Batch]:
+        """The micro-batches of rollout ``number``, of ``prompt_batch``'s prompts."""
         started = time.perf_counter()
         cfg, decoding = self._cfg, self._decoding
         prompts = prompts_of(prompt_batch)
         rows = [p.ids for p in prompts for _ in range(cfg.group_size)]
         seeds = [
-            completion_seed(self._seed, self._rollouts, p.ids, index)
+            completion_seed(self._seed, number, p.ids, index)
             for p in prompts
             for index in range(cfg.group_size)
         ]
@@ -326,7 +338,7 @@ class Rollouts:
             )
             input_ids, labels = rollout_rows(rows, completions, decoding.width, decoding.pad_id)
             old = self._per_micro_batch(policy, input_ids, labels)
-        rewards = self._rewards(prompts, completions)
+        rewards = self._rewards(prompts, completions, number)
         batch: Batch = {
             "input_ids": input_ids,
             "labels": labels,
@@ -343,7 +355,7 @@ class Rollouts:
         logger.info(
             "grpo: rollout %d: %d prompts x %d completions, %d tokens sampled in %.2f s "
             "(%.0f tokens/s), mean reward %.3f",
-            self._rollouts,
+            number,
             len(prompts),
             cfg.group_size,
             tokens,
@@ -369,7 +381,9 @@ class Rollouts:
             ]
         )
 
-    def _rewards(self, prompts: list[Prompt], completions: list[list[int]]) -> torch.Tensor:
+    def _rewards(
+        self, prompts: list[Prompt], completions: list[list[int]], number: int
+    ) -> torch.Tensor:
         """Each completion's reward, (rows,) fp32: the reward function of its text (its stop
         token left out), its prompt's answer and its prompt's text."""
         decode, stops = self._tokenizer.decode, self._decoding.stop_ids
@@ -377,7 +391,7 @@ class Rollouts:
         for row, completion in enumerate(completions):
             prompt = prompts[row // self._cfg.group_size]
             text = completion[:-1] if completion and completion[-1] in stops else completion
-            where = f"grpo.reward, rollout {self._rollouts}, completion {row}"
+            where = f"grpo.reward, rollout {number}, completion {row}"
             values.append(
                 checked_reward(
                     self._reward, decode(text), decode(prompt.answer_ids), decode(prompt.ids),

@@ -1,5 +1,6 @@
 """A replica group's batches: the step slots its quorum assigned, read straight from the
-dataset, and the data position that only committed steps advance."""
+dataset (and made into micro-batches by the stream's source, if it has one: GRPO samples
+each slot's prompts), and the data position that only committed steps advance."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.utils.data import default_collate
 
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.sampling import StepSlots, assigned_slots
-from kempnerforge.training.session import BatchStream
+from kempnerforge.training.session import BatchSource, BatchStream
 
 
 class SamplerPosition:
@@ -47,8 +48,18 @@ class ReplicaBatches(BatchStream):
     puts a SamplerPosition in its place.
     """
 
-    def __init__(self, pipeline: DataPipeline, num_slots: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        pipeline: DataPipeline,
+        num_slots: int,
+        batch_size: int,
+        source: BatchSource | None = None,
+    ) -> None:
         super().__init__(pipeline)
+        # A source makes each slot's micro-batch of fewer windows (GRPO: its prompts).
+        self._slot_source = source
+        if source is not None:
+            batch_size = source.windows_per_micro_batch(batch_size)
         sampler, dataset = pipeline.sampler, pipeline.dataset
         if sampler is None or dataset is None:
             raise RuntimeError("replica groups need training data (the pipeline has none)")
@@ -93,7 +104,10 @@ class ReplicaBatches(BatchStream):
         windows = self.slots.windows(
             data_step, slot, pipeline.dp_rank, pipeline.sampler.global_index
         )
-        return default_collate([pipeline.dataset[i] for i in windows])
+        batch = default_collate([pipeline.dataset[i] for i in windows])
+        if self._slot_source is not None:
+            return self._slot_source.micro_batch(batch, data_step)
+        return batch
 
     def commit(self) -> int:
         """The attempt's step committed: move to the next data step; return the one consumed."""

@@ -106,6 +106,7 @@ class ReplicaGroup(TrainingHook):
             session.data,
             ft.num_replica_groups * config.train.grad_accum_steps,
             config.train.batch_size,
+            session.batches.source,
         )
         self.manager = make_manager(
             ft, session.runtime, self.group_id, self._load_live, self._live_state
