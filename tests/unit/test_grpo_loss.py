@@ -12,7 +12,8 @@ import torch
 
 from kempnerforge.config.grpo import GRPOConfig
 from kempnerforge.config.loader import load_config
-from kempnerforge.core.errors import ConfigError
+from kempnerforge.core.errors import ConfigError, DataError
+from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.model.generation import generate
 from kempnerforge.model.heads import IGNORE_INDEX, logits_head_loss
 from kempnerforge.model.transformer import Transformer
@@ -26,6 +27,7 @@ from kempnerforge.training.objectives.grpo import (
 )
 from kempnerforge.training.objectives.rollouts import (
     Decoding,
+    Rollouts,
     completion_seed,
     decode_completions,
     group_advantages,
@@ -215,3 +217,29 @@ def test_grpo_job_rules_name_their_fields(tiny_overrides):
     with pytest.raises(ConfigError, match="distributed.pp"):
         config = load_config(None, [*tiny_overrides, "--train.loss_fn=grpo", "--distributed.pp=2"])
         config.validate(2)
+
+
+def _rollouts(layout: tuple[int, int, int]) -> Rollouts:
+    decoding = Decoding(
+        max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, stop_ids=frozenset(),
+        pad_id=0, width=16, rows_per_forward=4,
+    )  # fmt: skip
+    return Rollouts(
+        model=torch.nn.Identity(), reference=None, cfg=GRPOConfig(iterations=2),
+        reward=lambda completion, answer, prompt: 0.0, tokenizer=load_tokenizer("byte"),
+        decoding=decoding, seed=0, layout=layout, device=torch.device("cpu"), group=None,
+    )  # fmt: skip
+
+
+def test_a_rollout_saved_mid_way_resumes_only_on_the_rank_that_sampled_it():
+    saved = _rollouts((1, 2, 8))
+    batch = {"input_ids": torch.zeros(4, 16, dtype=torch.long)}
+    state = {"rollouts": 3, "read": 1, "rollout": [batch, batch], "layout": [1, 2, 8]}
+    saved.load_state_dict(state)
+    assert saved.state_dict()["read"] == 1 and saved.state_dict()["rollouts"] == 3
+    with pytest.raises(DataError, match="rank 1 of 2 with 8 rows.*is 0 of 4 with 8"):
+        _rollouts((0, 4, 8)).load_state_dict(state)
+    # At a rollout's end (2 micro-batches x 2 iterations read) any layout takes it.
+    finished = _rollouts((0, 4, 8))
+    finished.load_state_dict({**state, "read": 4})
+    assert finished.state_dict()["rollout"] == [] and finished.state_dict()["rollouts"] == 3
