@@ -336,7 +336,11 @@ class Rollouts:
             completions = decode_completions(
                 policy, rows, seeds, decoding, self._device, self._group
             )
-            input_ids, labels = rollout_rows(rows, completions, decoding.width, decoding.pad_id)
+            # Rows as wide as the longest needs (rounded up as decoding's forwards are), not
+            # the whole window: the steps' forwards skip the padding.
+            longest = max(len(p) + len(c) for p, c in zip(rows, completions, strict=True))
+            width = _span(longest, decoding)
+            input_ids, labels = rollout_rows(rows, completions, width, decoding.pad_id)
             old = self._per_micro_batch(policy, input_ids, labels)
         rewards = self._rewards(prompts, completions, number)
         batch: Batch = {
