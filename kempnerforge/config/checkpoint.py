@@ -61,6 +61,18 @@ class CheckpointConfig:
     """Also keep every checkpoint whose step is a multiple of this (in optimizer steps),
     whatever keep_last_n says; 0 marks none; at most 2**62 - 1."""
 
+    memory_interval: int = 0
+    """Also copy each rank's share of the training state to node-local shared memory every
+    N optimizer steps (the memory tier, docs/fault-tolerance.md): a restart after a worker
+    or every worker of a node died resumes from the newest copy every rank holds, if it is
+    newer than the newest checkpoint, at memory speed. 0 turns it off. Costs one more copy
+    of the rank's share in host memory per kept copy (2)."""
+    memory_dir: str = ""
+    """Where the memory tier's copies live: a tmpfs that outlives the training processes;
+    empty means /dev/shm/kempnerforge (the system's temporary directory where there is no
+    /dev/shm). Each run keeps its copies in a folder of its own there, removed when the run
+    ends."""
+
     max_failed_saves: int = 3
     """A save on the schedule that fails (full disk, I/O error, permission) is logged as a
     checkpoint_failed event and training goes on, 'latest' unchanged; after this many
@@ -69,7 +81,7 @@ class CheckpointConfig:
     run. At least 1, at most 2**62 - 1."""
 
     def __post_init__(self) -> None:
-        for name in ("interval", "keep_last_n", "keep_every"):
+        for name in ("interval", "keep_last_n", "keep_every", "memory_interval"):
             check_at_least(f"checkpoint.{name}", getattr(self, name), 0, MAX_STEPS)
         check_at_least("checkpoint.max_failed_saves", self.max_failed_saves, 1, MAX_STEPS)
         check_at_least("checkpoint.store_connections", self.store_connections, 1, 1024)

@@ -157,6 +157,13 @@ class JobConfig:
         check_lora_job(self)
         check_dpo_job(self)
         check_grpo_job(self)
+        if self.checkpoint.memory_interval and self.fault_tolerance.enabled:
+            raise ConfigError(
+                "checkpoint.memory_interval",
+                self.checkpoint.memory_interval,
+                "0 with fault_tolerance.enabled",
+                "a relaunched replica group takes a live peer's state, which is newer",
+            )
         # A vision-language job's sequence is its image tokens plus vlm.max_text_len
         # (checked in config/vlm.py's check_job); train.seq_len is not used by it.
         if train.seq_len > model.max_seq_len and not self.is_vlm:

@@ -23,7 +23,7 @@ CAUSES = {
     "recomputed": "steps trained again after a restart or a rollback (less their data waits)",
     "data_wait": "steps waiting for batches (data_wait_share x step time)",
     "startup": "process start to its first step (build, checkpoint load, resume)",
-    "checkpoint": "the step loop blocked on checkpoint saves",
+    "checkpoint": "the step loop blocked on checkpoint saves and memory-tier copies",
     "eval": "in-loop evaluation",
     "replica_heal": "a replica group taking its peers' live state",
     "restart_gap": "one process's last row to the next process's start (requeue, restart)",
@@ -158,7 +158,7 @@ class GoodputAccount:
         self._row_step, self._pending_first, self._pending_again = step, 0, 0
 
     def _add_event(self, row: dict[str, Any], event: str, step: int, since_s: float) -> None:
-        if event == "checkpoint":
+        if event in ("checkpoint", "memory_copy"):  # a save, or the memory tier's copy
             self.seconds["checkpoint"] += _number(row.get("seconds")) or 0.0
         elif event == "replica_step":
             self._take_steps(step)  # committed: trained, in the next row's interval

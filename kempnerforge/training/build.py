@@ -7,11 +7,13 @@ import functools
 import hashlib
 import os
 import random
+import tempfile
 
 import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.memory_tier import MemoryTier, run_key
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.context_parallel import cp_ring
 from kempnerforge.config.data import DataConfig
@@ -257,6 +259,8 @@ def build_session(
         autocast = functools.partial(training_autocast, tc, runtime.device)
         add_logps = ReferenceLogps(freeze_reference(reference), runtime.device, autocast)
         session.use_batches(BatchStream(data, add_keys=add_logps))
+    if (tier := build_memory_tier(config.checkpoint, config.checkpoint_dir, runtime)) is not None:
+        session.use_memory_tier(tier)
     if OLD_LOGPS in objective_of(config).batch_keys:
         reference = None
         if config.grpo.kl_beta > 0:
@@ -266,6 +270,23 @@ def build_session(
         rollouts = build_rollouts(tc, config.grpo, config.data, runtime, data, model, reference)
         session.use_batches(BatchStream(data, source=rollouts))
     return session
+
+
+def build_memory_tier(
+    cfg: CheckpointConfig, checkpoint_dir: str, runtime: RuntimeContext
+) -> MemoryTier | None:
+    """This rank's memory tier (None with checkpoint.memory_interval = 0): under
+    checkpoint.memory_dir (/dev/shm/kempnerforge by default, the temporary directory
+    without /dev/shm), in the run's own folder."""
+    if not cfg.memory_interval:
+        return None
+    base = cfg.memory_dir or (
+        "/dev/shm/kempnerforge"
+        if os.path.isdir("/dev/shm")
+        else os.path.join(tempfile.gettempdir(), "kempnerforge-memory")
+    )
+    root = os.path.join(base, run_key(checkpoint_dir, runtime.world_size))
+    return MemoryTier(root, runtime.rank)
 
 
 def build_rollouts(

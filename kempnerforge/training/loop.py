@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.memory_tier import snapshot
 from kempnerforge.config.job import JobConfig
 from kempnerforge.config.loader import config_to_dict
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.distributed.gradients import total_grad_norm
 from kempnerforge.model.moe import add_router_losses, finish_router_step
@@ -31,7 +30,12 @@ from kempnerforge.resilience.agreement import agreed_stop
 from kempnerforge.resilience.hang import CHECKPOINT, EVAL, STEP, watch
 from kempnerforge.training.eval import evaluate, evaluate_tasks, tasks_due
 from kempnerforge.training.families import family_of
-from kempnerforge.training.faults import attempt_step, roll_back_or_stop, tolerating_failed_saves
+from kempnerforge.training.faults import (
+    attempt_step,
+    drain_after_failure,
+    roll_back_or_stop,
+    tolerating_failed_saves,
+)
 from kempnerforge.training.hooks import HookRunner, StepContext, announce_commit
 from kempnerforge.training.layout import layout_of
 from kempnerforge.training.lr import refresh_learning_rates
@@ -144,7 +148,7 @@ def run_training_loop(
                 _train_step(session, progress)
         _finish(session, progress)
     except BaseException:
-        _drain_after_failure(session.checkpointer)
+        drain_after_failure(session.checkpointer)
         raise
     finally:
         if session.profiler is not None:
@@ -152,6 +156,8 @@ def run_training_loop(
     # Drain the pending save first: teardown must not race a background write.
     with watch(CHECKPOINT, progress.step):
         session.checkpointer.wait()
+    if session.memory_tier is not None:
+        session.memory_tier.close(finished=progress.step >= max_steps)
     # The run's position is recorded; its loader workers go now, not whenever the session
     # is collected. Training again on this session continues at the same batch.
     session.batches.reset()
@@ -371,6 +377,12 @@ def _save_if_due(session: TrainingSession, progress: _Progress) -> None:
         with tolerating_failed_saves(session):
             save_checkpoint(session, progress.step, progress.tokens_seen)
             progress.last_saved = progress.step
+    elif session.config.checkpoint.memory_interval:
+        memory = session.config.checkpoint.memory_interval
+        if progress.step % memory == 0 and progress.step < session.config.train.max_steps:
+            # The memory tier's copy (checkpoint/memory_tier.py); the end's checkpoint follows
+            # the last step.
+            save_checkpoint(session, progress.step, progress.tokens_seen, to_memory=True)
 
 
 def _finish(session: TrainingSession, progress: _Progress) -> None:
@@ -388,32 +400,13 @@ def _finish(session: TrainingSession, progress: _Progress) -> None:
         progress.last_saved = progress.step
 
 
-def _drain_after_failure(checkpointer: CheckpointManager) -> None:
-    """Wait for a save in flight while another error propagates, without masking it.
-
-    A full disk fails the metrics row and the checkpoint alike, in either order; the run
-    stops on the first error, which the CLI reports in one line, so what the drain meets
-    is one more log line, never a traceback chained to it: a save that failed too, or a
-    save committed whose event row (on the full disk) could not be written.
-    """
-    try:
-        checkpointer.wait()
-    except CheckpointError as error:
-        logger.warning("the checkpoint in flight was not saved either: %s", error)
-    except OSError as error:
-        # Raised only past the commit: a failed write of the save itself is a FailedSave.
-        logger.warning("the checkpoint in flight was committed; a write after it failed: %s", error)
-    except Exception:
-        logger.exception("the checkpoint in flight also failed while the run was stopping")
-
-
-# --- Checkpoints ------------------------------------------------------------------------
-
-
-def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> str:
+def save_checkpoint(
+    session: TrainingSession, step: int, tokens_seen: int, *, to_memory: bool = False
+) -> str:
     """Start a checkpoint of ``step`` (committed now in sync mode, later in async mode) with
     the loop's metadata and train state, and log its ``checkpoint`` event (with the seconds
-    the loop blocked for); its path."""
+    the loop blocked for); its path. ``to_memory``: this rank's copy in the memory tier
+    instead (host memory; a ``memory_copy`` event), written in the background."""
     began = time.perf_counter()
     extra = checkpoint_extra(session.config, step, session.phases)
     train_state = capture_train_state(
@@ -427,14 +420,19 @@ def save_checkpoint(session: TrainingSession, step: int, tokens_seen: int) -> st
     # Schedule-free optimizers save their averaged point (a no-op for the others); the
     # save stages its copy before returning, so leaving the context right after is safe.
     with watch(CHECKPOINT, step), optimizer_eval_mode(session.optimizer):
-        path = session.checkpointer.save(
-            step,
-            model=session.model,
-            optimizer=session.optimizer,
-            scheduler=session.scheduler,
-            train_state=train_state,
-        )
+        if to_memory and session.memory_tier is not None:
+            copy = snapshot(session.model, session.optimizer, session.scheduler, train_state)
+            path = session.memory_tier.save(step, copy)
+        else:
+            path = session.checkpointer.save(
+                step,
+                model=session.model,
+                optimizer=session.optimizer,
+                scheduler=session.scheduler,
+                train_state=train_state,
+            )
     # seconds: what the loop blocked for (in async mode the staging only), for goodput.
     seconds = round(time.perf_counter() - began, 3)
-    session.tracker.log_event(step, "checkpoint", path=path, seconds=seconds)
+    event = "memory_copy" if to_memory else "checkpoint"
+    session.tracker.log_event(step, event, path=path, seconds=seconds)
     return path

@@ -10,15 +10,19 @@ alone with load_weights_only). resume_from = "none" always starts afresh.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kempnerforge.checkpoint.disk_format import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.memory_tier import MemoryTier, agreed_step, restore
 from kempnerforge.checkpoint.store import CheckpointStoreError
+from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
@@ -183,31 +187,40 @@ def _config_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, 
 def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int, int]:
     """Load `plan` into the session; return (step, tokens_seen), (0, 0) without a plan.
 
-    After the load every optimizer group takes this launch's hyperparameters (see
-    CONFIG_GROUP_KEYS) and its LR is recomputed from this launch's schedule at the resumed
-    step, so the first step after a resume already uses the new values.
+    With a memory tier (checkpoint.memory_interval), its newest copy every rank holds wins
+    when it is newer than the plan's checkpoint: each rank reads its own share back from
+    host memory. After the load every optimizer group takes this launch's hyperparameters
+    (see CONFIG_GROUP_KEYS) and its LR is recomputed from this launch's schedule at the
+    resumed step, so the first step after a resume already uses the new values.
     """
-    if plan is None:
-        return 0, 0
-    checkpointer, model = session.checkpointer, session.model
-    if plan.mode == WEIGHTS:
-        checkpointer.load_weights(plan.path, model=model)
-        session.tracker.log_event(0, "load_weights", path=plan.where)
-        logger.info("initialised the model from %s (weights only); starting at step 0", plan.where)
+    checkpointer, model, cfg = session.checkpointer, session.model, session.config
+    tier = session.memory_tier
+    memory_step = newer_memory_step(tier, cfg.checkpoint, session.runtime.group("world"), plan)
+    if plan is None and memory_step is None:
         return 0, 0
     configured = _config_hyperparameters(session.optimizer)
-    if plan.mode == FULL:
-        state = checkpointer.load(
-            plan.path, model=model, optimizer=session.optimizer, scheduler=session.scheduler
-        )
+    if memory_step is not None:
+        assert tier is not None
+        began = time.perf_counter()
+        where = f"the memory tier's copy of step {memory_step} ({tier.root})"
+        saved = tier.load(memory_step)
+        # The copy's config against this launch's, as a checkpoint's is (resume_guard.py);
+        # a copy holds no other layout's shards, so it never resets the optimizer.
+        recorded = saved["train_state"].get("extra", {}).get("config")
+        world = session.runtime.world_size
+        check_config_changes(cfg, recorded, where, saved_world_size=world, world_size=world)
+        state = restore(saved, model, session.optimizer, session.scheduler)
+        logger.info("memory tier: read back in %.3f s", time.perf_counter() - began)
     else:
-        checkpointer.load_weights(plan.path, model=model)
-        state = checkpointer.read_train_state(plan.path)
-        session.scheduler.last_epoch = int(state["step"])
-        logger.warning(
-            "resumed %s with a fresh %s optimizer state (checkpoint.reset_optimizer)",
-            plan.where,
-            session.config.optimizer.name,
+        assert plan is not None
+        where = plan.where
+        if plan.mode == WEIGHTS:
+            checkpointer.load_weights(plan.path, model=model)
+            session.tracker.log_event(0, "load_weights", path=plan.where)
+            logger.info("initialised the model from %s (weights only); starting at step 0", where)
+            return 0, 0
+        state = _load_plan(
+            checkpointer, plan, model, session.optimizer, session.scheduler, cfg.optimizer.name
         )
     for group, values in zip(session.optimizer.param_groups, configured, strict=True):
         group.update(values)
@@ -215,15 +228,53 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
     try:
         step, tokens_seen = restore_train_state(session, state)
     except DataError as error:
-        raise DataError(f"{plan.where}: {error}") from None  # name the checkpoint
+        raise DataError(f"{where}: {error}") from None  # name the checkpoint
     refresh_learning_rates(session)
-    cfg = session.config
     session.profiler = build_profiler(
         cfg.profiling, cfg.run_dir, first_step=step, rank=session.runtime.rank
     )
-    session.tracker.log_event(step, "resume", path=plan.where, tokens_seen=tokens_seen)
-    logger.info("resumed from %s at step %d (%d tokens seen)", plan.where, step, tokens_seen)
+    session.tracker.log_event(step, "resume", path=where, tokens_seen=tokens_seen)
+    logger.info("resumed from %s at step %d (%d tokens seen)", where, step, tokens_seen)
     return step, tokens_seen
+
+
+def _load_plan(
+    checkpointer: CheckpointManager,
+    plan: ResumePlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    optimizer_name: str,
+) -> dict[str, Any]:
+    """Load a full or fresh-optimizer plan's checkpoint; its train state."""
+    if plan.mode == FULL:
+        return checkpointer.load(plan.path, model=model, optimizer=optimizer, scheduler=scheduler)
+    checkpointer.load_weights(plan.path, model=model)
+    state = checkpointer.read_train_state(plan.path)
+    scheduler.last_epoch = int(state["step"])
+    logger.warning(
+        "resumed %s with a fresh %s optimizer state (checkpoint.reset_optimizer)",
+        plan.where,
+        optimizer_name,
+    )
+    return state
+
+
+def newer_memory_step(
+    tier: MemoryTier | None,
+    cfg: CheckpointConfig,
+    group: dist.ProcessGroup | None,
+    plan: ResumePlan | None,
+) -> int | None:
+    """The step of the memory tier's newest copy every rank holds, when it is newer than
+    what ``plan`` resumes (a full or fresh-optimizer resume's step; a weights-only start is
+    step 0); None otherwise, without a memory tier, or with resume_from = 'none'.
+    Collective over ``group`` (every rank)."""
+    if tier is None or cfg.resume_from == "none":
+        return None
+    step = agreed_step(tier, group)
+    resumed = plan.step if plan is not None and plan.mode != WEIGHTS else 0
+    return step if step is not None and step > resumed else None
 
 
 def resume_session(session: TrainingSession) -> tuple[int, int]:

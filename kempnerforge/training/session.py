@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.memory_tier import MemoryTier
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import DataError, unwrap_worker_error
 from kempnerforge.core.logging import get_logger
@@ -324,6 +325,15 @@ class TrainingSession:
         step (on the device, not yet reduced over ranks): the step body appends, the loop
         takes them on log steps (training/objectives/objective.py objective_metrics_row)."""
         return self.__dict__.setdefault("_objective_sums", [])
+
+    @property
+    def memory_tier(self) -> MemoryTier | None:
+        """This rank's copies in host memory (checkpoint.memory_interval > 0), or None."""
+        return self.__dict__.get("_memory_tier")
+
+    def use_memory_tier(self, tier: MemoryTier) -> None:
+        """Copy the state to ``tier`` on checkpoint.memory_interval's steps from now on."""
+        self.__dict__["_memory_tier"] = tier
 
     def use_replicas(self, replicas: Replicas) -> None:
         """Sum the steps' reductions over ``replicas`` from now on."""

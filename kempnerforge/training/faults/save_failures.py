@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 
 from kempnerforge.checkpoint.failures import FailedSave
+from kempnerforge.checkpoint.manager import CheckpointManager
 from kempnerforge.core.errors import CheckpointError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.training.session import TrainingSession
@@ -50,3 +51,25 @@ def tolerating_failed_saves(session: TrainingSession) -> Iterator[None]:
             failed,
             allowed,
         )
+
+
+def drain_after_failure(checkpointer: CheckpointManager) -> None:
+    """Wait for a save in flight while another error propagates, without masking it.
+
+    A full disk fails the metrics row and the checkpoint alike, in either order; the run
+    stops on the first error, which the CLI reports in one line, so what the drain meets
+    is one more log line, never a traceback chained to it: a save that failed too, or a
+    save committed whose event row (on the full disk) could not be written.
+    """
+    try:
+        checkpointer.wait()
+    except CheckpointError as error:
+        logger.warning("the checkpoint in flight was not saved either: %s", error)
+    except OSError as error:
+        # Raised only past the commit: a failed write of the save itself is a FailedSave.
+        logger.warning("the checkpoint in flight was committed; a write after it failed: %s", error)
+    except Exception:
+        logger.exception("the checkpoint in flight also failed while the run was stopping")
+
+
+# --- Checkpoints ------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""The memory tier: each rank's share of the training state, copied every
+checkpoint.memory_interval steps into node-local shared memory (a tmpfs such as /dev/shm)
+that outlives the training processes. A worker killed, or every worker of a node restarted
+by torchrun, resumes from the newest copy every rank holds, taken a few steps ago, instead
+of the last persistent checkpoint, and reads it at memory speed.
+
+Layout: ``<memory_dir>/<run key>/step_<N>/rank_<R>.pt``, ``<run key>`` a hash of the
+checkpoint directory and the world size, so two runs on a node never share a copy and a
+launch of another world size finds none. A file is written under a ``.tmp`` name and
+renamed, so one that exists is whole. A copy holds this rank's local shards (of every
+parameter, buffer and optimizer state tensor, as the layout splits them), the scheduler's
+state and the rank's train state, all plain tensors and values that a weights-only load
+reads back: it resumes on the layout that wrote it. The newest ``keep`` steps stay; older
+ones go once a newer one is whole.
+
+Cost: per kept step, one more copy of the rank's share in host memory. The snapshot (a copy
+to host memory, from the device on a GPU) is taken between steps; writing it into the
+tmpfs happens on a background thread, at most one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from kempnerforge.core.logging import get_logger
+
+logger = get_logger(__name__)
+
+STEP_PREFIX = "step_"
+
+
+def run_key(checkpoint_dir: str, world_size: int) -> str:
+    """The memory tier's folder name of a run: its checkpoint directory and world size."""
+    text = f"{os.path.abspath(checkpoint_dir)}|{world_size}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _host_copy(value: Any) -> Any:
+    """``value`` with every tensor replaced by a host copy of its local shard."""
+    if isinstance(value, torch.Tensor):
+        return _local(value).detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_host_copy(v) for v in value)
+    return value
+
+
+def snapshot(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    train_state: dict[str, Any],
+) -> dict[str, Any]:
+    """This rank's share of the training state, copied to host memory now."""
+    return {
+        "model": _host_copy(model.state_dict()),
+        "optimizer": _host_copy(optimizer.state_dict()),
+        "scheduler": _host_copy(scheduler.state_dict()),
+        "train_state": _host_copy(train_state),
+    }
+
+
+def restore(
+    saved: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> dict[str, Any]:
+    """Put a snapshot back into the live model, optimizer and scheduler of the layout that
+    took it; returns its train state. Parameters and buffers are copied into their local
+    shards in place; optimizer state tensors shaped as their parameter's shard become
+    shards of the same layout again."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            _local(tensor).copy_(saved["model"][name])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = saved["optimizer"]
+    for index, entries in state["state"].items():
+        param = params[int(index)]
+        state["state"][index] = {k: _like(v, param) for k, v in entries.items()}
+    optimizer.load_state_dict(state)
+    scheduler.load_state_dict(saved["scheduler"])
+    return saved["train_state"]
+
+
+def _like(value: Any, param: torch.Tensor) -> Any:
+    """An optimizer state entry on the parameter's device, a shard of the parameter's
+    layout when it is shaped as the parameter's shard."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(param, DTensor) and value.shape == param.to_local().shape and value.dim():
+        return DTensor.from_local(
+            value.to(param.device),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return value.to(param.device) if value.dim() else value
+
+
+class MemoryTier:
+    """This rank's copies in ``root`` (``<memory_dir>/<run key>``)."""
+
+    def __init__(self, root: str | os.PathLike[str], rank: int, keep: int = 2) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.keep = keep
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _file(self, step: int) -> Path:
+        return self.root / f"{STEP_PREFIX}{step}" / f"rank_{self.rank}.pt"
+
+    def steps(self) -> list[int]:
+        """Steps of which this rank holds a whole copy, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            name = entry.name
+            if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
+                step = int(name[len(STEP_PREFIX) :])
+                if self._file(step).is_file():
+                    found.append(step)
+        return sorted(found)
+
+    def save(self, step: int, state: dict[str, Any]) -> str:
+        """Write ``state`` (a snapshot) as this rank's copy of ``step`` on a background
+        thread, after the previous write has finished; then drop copies beyond ``keep``.
+        Returns the copy's path."""
+        self.wait()
+        self._writer = threading.Thread(
+            target=self._write, args=(step, state), name="memory-tier-writer", daemon=True
+        )
+        self._writer.start()
+        return str(self._file(step))
+
+    def wait(self) -> None:
+        """Finish the write in flight; a failed write is logged, not raised (the tier is a
+        faster way back, the persistent checkpoints remain the guarantee)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            logger.warning("memory tier: a copy was not written: %s", self._error)
+            self._error = None
+
+    def _write(self, step: int, state: dict[str, Any]) -> None:
+        try:
+            target = self._file(step)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, target)
+            for old in self.steps()[: -self.keep]:
+                self._drop(old)
+        except BaseException as error:  # noqa: BLE001 - reported by wait()
+            self._error = error
+
+    def _drop(self, step: int) -> None:
+        self._file(step).unlink(missing_ok=True)
+        folder = self._file(step).parent
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # the last rank's file gone: the step's folder goes too
+
+    def load(self, step: int) -> dict[str, Any]:
+        """This rank's copy of ``step``, read weights-only (nothing in it can run code)."""
+        return torch.load(self._file(step), map_location="cpu", weights_only=True)
+
+    def close(self, *, finished: bool) -> None:
+        """At the end of a launch: a finished run's copies go (its last checkpoint holds the
+        end); a stopped one's stay for its relaunch, the write in flight finished."""
+        if finished:
+            self.clear()
+        else:
+            self.wait()
+
+    def clear(self) -> None:
+        """Remove this rank's copies, and the run's folders once no rank's are left in
+        them (each rank clears its own: no rank waits for another)."""
+        self.wait()
+        for step in self.steps():
+            self._drop(step)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+
+def agreed_step(tier: MemoryTier, group: dist.ProcessGroup | None) -> int | None:
+    """The newest step of which every rank of ``group`` (None: this process alone) holds a
+    whole copy, or None. One all-gather of each rank's few step numbers."""
+    mine = tier.steps()
+    if group is None:
+        return mine[-1] if mine else None
+    gathered: list[list[int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    common = set(mine)
+    for steps in gathered:
+        common &= set(steps or [])
+    return max(common) if common else None
