@@ -7,7 +7,7 @@ decodes every prompt's completion with the rollouts' own decoder at temperature 
 stopping at the chat template's end of turn or EOS; the accuracy is the mean reward.
 
     python bench/grpo_accuracy.py --prompts data/prompts-eval --count 200 \
-        runs/sft-chat/checkpoints/step_300 runs/grpo-arithmetic/checkpoints/step_20 ...
+        runs/sft-chat/checkpoints/step_1200 runs/grpo-arithmetic/checkpoints/step_20 ...
 
 Prints one JSON line per checkpoint: its path, step, the prompts scored and the accuracy.
 """

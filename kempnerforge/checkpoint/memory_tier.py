@@ -180,8 +180,9 @@ class MemoryTier:
             folder.rmdir()  # the last rank's file gone: the step's folder goes too
 
     def load(self, step: int) -> dict[str, Any]:
-        """This rank's copy of ``step``, read weights-only (nothing in it can run code)."""
-        return torch.load(self._file(step), map_location="cpu", weights_only=True)
+        """This rank's copy of ``step``, read weights-only (nothing in it can run code) and
+        mapped, not read: restore copies each tensor from the tmpfs straight into its live one."""
+        return torch.load(self._file(step), map_location="cpu", weights_only=True, mmap=True)
 
     def close(self, *, finished: bool) -> None:
         """At the end of a launch: a finished run's copies go (its last checkpoint holds the
