@@ -243,3 +243,15 @@ def test_a_rollout_saved_mid_way_resumes_only_on_the_rank_that_sampled_it():
     finished = _rollouts((0, 4, 8))
     finished.load_state_dict({**state, "read": 4})
     assert finished.state_dict()["rollout"] == [] and finished.state_dict()["rollouts"] == 3
+
+
+def test_a_bad_grpo_step_is_traced_to_the_prompts_of_its_rollout():
+    """Fault attribution records the windows a step's data came from: for GRPO the
+    rollout's prompts, batch_size / group_size per micro-batch, not batch_size windows."""
+    from kempnerforge.config.train import TrainConfig
+    from kempnerforge.training.faults.attribution import _rows_per_step
+
+    train = TrainConfig(batch_size=16, grad_accum_steps=2)
+    rollouts = _rollouts((0, 1, 32))  # group_size 4 (GRPOConfig's default)
+    assert _rows_per_step(train, rollouts) == 2 * 16 // 4
+    assert _rows_per_step(train, None) == 32

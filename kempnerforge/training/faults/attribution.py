@@ -28,7 +28,7 @@ from kempnerforge.core.errors import HardwareFaultError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.bad_windows import write_bad_data
 from kempnerforge.resilience.nan import LOSS_SPIKE, NaNDetector
-from kempnerforge.training.session import StepResult, TrainingSession
+from kempnerforge.training.session import BatchSource, StepResult, TrainingSession
 
 logger = get_logger(__name__)
 
@@ -48,7 +48,9 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
     the rollback streak and names the windows it read.
     """
     train = session.config.train
-    describe = functools.partial(session.data.describe_last_read, _rows_per_step(train))
+    describe = functools.partial(
+        session.data.describe_last_read, _rows_per_step(train, session.batches.source)
+    )
     if train.attribute_faults and session.replicas.replays_attempts:
         result, described = _attempt_with_rerun(session, step)
         if described is not None:
@@ -61,9 +63,14 @@ def attempt_step(session: TrainingSession, step: int) -> tuple[StepResult, bool]
     return result, good
 
 
-def _rows_per_step(train: TrainConfig) -> int:
-    """The positions of the data order each data-parallel rank reads in one step."""
-    return train.batch_size * train.grad_accum_steps
+def _rows_per_step(train: TrainConfig, source: BatchSource | None) -> int:
+    """The positions of the data order each data-parallel rank reads in one step: a
+    micro-batch's windows per micro-batch (a source's may be fewer: GRPO's are its
+    prompts, the last ones read whichever step of their rollout this is)."""
+    per_micro_batch = (
+        train.batch_size if source is None else source.windows_per_micro_batch(train.batch_size)
+    )
+    return per_micro_batch * train.grad_accum_steps
 
 
 def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult, str | None]:
@@ -90,7 +97,9 @@ def _attempt_with_rerun(session: TrainingSession, step: int) -> tuple[StepResult
         if repeat is None:
             _record_hardware_fault(session, step + 1, fault, first, second, ranks[0])
             return second, None
-        described = session.data.describe_last_read(_rows_per_step(session.config.train))
+        described = session.data.describe_last_read(
+            _rows_per_step(session.config.train, session.batches.source)
+        )
         _record_bad_data(session, step + 1, repeat, dp_ranks[1])
         return second, described
     finally:
@@ -159,7 +168,9 @@ def _record_bad_data(session: TrainingSession, step: int, fault: str, dp_ranks: 
     else of every rank) as bad data, skip them from the next batch on, log ``bad_data``."""
     data = session.data
     ranks = dp_ranks or list(range(data.dp_size))
-    read = data.windows_last_read(_rows_per_step(session.config.train), ranks)
+    read = data.windows_last_read(
+        _rows_per_step(session.config.train, session.batches.source), ranks
+    )
     if read is None:
         logger.warning("step %d: the fault repeated, but the loader keeps no position", step)
         return
