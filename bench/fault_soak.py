@@ -1,0 +1,176 @@
+"""A fault soak: train under torchrun while faults strike on a schedule, relaunch after each,
+and report the goodput and the steps each fault cost, with the memory tier and without.
+
+    python bench/fault_soak.py [--minutes 20] [--fault-every 120] [--memory-interval 2]
+                               [--checkpoint-interval 50] [--nproc 2] [--check]
+
+Each arm (memory tier on: checkpoint.memory_interval = --memory-interval; off: 0) trains
+the debug config's model (configs/train/debug.toml, FSDP over --nproc CPU ranks) for
+--minutes of wall time. Every --fault-every seconds one fault strikes, in turn:
+
+- worker: one rank's process killed with SIGKILL (the others fail their next collective
+  and torchrun ends the job);
+- node: torchrun and every rank killed with SIGKILL at once;
+- hang: one rank stopped with SIGSTOP, so the others wait in a collective until the hang
+  watchdog (train.hang_timeout_s) ends the job.
+
+Then the job is launched again at once, as a requeue would (torchrun --max_restarts=0, as
+the SLURM scripts run it), and resumes from the newest state it finds. At the end the last
+launch is stopped with SIGTERM (it saves and exits). Reported per arm: the goodput account
+of the run (`kempnerforge goodput`), and per fault the step reached before it, the step
+resumed from and the steps lost. With --check, an uninterrupted run to the same step gives
+each step's loss, which every step of the soak must equal bitwise (deterministic CPU run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kempnerforge.metrics.goodput import account_file
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "train" / "debug.toml")
+FAULTS = ("worker", "node", "hang")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a row torn by a kill
+    return found
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Each step's loss, the last logged one for a step logged twice."""
+    return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r and "event" not in r}
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def launch(run_dir: Path, args: argparse.Namespace, memory_interval: int, max_steps: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={args.nproc}", "--max_restarts=0",
+        "-m", "kempnerforge", "train", DEBUG,
+        f"--train.run_dir={run_dir}", f"--train.max_steps={max_steps}",
+        "--train.deterministic=true", "--train.sample_tokens=0", "--eval.interval=0",
+        "--metrics.log_interval=1", "--metrics.progress=off",
+        f"--distributed.dp_shard={args.nproc}", "--train.hang_timeout_s=30",
+        f"--checkpoint.interval={args.checkpoint_interval}",
+        f"--checkpoint.memory_interval={memory_interval}",
+        f"--checkpoint.memory_dir={args.shm}",
+    ]  # fmt: skip
+    log = open(run_dir.parent / f"{run_dir.name}.log", "a")  # noqa: SIM115 - the job's life
+    return subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def strike(job: subprocess.Popen, kind: str) -> None:
+    ranks = children(job.pid)
+    if kind == "node" or not ranks:
+        os.killpg(job.pid, signal.SIGKILL)
+    elif kind == "worker":
+        os.kill(ranks[-1], signal.SIGKILL)
+    else:
+        os.kill(ranks[-1], signal.SIGSTOP)
+
+
+def soak(root: Path, args: argparse.Namespace, memory_interval: int) -> dict:
+    run_dir = root / ("memory" if memory_interval else "disk")
+    run_dir.mkdir(parents=True)
+    max_steps = 1_000_000
+    started = time.monotonic()
+    faults: list[dict] = []
+    job = launch(run_dir, args, memory_interval, max_steps)
+    next_fault = started + args.fault_every
+    while time.monotonic() - started < args.minutes * 60:
+        time.sleep(1)
+        if time.monotonic() >= next_fault:
+            kind = FAULTS[len(faults) % len(FAULTS)]
+            reached = max(losses(run_dir), default=0)
+            strike(job, kind)
+            try:
+                job.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+            faults.append({"kind": kind, "reached": reached})
+            job = launch(run_dir, args, memory_interval, max_steps)
+            next_fault = time.monotonic() + args.fault_every
+    os.killpg(job.pid, signal.SIGTERM)
+    job.wait(timeout=300)
+    resumes = [r for r in rows(run_dir) if r.get("event") == "resume"]
+    for fault, resume in zip(faults, resumes, strict=False):
+        fault["resumed"] = resume["step"]
+        fault["from"] = "memory" if "memory tier" in str(resume.get("path")) else "checkpoint"
+        fault["lost"] = fault["reached"] - resume["step"]
+    report = account_file(run_dir / "metrics.jsonl")
+    return {
+        "memory_interval": memory_interval,
+        "steps": max(losses(run_dir), default=0),
+        "goodput": report.goodput,
+        "seconds": report.seconds,
+        "faults": faults,
+        "run_dir": str(run_dir),
+    }
+
+
+def check(root: Path, args: argparse.Namespace, result: dict) -> int:
+    """Train without faults to the soak's last step; the steps whose losses differ."""
+    reference = root / f"reference-{result['memory_interval']}"
+    reference.mkdir()
+    job = launch(reference, args, 0, result["steps"])
+    job.wait()
+    want, got = losses(reference), losses(Path(result["run_dir"]))
+    return sum(1 for step, loss in got.items() if want.get(step) != loss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--fault-every", type=float, default=120.0)
+    parser.add_argument("--memory-interval", type=int, default=2)
+    parser.add_argument("--checkpoint-interval", type=int, default=50)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="fault-soak-"))
+    # The memory tier's copies in a tmpfs of their own, removed at the end (a soak's last
+    # launch is stopped, not finished, so its copies would stay).
+    args.shm = tempfile.mkdtemp(
+        prefix="fault-soak-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+    )
+    try:
+        for memory_interval in (args.memory_interval, 0):
+            result = soak(root, args, memory_interval)
+            if args.check:
+                result["steps_differing"] = check(root, args, result)
+            print(json.dumps(result), flush=True)
+    finally:
+        shutil.rmtree(args.shm, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
