@@ -25,6 +25,7 @@ each step's loss, which every step of the soak must equal bitwise (deterministic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -87,14 +88,27 @@ def launch(run_dir: Path, args: argparse.Namespace, memory_interval: int, max_st
     )
 
 
-def strike(job: subprocess.Popen, kind: str) -> None:
+def strike(job: subprocess.Popen, kind: str) -> list[int]:
+    """The fault ``kind`` on ``job``; returns its ranks' pids (torchrun starts each rank in
+    a process group of its own, so killing torchrun's group leaves them running)."""
     ranks = children(job.pid)
     if kind == "node" or not ranks:
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
         os.killpg(job.pid, signal.SIGKILL)
     elif kind == "worker":
         os.kill(ranks[-1], signal.SIGKILL)
     else:
         os.kill(ranks[-1], signal.SIGSTOP)
+    return ranks
+
+
+def reap(ranks: list[int]) -> None:
+    """Kill whatever of a finished job's ranks is left (a stopped rank torchrun could not
+    end), so no rank of an old launch trains beside the next one."""
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def soak(root: Path, args: argparse.Namespace, memory_interval: int) -> dict:
@@ -110,17 +124,20 @@ def soak(root: Path, args: argparse.Namespace, memory_interval: int) -> dict:
         if time.monotonic() >= next_fault:
             kind = FAULTS[len(faults) % len(FAULTS)]
             reached = max(losses(run_dir), default=0)
-            strike(job, kind)
+            ranks = strike(job, kind)
             try:
                 job.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
+            reap(ranks)
             faults.append({"kind": kind, "reached": reached})
             job = launch(run_dir, args, memory_interval, max_steps)
             next_fault = time.monotonic() + args.fault_every
-    os.killpg(job.pid, signal.SIGTERM)
+    ranks = children(job.pid)
+    os.killpg(job.pid, signal.SIGTERM)  # torchrun passes the stop to its ranks: they save
     job.wait(timeout=300)
+    reap(ranks)
     resumes = [r for r in rows(run_dir) if r.get("event") == "resume"]
     for fault, resume in zip(faults, resumes, strict=False):
         fault["resumed"] = resume["step"]
