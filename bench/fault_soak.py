@@ -41,6 +41,8 @@ from kempnerforge.metrics.goodput import account_file
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "train" / "debug.toml")
 FAULTS = ("worker", "node", "hang")
+MAX_STEPS = 1_000_000
+"""train.max_steps of every launch: the soak ends by time, and its LR schedule is fixed."""
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -114,7 +116,7 @@ def reap(ranks: list[int]) -> None:
 def soak(root: Path, args: argparse.Namespace, memory_interval: int) -> dict:
     run_dir = root / ("memory" if memory_interval else "disk")
     run_dir.mkdir(parents=True)
-    max_steps = 1_000_000
+    max_steps = MAX_STEPS
     started = time.monotonic()
     faults: list[dict] = []
     job = launch(run_dir, args, memory_interval, max_steps)
@@ -158,8 +160,14 @@ def check(root: Path, args: argparse.Namespace, result: dict) -> int:
     """Train without faults to the soak's last step; the steps whose losses differ."""
     reference = root / f"reference-{result['memory_interval']}"
     reference.mkdir()
-    job = launch(reference, args, 0, result["steps"])
-    job.wait()
+    # The soak's max_steps (its LR schedule), stopped once it has logged the soak's steps.
+    job = launch(reference, args, 0, MAX_STEPS)
+    while max(losses(reference), default=0) < result["steps"] and job.poll() is None:
+        time.sleep(1)
+    ranks = children(job.pid)
+    os.killpg(job.pid, signal.SIGTERM)
+    job.wait(timeout=300)
+    reap(ranks)
     want, got = losses(reference), losses(Path(result["run_dir"]))
     return sum(1 for step, loss in got.items() if want.get(step) != loss)
 
