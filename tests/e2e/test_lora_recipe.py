@@ -6,34 +6,17 @@ export as a peft adapter folder."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import config_header
 from tests.support.metrics_rows import train_rows
+from tests.support.recipe_runs import REPO, SEQ, TINY_MODEL, assert_docs_show_header, run_python
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).parents[2]
-CONFIG = REPO / "configs" / "train" / "lora_chat.toml"
-SEQ = 96
 MODEL = [
-    "--model.dim=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.multiple_of=16",
-    f"--model.max_seq_len={SEQ}",
-    f"--train.seq_len={SEQ}",
-    "--metrics.progress=off",
-    "--train.sample_tokens=0",
-    "--eval.interval=0",
-    "--data.eval_path=",
-    "--metrics.log_interval=1",
+    *TINY_MODEL,
     "--train.max_steps=30",
     "--checkpoint.resume_from=none",
     "--checkpoint.load_weights_only=false",
@@ -41,20 +24,11 @@ MODEL = [
 
 
 def test_the_docs_show_the_commands_of_the_config_header():
-    docs = re.sub(r"[ ]+", " ", (REPO / "docs" / "training.md").read_text())
-    commands = config_header.header_commands(CONFIG)
-    assert len(commands) == 2
-    for command in commands:
-        assert re.sub(r"[ ]+", " ", command) in docs, command
+    assert_docs_show_header("lora_chat.toml", 2)
 
 
 def _run(tmp_path: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(tmp_path / "cache")}
-    env["PYTHONPATH"] = str(REPO)
-    result = subprocess.run(
-        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_python(tmp_path, *args)
 
 
 def test_the_lora_recipe_trains_the_adapters_and_exports_them(tmp_path):
