@@ -76,9 +76,12 @@ def _release(slurm: SlurmCluster, job: int) -> None:
     Not in the second its last run was killed: slurmd refuses a launch whose credential is
     not newer, in whole seconds, than that kill ("Job N already killed, do not launch batch
     job"), and the job then FAILS. SLURM's own hold never meets this; a release at once did.
+    The jobs are submitted together, so on a loaded machine SLURM's own hold may have ended
+    before a test gets here: a job no longer pending has been released already.
     """
     time.sleep(2.0)
-    assert slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+    released = slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    assert released.returncode == 0 or "no longer pending" in released.stderr, released
 
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
