@@ -170,6 +170,11 @@ class GoodputAccount:
             self._row_step = max(self._row_step, step)
         elif event == "load_weights":
             self._row_step = step  # a new run from another's weights starts at step 0
+        elif event == "resume":
+            # The process trains from the resumed step, which may be newer than its start
+            # event's (that is written before the memory tier's newer copy is chosen): the
+            # steps between were read back, not trained.
+            self._row_step = step
         elif event in RESTART_EVENTS:
             # The steps trained since the previous row, up to the one rolled back from,
             # are in the next row's interval too.

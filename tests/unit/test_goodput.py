@@ -103,6 +103,28 @@ def test_a_restart_counts_its_gap_its_start_up_and_the_steps_it_trains_again():
     assert account_rows(rows).num_processes == 2
 
 
+def test_a_resume_from_a_newer_memory_copy_than_the_start_event_names_trains_from_it():
+    """The start event names the persistent checkpoint's step (written before the memory
+    tier's newer copy is chosen); the steps up to the resumed one were read back, not
+    trained: only those past it that the dead process had trained are recomputed."""
+    rows = [
+        start(0, started=0.0, at=1.0),
+        train(10, at=12.0, step_time_s=1.0),  # start-up 2
+        train(12, at=14.0, step_time_s=1.0),  # steps 11-12, then the process dies
+        start(0, started=20.0, at=21.0),  # no checkpoint on disk: step 0; gap 6
+        event(11, "resume", at=22.0, path="the memory tier's copy of step 11", tokens_seen=0),
+        train(13, at=25.0, step_time_s=1.0),  # step 12 again, step 13 first; start-up 3
+    ]
+    assert_seconds(
+        rows,
+        total=25.0,
+        productive=10.0 + 2.0 + 1.0,
+        recomputed=1.0,
+        startup=2.0 + 3.0,
+        restart_gap=6.0,
+    )
+
+
 def test_a_rollback_counts_the_steps_trained_again():
     rows = [
         start(0, started=0.0, at=0.5),
