@@ -2,7 +2,8 @@
 and report the goodput and the steps each fault cost, with the memory tier and without.
 
     python bench/fault_soak.py [--minutes 20] [--fault-every 120] [--memory-interval 2]
-                               [--checkpoint-interval 50] [--nproc 2] [--check]
+                               [--checkpoint-interval 50] [--nproc 2]
+                               [--hang-timeout-s 30] [--check]
 
 Each arm (memory tier on: checkpoint.memory_interval = --memory-interval; off: 0) trains
 the debug config's model (configs/train/debug.toml, FSDP over --nproc CPU ranks) for
@@ -12,14 +13,15 @@ the debug config's model (configs/train/debug.toml, FSDP over --nproc CPU ranks)
   and torchrun ends the job);
 - node: torchrun and every rank killed with SIGKILL at once;
 - hang: one rank stopped with SIGSTOP, so the others wait in a collective until the hang
-  watchdog (train.hang_timeout_s) ends the job.
+  watchdog (train.hang_timeout_s = --hang-timeout-s) ends the job.
 
 Then the job is launched again at once, as a requeue would (torchrun --max_restarts=0, as
 the SLURM scripts run it), and resumes from the newest state it finds. At the end the last
 launch is stopped with SIGTERM (it saves and exits). Reported per arm: the goodput account
 of the run (`kempnerforge goodput`), and per fault the step reached before it, the step
-resumed from and the steps lost. With --check, an uninterrupted run to the same step gives
-each step's loss, which every step of the soak must equal bitwise (deterministic CPU run).
+resumed from and the steps lost. With --check, one uninterrupted run to the longer arm's
+last step gives each step's loss, which every step of both arms must equal bitwise
+(a deterministic CPU run); ``steps_differing`` counts those that do not.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def launch(run_dir: Path, args: argparse.Namespace, memory_interval: int, max_st
         f"--train.run_dir={run_dir}", f"--train.max_steps={max_steps}",
         "--train.deterministic=true", "--train.sample_tokens=0", "--eval.interval=0",
         "--metrics.log_interval=1", "--metrics.progress=off",
-        f"--distributed.dp_shard={args.nproc}", "--train.hang_timeout_s=30",
+        f"--distributed.dp_shard={args.nproc}", f"--train.hang_timeout_s={args.hang_timeout_s}",
         f"--checkpoint.interval={args.checkpoint_interval}",
         f"--checkpoint.memory_interval={memory_interval}",
         f"--checkpoint.memory_dir={args.shm}",
@@ -156,20 +158,19 @@ def soak(root: Path, args: argparse.Namespace, memory_interval: int) -> dict:
     }
 
 
-def check(root: Path, args: argparse.Namespace, result: dict) -> int:
-    """Train without faults to the soak's last step; the steps whose losses differ."""
-    reference = root / f"reference-{result['memory_interval']}"
+def reference_losses(root: Path, args: argparse.Namespace, steps: int) -> dict[int, float]:
+    """Each step's loss of a run without faults, trained to ``steps`` (the soak's
+    train.max_steps, so the same LR schedule, stopped once it has logged them)."""
+    reference = root / "reference"
     reference.mkdir()
-    # The soak's max_steps (its LR schedule), stopped once it has logged the soak's steps.
     job = launch(reference, args, 0, MAX_STEPS)
-    while max(losses(reference), default=0) < result["steps"] and job.poll() is None:
+    while max(losses(reference), default=0) < steps and job.poll() is None:
         time.sleep(1)
     ranks = children(job.pid)
     os.killpg(job.pid, signal.SIGTERM)
     job.wait(timeout=300)
     reap(ranks)
-    want, got = losses(reference), losses(Path(result["run_dir"]))
-    return sum(1 for step, loss in got.items() if want.get(step) != loss)
+    return losses(reference)
 
 
 def main() -> None:
@@ -179,6 +180,7 @@ def main() -> None:
     parser.add_argument("--memory-interval", type=int, default=2)
     parser.add_argument("--checkpoint-interval", type=int, default=50)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--hang-timeout-s", type=float, default=30.0)
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fault-soak-"))
@@ -188,10 +190,13 @@ def main() -> None:
         prefix="fault-soak-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
     )
     try:
-        for memory_interval in (args.memory_interval, 0):
-            result = soak(root, args, memory_interval)
-            if args.check:
-                result["steps_differing"] = check(root, args, result)
+        results = [soak(root, args, interval) for interval in (args.memory_interval, 0)]
+        if args.check:  # one uninterrupted run serves both arms
+            want = reference_losses(root, args, max(r["steps"] for r in results))
+            for result in results:
+                got = losses(Path(result["run_dir"]))
+                result["steps_differing"] = sum(1 for k, v in got.items() if want.get(k) != v)
+        for result in results:
             print(json.dumps(result), flush=True)
     finally:
         shutil.rmtree(args.shm, ignore_errors=True)

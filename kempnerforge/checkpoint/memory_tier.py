@@ -16,6 +16,11 @@ ones go once a newer one is whole.
 Cost: per kept step, one more copy of the rank's share in host memory. The snapshot (a copy
 to host memory, from the device on a GPU) is taken between steps; writing it into the
 tmpfs happens on a background thread, at most one at a time.
+
+On a job of several nodes each copy is also sent to a peer rank on another node, which
+keeps it as ``step_<N>/peer_<R>.pt`` (checkpoint/memory_peer.py): a restart after a whole
+node was lost takes a rank's copy from its peer. The ranks agree on the newest step every
+one of them can reach, its own copy or the one its peer keeps.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kempnerforge.checkpoint.memory_peer import (
+    PeerLink,
+    agree_newest,
+    file_bytes,
+    file_of_size,
+    transfer,
+)
 from kempnerforge.core.logging import get_logger
 
 logger = get_logger(__name__)
@@ -115,20 +127,31 @@ def _like(value: Any, param: torch.Tensor) -> Any:
 
 
 class MemoryTier:
-    """This rank's copies in ``root`` (``<memory_dir>/<run key>``)."""
+    """This rank's copies in ``root`` (``<memory_dir>/<run key>``), and those of the rank
+    whose copies it keeps when ``peer`` links it to other nodes."""
 
-    def __init__(self, root: str | os.PathLike[str], rank: int, keep: int = 2) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        rank: int,
+        keep: int = 2,
+        peer: PeerLink | None = None,
+    ) -> None:
         self.root = Path(root)
         self.rank = rank
         self.keep = keep
+        self.peer = peer
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def _file(self, step: int) -> Path:
-        return self.root / f"{STEP_PREFIX}{step}" / f"rank_{self.rank}.pt"
+    def _file(self, step: int, owner: int | None = None) -> Path:
+        """This rank's copy of ``step``, or the kept copy of rank ``owner``'s."""
+        name = f"rank_{self.rank}.pt" if owner is None else f"peer_{owner}.pt"
+        return self.root / f"{STEP_PREFIX}{step}" / name
 
-    def steps(self) -> list[int]:
-        """Steps of which this rank holds a whole copy, oldest first."""
+    def steps(self, owner: int | None = None) -> list[int]:
+        """Steps of which this rank holds a whole copy of its own (of rank ``owner``'s,
+        kept for it), oldest first."""
         if not self.root.is_dir():
             return []
         found = []
@@ -136,7 +159,7 @@ class MemoryTier:
             name = entry.name
             if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
                 step = int(name[len(STEP_PREFIX) :])
-                if self._file(step).is_file():
+                if self._file(step, owner).is_file():
                     found.append(step)
         return sorted(found)
 
@@ -162,22 +185,109 @@ class MemoryTier:
             self._error = None
 
     def _write(self, step: int, state: dict[str, Any]) -> None:
+        written: Path | None = None
         try:
             target = self._file(step)
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(target.name + ".tmp")
             torch.save(state, tmp)
             os.replace(tmp, target)
-            for old in self.steps()[: -self.keep]:
-                self._drop(old)
+            written = target
         except BaseException as error:  # noqa: BLE001 - reported by wait()
             self._error = error
+        if self.peer is not None:  # even without a copy: the peer waits to hear so
+            try:
+                self._swap_with_peers(step, written)
+            except BaseException as error:  # noqa: BLE001 - reported by wait()
+                self._error = self._error or error
+        try:
+            for old in self.steps()[: -self.keep]:
+                self._drop(old)
+            if self.peer is not None:
+                for old in self.steps(self.peer.source)[: -self.keep]:
+                    self._drop(old, self.peer.source)
+        except OSError as error:
+            self._error = self._error or error
 
-    def _drop(self, step: int) -> None:
-        self._file(step).unlink(missing_ok=True)
+    def _swap_with_peers(self, step: int, written: Path | None) -> None:
+        """Send this rank's copy of ``step`` to its peer; keep its source's copy."""
+        assert self.peer is not None
+        kept = self._file(step, self.peer.source)
+        tmp = kept.with_name(kept.name + ".tmp")
+        received = transfer(
+            self.peer,
+            None if written is None else file_bytes(written),
+            to=self.peer.peer,
+            step=step,
+            receive_from=self.peer.source,
+            receive_into=file_of_size(tmp),
+        )
+        if received is not None:
+            del received  # the mapping, written through into the file
+            os.replace(tmp, kept)
+
+    def _drop(self, step: int, owner: int | None = None) -> None:
+        self._file(step, owner).unlink(missing_ok=True)
         folder = self._file(step).parent
         with contextlib.suppress(OSError):
             folder.rmdir()  # the last rank's file gone: the step's folder goes too
+
+    def reachable_steps(self) -> list[int]:
+        """Steps of which this rank can read its copy back: its own, and those its peer
+        keeps for it. Collective over this rank's pair groups (every rank calls it)."""
+        own = self.steps()
+        if self.peer is None:
+            return own
+        kept = torch.tensor(self.steps(self.peer.source)[-8:], dtype=torch.int64)
+        from_peer = transfer(
+            self.peer,
+            kept,
+            to=self.peer.source,
+            step=-1,
+            receive_from=self.peer.peer,
+            receive_into=lambda n: torch.empty(n, dtype=torch.int64),
+        )
+        return sorted(set(own) | set(from_peer.tolist() if from_peer is not None else []))
+
+    def fetch(self, step: int) -> int | None:
+        """Make sure this rank holds its own copy of ``step``, taking the one its peer keeps
+        when it has none; returns the rank it took it from, None when it had its own.
+        Collective over the pair groups: every rank calls it with the same step, and sends
+        its source the copy it keeps of it when the source lacks one."""
+        need = not self._file(step).is_file()
+        if self.peer is None:
+            return None
+        flag = torch.tensor([int(need)], dtype=torch.int64)
+        source_needs = transfer(
+            self.peer,
+            flag,
+            to=self.peer.peer,
+            step=step,
+            receive_from=self.peer.source,
+            receive_into=lambda n: torch.empty(n, dtype=torch.int64),
+        )
+        give = source_needs is not None and bool(source_needs[0])
+        kept = self._file(step, self.peer.source)
+        mine = self._file(step)
+        tmp = mine.with_name(mine.name + ".tmp")
+        received = transfer(
+            self.peer,
+            file_bytes(kept) if give and kept.is_file() else None,
+            to=self.peer.source if give else None,
+            step=step,
+            receive_from=self.peer.peer if need else None,
+            receive_into=file_of_size(tmp),
+        )
+        if need and received is None:
+            raise RuntimeError(
+                f"memory tier: rank {self.peer.peer} keeps no copy of step {step} for rank "
+                f"{self.rank}, although it said it did"
+            )
+        if received is None:
+            return None
+        del received
+        os.replace(tmp, mine)
+        return self.peer.peer
 
     def load(self, step: int) -> dict[str, Any]:
         """This rank's copy of ``step``, read weights-only (nothing in it can run code) and
@@ -198,19 +308,27 @@ class MemoryTier:
         self.wait()
         for step in self.steps():
             self._drop(step)
+        if self.peer is not None:
+            for step in self.steps(self.peer.source):
+                self._drop(step, self.peer.source)
         with contextlib.suppress(OSError):
             self.root.rmdir()
 
 
-def agreed_step(tier: MemoryTier, group: dist.ProcessGroup | None) -> int | None:
-    """The newest step of which every rank of ``group`` (None: this process alone) holds a
-    whole copy, or None. One all-gather of each rank's few step numbers."""
-    mine = tier.steps()
+def agreed_step(
+    tier: MemoryTier, group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> int | None:
+    """The newest step of which every rank of ``group`` (None: this process alone) can read
+    its copy back (its own, or its peer's: MemoryTier.reachable_steps), or None. A few
+    all-reduces of one number on ``device`` (the group's device), whatever the world size
+    (memory_peer.agree_newest)."""
+    mine = tier.reachable_steps()
     if group is None:
         return mine[-1] if mine else None
-    gathered: list[list[int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    common = set(mine)
-    for steps in gathered:
-        common &= set(steps or [])
-    return max(common) if common else None
+
+    def all_min(value: int) -> int:
+        number = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(number, op=dist.ReduceOp.MIN, group=group)
+        return int(number.item())
+
+    return agree_newest(mine, all_min)[0]

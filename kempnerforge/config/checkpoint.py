@@ -67,6 +67,12 @@ class CheckpointConfig:
     or every worker of a node died resumes from the newest copy every rank holds, if it is
     newer than the newest checkpoint, at memory speed. 0 turns it off. Costs one more copy
     of the rank's share in host memory per kept copy (2)."""
+    memory_peer: bool = True
+    """With the memory tier on a job of several nodes, also send each rank's copy to the
+    same local rank on the next node, which keeps it in its host memory: a restart after a
+    whole node was lost (its processes and its tmpfs) resumes from those copies. Costs one
+    more copy of another rank's share in host memory per kept copy, and the network
+    transfer of each copy (on a background thread). Off, or on one node: local copies only."""
     memory_dir: str = ""
     """Where the memory tier's copies live: a tmpfs that outlives the training processes;
     empty means /dev/shm/kempnerforge (the system's temporary directory where there is no

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.checkpoint.memory_peer import build_peer_link, ranks_per_node
 from kempnerforge.checkpoint.memory_tier import MemoryTier, run_key
 from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.context_parallel import cp_ring
@@ -286,7 +287,9 @@ def build_memory_tier(
         else os.path.join(tempfile.gettempdir(), "kempnerforge-memory")
     )
     root = os.path.join(base, run_key(checkpoint_dir, runtime.world_size))
-    return MemoryTier(root, runtime.rank)
+    world = runtime.world_size
+    link = build_peer_link(runtime.rank, world, ranks_per_node(world)) if cfg.memory_peer else None
+    return MemoryTier(root, runtime.rank, peer=link)
 
 
 def build_rollouts(

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kempnerforge.checkpoint.disk_format import read_marker
 from kempnerforge.checkpoint.manager import CheckpointManager
@@ -26,6 +25,7 @@ from kempnerforge.config.checkpoint import CheckpointConfig
 from kempnerforge.config.job import JobConfig
 from kempnerforge.core.errors import ConfigError, DataError
 from kempnerforge.core.logging import get_logger
+from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.metrics.profiling import build_profiler
 from kempnerforge.optim.optimizer import set_optimizer_mode
 from kempnerforge.training.families import family_of
@@ -195,7 +195,7 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
     """
     checkpointer, model, cfg = session.checkpointer, session.model, session.config
     tier = session.memory_tier
-    memory_step = newer_memory_step(tier, cfg.checkpoint, session.runtime.group("world"), plan)
+    memory_step = newer_memory_step(tier, cfg.checkpoint, session.runtime, plan)
     if plan is None and memory_step is None:
         return 0, 0
     configured = _config_hyperparameters(session.optimizer)
@@ -203,6 +203,15 @@ def apply_resume(session: TrainingSession, plan: ResumePlan | None) -> tuple[int
         assert tier is not None
         began = time.perf_counter()
         where = f"the memory tier's copy of step {memory_step} ({tier.root})"
+        if (keeper := tier.fetch(memory_step)) is not None:  # this node lost its copy
+            where = f"the memory tier's copy of step {memory_step}, kept by rank {keeper}"
+            logger.warning(
+                "memory tier: rank %d held no copy of step %d (its node's memory was lost); "
+                "took the one rank %d kept on its node",
+                session.runtime.rank,
+                memory_step,
+                keeper,
+            )
         saved = tier.load(memory_step)
         # The copy's config against this launch's, as a checkpoint's is (resume_guard.py);
         # a copy holds no other layout's shards, so it never resets the optimizer.
@@ -263,16 +272,16 @@ def _load_plan(
 def newer_memory_step(
     tier: MemoryTier | None,
     cfg: CheckpointConfig,
-    group: dist.ProcessGroup | None,
+    runtime: RuntimeContext,
     plan: ResumePlan | None,
 ) -> int | None:
     """The step of the memory tier's newest copy every rank holds, when it is newer than
     what ``plan`` resumes (a full or fresh-optimizer resume's step; a weights-only start is
     step 0); None otherwise, without a memory tier, or with resume_from = 'none'.
-    Collective over ``group`` (every rank)."""
+    Collective over every rank."""
     if tier is None or cfg.resume_from == "none":
         return None
-    step = agreed_step(tier, group)
+    step = agreed_step(tier, runtime.group("world"), runtime.device)
     resumed = plan.step if plan is not None and plan.mode != WEIGHTS else 0
     return step if step is not None and step > resumed else None
 

@@ -5,8 +5,11 @@ losses, bitwise, as a run that did not crash; a finished run leaves no copy behi
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from kempnerforge.checkpoint.memory_peer import agree_newest, peer_ranks
 from kempnerforge.checkpoint.memory_tier import MemoryTier, agreed_step
 from kempnerforge.config.loader import load_config
 from kempnerforge.distributed.runtime import RuntimeContext
@@ -95,3 +98,72 @@ def test_a_copy_half_written_is_not_one(tmp_path):
     (tmp_path / "step_5" / "rank_0.pt.tmp").write_bytes(b"torn")
     assert tier.steps() == [3]
     assert tier.load(3) == {"x": 1}
+
+
+def _agree_in_lockstep(held: list[list[int]]) -> tuple[list[int | None], int]:
+    """agree_newest on one thread per simulated rank, ``all_min`` a real minimum over them
+    all; returns each rank's answer and the all-reduces each rank made."""
+    world = len(held)
+    values = [0] * world
+    counts = [0] * world
+    barrier = threading.Barrier(world)
+    answers: list[int | None] = [None] * world
+
+    def rank(r: int) -> None:
+        def all_min(value: int) -> int:
+            counts[r] += 1
+            values[r] = value
+            barrier.wait()
+            smallest = min(values)
+            barrier.wait()  # everyone has read it before the next round writes
+            return smallest
+
+        answers[r] = agree_newest(held[r], all_min)[0]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(counts)) == 1
+    return answers, counts[0]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "want"),
+    [
+        ("in step", 12),  # every rank holds 10 and 12
+        ("one rank behind", 10),  # rank 7 has not copied 12 yet
+        ("one rank ahead", 12),  # rank 7 already holds 14
+        ("a lost node", 10),  # rank 5 reaches only 8 and 10 (its peer's copies)
+        ("nothing in common", None),
+    ],
+)
+def test_1024_ranks_agree_on_the_newest_step_all_hold_in_a_few_all_reduces(pattern, want):
+    held = [[10, 12] for _ in range(1024)]
+    if pattern == "one rank behind":
+        held[7] = [8, 10]
+    elif pattern == "one rank ahead":
+        held[7] = [12, 14]
+    elif pattern == "a lost node":
+        held[5] = [8, 10]
+        held[900] = [10, 12, 14]
+    elif pattern == "nothing in common":
+        held[3] = [2, 4]
+    answers, all_reduces = _agree_in_lockstep(held)
+    assert answers == [want] * 1024
+    # The newest common step, by brute force over every rank's list.
+    common = set.intersection(*(set(h) for h in held))
+    assert want == (max(common) if common else None)
+    # Two all-reduces of one number a round, a round per step proposed: never the world.
+    assert all_reduces <= 2 * len(set().union(*map(set, held)))
+    assert all_reduces <= 6
+
+
+def test_a_peer_is_the_same_local_rank_on_the_next_node():
+    # 3 nodes of 4 ranks: rank 5 (node 1, local 1) sends to 9 and keeps 1's copies.
+    assert peer_ranks(5, 12, 4) == (9, 1)
+    assert peer_ranks(9, 12, 4) == (1, 5)
+    # One node, or nodes of unequal sizes: no peer copies.
+    assert peer_ranks(1, 4, 4) is None
+    assert peer_ranks(1, 6, 4) is None
