@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 CHUNK_BYTES = 64 << 20
 """The largest message of a transfer (gloo's sizes are counted in 32-bit integers
@@ -46,15 +46,17 @@ class PeerLink:
     """The rank that keeps this rank's copies."""
     source: int
     """The rank whose copies this rank keeps."""
-    pairs: dict[int, dist.ProcessGroupGloo]
+    pairs: dict[int, ProcessGroupGloo]
     """The other rank -> a two-rank gloo channel of this rank and it (the lower rank is its
     rank 0)."""
 
     def send(self, tensor: torch.Tensor, to: int, tag: int) -> Any:
-        return self.pairs[to].send([tensor], int(to > self.rank), tag)
+        channel: Any = self.pairs[to]  # a Backend: its send and recv are not in the stubs
+        return channel.send([tensor], int(to > self.rank), tag)
 
     def recv(self, tensor: torch.Tensor, sender: int, tag: int) -> Any:
-        return self.pairs[sender].recv([tensor], int(sender > self.rank), tag)
+        channel: Any = self.pairs[sender]
+        return channel.recv([tensor], int(sender > self.rank), tag)
 
 
 def peer_ranks(rank: int, world_size: int, local_world_size: int) -> tuple[int, int] | None:
@@ -87,11 +89,11 @@ def build_peer_link(rank: int, world_size: int, local_world_size: int) -> PeerLi
         return None
     peer, source = ranks
     store = _default_store()
-    pairs: dict[int, dist.ProcessGroupGloo] = {}
+    pairs: dict[int, ProcessGroupGloo] = {}
     for other in sorted({peer, source}, key=lambda o: (min(rank, o), max(rank, o))):
         low, high = sorted((rank, other))
-        pairs[other] = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"kempnerforge-memory-peer/{low}-{high}/", store),
+        pairs[other] = ProcessGroupGloo(
+            PrefixStore(f"kempnerforge-memory-peer/{low}-{high}/", store),
             int(rank == high),
             2,
             PAIR_TIMEOUT,
@@ -99,7 +101,7 @@ def build_peer_link(rank: int, world_size: int, local_world_size: int) -> PeerLi
     return PeerLink(rank, peer, source, pairs)
 
 
-def _default_store() -> dist.Store:
+def _default_store() -> Store:
     """The store the job's ranks met through (torchrun's, or the init method's)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
