@@ -109,3 +109,56 @@ def test_goodput_attributes_the_stop_the_restart_and_the_start_ups(tmp_path, bui
     table = run_kempnerforge("goodput", str(run_dir))
     assert table.returncode == 0 and "unattributed" in table.stdout
     print(table.stdout)  # the measured breakdown, in the test's output
+
+
+def test_a_run_killed_and_relaunched_is_accounted_to_within_1_percent_of_its_wall_time(
+    tmp_path, builtin_cache
+):
+    """A known schedule of faults: SIGKILL at the end of step 11 (the memory tier copied
+    step 10), a 1 s wait, the relaunch resumes from the copy and trains step 11 again. Every
+    cause is worked out from the rows, and what no row accounts for stays under 1%."""
+    run_dir = tmp_path / "run"
+    armed = tmp_path / "armed"
+    armed.write_text("")
+    args = [
+        "train", DEBUG, "--train.max_steps=16", f"--train.run_dir={run_dir}",
+        "--train.batch_size=4", "--train.seq_len=128",
+        "--train.sample_prompt=", "--metrics.log_interval=1", "--metrics.progress=off",
+        "--eval.interval=8", "--eval.steps=2", "--checkpoint.interval=0",
+        "--checkpoint.memory_interval=2", f"--checkpoint.memory_dir={tmp_path / 'shm'}",
+        "--train.hooks=['tests.support.faults:KillOnceAt']",
+    ]  # fmt: skip
+    env = {
+        "OMP_NUM_THREADS": PROCESS_THREADS,
+        "KEMPNERFORGE_CACHE": str(builtin_cache),
+        "KF_TEST_KILL_AT": "11",
+        "KF_TEST_KILL_ARMED": str(armed),
+    }
+    killed = run_kempnerforge(*args, env_extra=env)
+    assert killed.returncode == -signal.SIGKILL and not armed.exists(), killed.stderr[-3000:]
+    time.sleep(1.0)
+    relaunched = run_kempnerforge(*args, env_extra=env)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+
+    rows = read_rows(run_dir)
+    steps = train_rows(run_dir)
+    assert [r["step"] for r in steps] == [*range(1, 12), *range(11, 17)]
+    report = account_rows(rows)
+    causes = report.seconds
+    starts = [i for i, r in enumerate(rows) if r.get("event") == "start"]
+    assert len(starts) == 2 and report.num_processes == 2
+    gap = rows[starts[1]]["started"] - rows[starts[1] - 1]["time"]
+    assert gap >= 1.0 and causes["restart_gap"] == pytest.approx(gap, rel=SUM_TOLERANCE)
+    # Step 11 trained twice: its second row is the recomputed time, the rest productive.
+    again = next(r for r in rows[starts[1] :] if "step_time_s" in r)
+    assert again["step"] == 11
+    assert causes["recomputed"] == pytest.approx(
+        again["step_time_s"] * (1 - again["data_wait_share"]), rel=SUM_TOLERANCE
+    )
+    copies = [r for r in rows if r.get("event") in ("memory_copy", "checkpoint")]
+    assert causes["checkpoint"] == pytest.approx(sum(r["seconds"] for r in copies), abs=1e-9)
+    evals = [r["eval_time_s"] for r in rows if "eval_time_s" in r]
+    assert len(evals) == 2 and causes["eval"] == pytest.approx(sum(evals), rel=SUM_TOLERANCE)
+    assert report.total_s == pytest.approx(rows[-1]["time"] - rows[0]["started"])
+    print(json.dumps(report.as_dict(), indent=1))  # the measured breakdown
+    assert abs(causes["unattributed"]) <= 0.01 * report.total_s, causes

@@ -77,6 +77,24 @@ class SleepOnOneRank(TrainingHook):
             sleep_through_the_collective(3600)
 
 
+KILL_AT_ENV = "KF_TEST_KILL_AT"
+KILL_ARMED_ENV = "KF_TEST_KILL_ARMED"
+
+
+class KillOnceAt(TrainingHook):
+    """SIGKILL this process at the end of step $KF_TEST_KILL_AT when the file named by
+    $KF_TEST_KILL_ARMED exists; the file goes first, so the relaunch trains through."""
+
+    def __init__(self) -> None:
+        self.step = int(os.environ.get(KILL_AT_ENV, "0"))
+        self.armed = os.environ.get(KILL_ARMED_ENV, "")
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        if ctx.step == self.step and self.armed and os.path.exists(self.armed):
+            os.remove(self.armed)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def crash_at_step(session: TrainingSession, step: int) -> None:
     """Make ``session``'s step body raise RuntimeError("the node went away") when the loop
     asks for ``step`` (0-based, so the steps before it are taken): a process lost mid-run,
