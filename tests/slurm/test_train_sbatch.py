@@ -97,7 +97,9 @@ at any time from 0 s, before the run had started at all.)"""
 def fault_jobs(slurm, token_dirs, tmp_path_factory) -> dict[str, tuple[int, pathlib.Path]]:
     """Each fault the script acts on, as a job of its own: (job id, its directory), the run
     in <directory>/run and the log in <directory>/job-<id>.out. Submitted at once."""
-    where = {name: tmp_path_factory.mktemp(name) for name in ("limit", "nan", "fault", "hang")}
+    names = ("limit", "nan", "fault", "hang", "killed")
+    where = {name: tmp_path_factory.mktemp(name) for name in names}
+    (where["killed"] / "armed").write_text("")
 
     def submit(name: str, hook: str, env: dict[str, str], *extra: str) -> tuple[int, pathlib.Path]:
         hooks = [f"--train.hooks=['tests.support.faults:{hook}']"] if hook else []
@@ -135,6 +137,25 @@ def fault_jobs(slurm, token_dirs, tmp_path_factory) -> dict[str, tuple[int, path
             {SLEEP_RANK_ENV: "0", SLEEP_AT_ENV: "3"},
             "--train.max_steps=50",
             "--train.hang_timeout_s=3",
+        ),
+        # Rank 1 of two is SIGKILLed at step 5 in every launch: the memory tier's copy of
+        # step 4 brings the requeued run back there, and MAX_CRASH_RESTARTS=1 stops the
+        # second crash.
+        "killed": submit(
+            "killed",
+            "KillEveryLaunchAt",
+            {
+                "GPUS_PER_NODE": "2",
+                "KF_TEST_KILL_AT": "5",
+                "KF_TEST_KILL_RANK": "1",
+                "KF_TEST_KILL_ARMED": str(where["killed"] / "armed"),
+                "KEMPNERFORGE_CRASHES_FILE": str(where["killed"] / "crashes"),
+                "MAX_CRASH_RESTARTS": "1",
+            },
+            "--train.max_steps=50",
+            "--checkpoint.interval=0",
+            "--checkpoint.memory_interval=2",
+            f"--checkpoint.memory_dir={where['killed'] / 'shm'}",
         ),
     }
     yield submitted  # the tests add the jobs the script submitted itself
@@ -284,3 +305,24 @@ def test_the_time_limit_warning_saves_and_requeues_until_max_restarts(slurm, fau
     [first_save, second_save] = [e["step"] for e in events(where / "run", "checkpoint")]
     assert first_save == saved and resumed["step"] == saved and second_save > saved
     assert sorted(_losses(where / "run")) == list(range(1, second_save + 1))
+
+
+def test_a_rank_killed_by_a_signal_is_requeued_until_max_crash_restarts(slurm, fault_jobs):
+    """128+N: rank 1 of two SIGKILLed (as the out-of-memory killer does) at step 5. The
+    script requeues the job, and the restart resumes from the memory tier's copy of step 4
+    in the node's shared memory; killed there again, the second crash is past
+    MAX_CRASH_RESTARTS=1: FAILED with exit code 137, in the same log."""
+    job, where = fault_jobs["killed"]
+    _requeued(slurm, job, where)
+    first = _log(where, job)
+    assert f"a rank was killed by signal 9 (crash 1 of 1): requeueing job {job}" in first
+    _release(slurm, job)
+    record = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(where, job)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "137:0", log
+    assert record["Restarts"] == "1", record
+    assert "a rank was killed by signal 9, 2 times in this job: not requeueing" in log
+    assert (where / "crashes").read_text().split() == ["2"]
+    [resume] = events(where / "run", "resume")
+    assert resume["step"] == 4 and "memory tier" in resume["path"], resume
+    assert sorted(set(_losses(where / "run"))) == [1, 2, 3, 4, 5]

@@ -79,20 +79,33 @@ class SleepOnOneRank(TrainingHook):
 
 KILL_AT_ENV = "KF_TEST_KILL_AT"
 KILL_ARMED_ENV = "KF_TEST_KILL_ARMED"
+KILL_RANK_ENV = "KF_TEST_KILL_RANK"
 
 
 class KillOnceAt(TrainingHook):
-    """SIGKILL this process at the end of step $KF_TEST_KILL_AT when the file named by
-    $KF_TEST_KILL_ARMED exists; the file goes first, so the relaunch trains through."""
+    """SIGKILL this process (rank $KF_TEST_KILL_RANK, 0 by default) at the end of step
+    $KF_TEST_KILL_AT when the file named by $KF_TEST_KILL_ARMED exists; the file goes
+    first, so the relaunch trains through."""
 
     def __init__(self) -> None:
         self.step = int(os.environ.get(KILL_AT_ENV, "0"))
         self.armed = os.environ.get(KILL_ARMED_ENV, "")
+        self.active = os.environ.get("RANK", "0") == os.environ.get(KILL_RANK_ENV, "0")
 
     def on_step_end(self, ctx: StepContext) -> None:
-        if ctx.step == self.step and self.armed and os.path.exists(self.armed):
-            os.remove(self.armed)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.active and ctx.step == self.step and os.path.exists(self.armed):
+            self.kill()
+
+    def kill(self) -> None:
+        os.remove(self.armed)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillEveryLaunchAt(KillOnceAt):
+    """KillOnceAt, the file left in place: every launch that reaches the step dies there."""
+
+    def kill(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def crash_at_step(session: TrainingSession, step: int) -> None:
