@@ -68,6 +68,10 @@ def peer_ranks(rank: int, world_size: int, local_world_size: int) -> tuple[int, 
     return (rank + local_world_size) % world_size, (rank - local_world_size) % world_size
 
 
+_links_built = 0
+"""Peer links this process has built (build_peer_link)."""
+
+
 def ranks_per_node(world_size: int) -> int:
     """Ranks on each node as the launcher says: torchrun's LOCAL_WORLD_SIZE, else srun's
     SLURM_NTASKS_PER_NODE; the whole world (one node) when neither says."""
@@ -89,11 +93,15 @@ def build_peer_link(rank: int, world_size: int, local_world_size: int) -> PeerLi
         return None
     peer, source = ranks
     store = _default_store()
+    # A process that builds several runs in turn in one world (the store's keys of an
+    # earlier link still there) numbers its links, in the same order on every rank.
+    global _links_built
+    _links_built += 1
     pairs: dict[int, ProcessGroupGloo] = {}
     for other in sorted({peer, source}, key=lambda o: (min(rank, o), max(rank, o))):
         low, high = sorted((rank, other))
         pairs[other] = ProcessGroupGloo(
-            PrefixStore(f"kempnerforge-memory-peer/{low}-{high}/", store),
+            PrefixStore(f"kempnerforge-memory-peer/{_links_built}/{low}-{high}/", store),
             int(rank == high),
             2,
             PAIR_TIMEOUT,
