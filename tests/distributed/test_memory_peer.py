@@ -93,6 +93,13 @@ def _two_nodes(rank: int, world_size: int, folder: str) -> tuple:
     tier.save(2, _state(rank, 2))
     tier.wait()
     kept = torch.load(tier._file(2, link.source), weights_only=True)["weight"]
+    # A second run in the same world (a process that trains runs in turn) links again.
+    again = build_peer_link(rank, world_size, local_world_size=1)
+    assert again is not None
+    second = MemoryTier(Path(folder) / f"node{rank}" / "second", rank, peer=again)
+    second.save(4, _state(rank, 4))
+    second.wait()
+    assert second.steps(again.source) == [4]
     return (
         link.peer,
         link.source,
