@@ -14,6 +14,10 @@ _TABLE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 MAX_SIZE = 2**31 - 1
 """Largest tensor size, head count or per-step count: many kernels index a dimension with a
 32-bit int, and no real model comes near it."""
+MAX_LAYERS = 2**16
+"""Most Transformer blocks: the largest published models have about 130; the config's rules
+look at every layer (which are MoE, which slide), so a count near MAX_SIZE would keep
+validation busy for minutes instead of refusing it."""
 MAX_STEPS = 2**62 - 1
 """Largest step count or step number: leaves headroom below int64 for step arithmetic
 (step + interval, tokens seen) in tensors and checkpoint metadata."""

@@ -50,7 +50,7 @@ class ModelConfig:
     dim: int = 256
     """Width of the residual stream (hidden size), in channels; 1 to 2**31 - 1."""
     n_layers: int = 4
-    """Number of Transformer blocks; 1 to 2**31 - 1."""
+    """Number of Transformer blocks; 1 to 65,536."""
     n_heads: int = 4
     """Number of attention (query) heads; unless model.head_size is set, must divide dim
     and give an even head size."""

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 from kempnerforge.config.checks import (
+    MAX_LAYERS,
     MAX_LOSS_WEIGHT,
     MAX_SIZE,
     check_at_least,
@@ -48,8 +49,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def check_model(cfg: ModelConfig) -> None:
     """Every rule of the [model] fields, each refusal naming its field (ModelConfig
     runs it on construction)."""
-    for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
+    for name in ("dim", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
         check_positive(f"model.{name}", getattr(cfg, name), MAX_SIZE)
+    check_positive("model.n_layers", cfg.n_layers, MAX_LAYERS)
     if cfg.n_kv_heads is not None:
         check_positive("model.n_kv_heads", cfg.n_kv_heads, MAX_SIZE)
     if cfg.ffn_hidden_dim is not None:
