@@ -1,8 +1,9 @@
 """Training curves of one or more runs from their metrics.jsonl, as PNGs (`kempnerforge plot`).
 
-One PNG per metric (loss, eval loss, learning rate, tokens/s, gradient norm) with one line
-per run, so runs compare on the same axes, and goodput.png: each run's wall time split by
-cause (metrics/goodput.py), one stacked bar per run. Reading follows the tracker's rules for a
+One PNG per metric (loss, eval loss, learning rate, tokens/s, gradient norm, and DPO's,
+GRPO's and MTP's when a run logged them) with one line per run, so runs compare on the same
+axes, and goodput.png: each run's wall time split by cause (metrics/goodput.py), one
+stacked bar per run. Reading follows the tracker's rules for a
 resumed run: see read_curves. matplotlib (the ``plot`` extra) is imported only when
 plotting, with the Agg backend, so the package never needs a display or matplotlib itself.
 """
@@ -29,6 +30,17 @@ PLOTTED = {
 """The metrics plotted, by their metrics.jsonl key, with their axis labels; one PNG each,
 named <key>.png."""
 
+OBJECTIVE_PLOTTED = {
+    "rewards/margins": "DPO reward margin (chosen - rejected)",
+    "rewards/accuracies": "DPO preference accuracy",
+    "grpo/reward": "GRPO mean reward",
+    "grpo/kl": "GRPO KL to the reference",
+    "grpo/clip_ratio": "GRPO share of clipped tokens",
+    "mtp/loss": "multi-token prediction loss",
+}
+"""The post-training objectives' and the MTP head's metrics, plotted as PLOTTED's when some
+run logged them, each in <key with '/' as '_'>.png (grpo_reward.png)."""
+
 GOODPUT_PLOT = "goodput.png"
 """The wall-time breakdown's file name, beside the curves."""
 
@@ -47,7 +59,8 @@ class RunCurves:
 
 
 def read_curves(path: str | os.PathLike[str], name: str = "") -> RunCurves:
-    """The PLOTTED metrics of the metrics.jsonl at ``path``, as the run ended up with them.
+    """The plotted metrics (PLOTTED, OBJECTIVE_PLOTTED) of the metrics.jsonl at ``path``, as
+    the run ended up with them.
 
     Rows are read in file order, and the row a metric takes at a step is the last one
     logged for that step: after a resume (or a NaN rollback) at step S the run redid the
@@ -56,7 +69,7 @@ def read_curves(path: str | os.PathLike[str], name: str = "") -> RunCurves:
     plotted values; a null value (non-finite, as the tracker writes it) leaves a gap; an
     unreadable line (the torn last row of a killed run) is skipped.
     """
-    values: dict[str, dict[int, float | None]] = {key: {} for key in PLOTTED}
+    values: dict[str, dict[int, float | None]] = {key: {} for key in PLOTTED | OBJECTIVE_PLOTTED}
     for row in iter_rows(path):
         if not _is_step(row.get("step")):
             continue
@@ -97,7 +110,8 @@ def run_names(run_dirs: list[str]) -> list[str]:
 
 
 def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write <out_dir>/<key>.png for each PLOTTED metric some run has; return the paths.
+    """Write <out_dir>/<key>.png for each PLOTTED (or OBJECTIVE_PLOTTED) metric some run
+    has; return the paths.
 
     Each figure has one line per run that logged the metric, labelled with its name.
     Raises DataError when matplotlib is not installed.
@@ -106,7 +120,7 @@ def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Pa
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for key, label in PLOTTED.items():
+    for key, label in (PLOTTED | OBJECTIVE_PLOTTED).items():
         present = [run for run in runs if key in run.points]
         if not present:
             continue
@@ -122,7 +136,7 @@ def plot_runs(runs: list[RunCurves], out_dir: str | os.PathLike[str]) -> list[Pa
         axes.grid(True, alpha=0.3)
         axes.legend()
         figure.tight_layout()
-        path = out / f"{key}.png"
+        path = out / f"{key.replace('/', '_')}.png"
         figure.savefig(path, format="png")
         written.append(path)
     return written

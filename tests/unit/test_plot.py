@@ -179,3 +179,29 @@ def test_without_matplotlib_the_error_names_the_extra(tmp_path, monkeypatch):
     assert "pip install 'kempnerforge[plot]'" in str(info.value)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "run" / "plots").exists()
+
+
+def test_a_grpo_and_a_dpo_run_get_their_objectives_curves(tmp_path):
+    pytest.importorskip("matplotlib")
+    grpo = write_jsonl(
+        tmp_path / "grpo",
+        [train_row(s, 0.1, **{"grpo/reward": 0.1 * s, "grpo/kl": 0.01, "grpo/clip_ratio": 0.0})
+         for s in range(1, 5)],
+    )  # fmt: skip
+    dpo = write_jsonl(
+        tmp_path / "dpo",
+        [train_row(s, 0.6, **{"rewards/margins": s, "rewards/accuracies": 0.5}) for s in (1, 2)],
+    )
+    curves = [read_curves(grpo, "grpo"), read_curves(dpo, "dpo")]
+    assert curves[0].points["grpo/reward"] == [(1, 0.1), (2, 0.2), (3, 0.1 * 3), (4, 0.4)]
+    assert "grpo/reward" not in curves[1].points and "rewards/margins" in curves[1].points
+    written = [p.name for p in plot_runs(curves, tmp_path / "out")]
+    assert written == [f"{key}.png" for key in PLOTTED if key != "eval_loss"] + [
+        "rewards_margins.png",
+        "rewards_accuracies.png",
+        "grpo_reward.png",
+        "grpo_kl.png",
+        "grpo_clip_ratio.png",
+    ]
+    for name in written:
+        assert_png(tmp_path / "out" / name)
