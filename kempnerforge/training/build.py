@@ -253,21 +253,22 @@ def build_session(
         pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),
     )
-    if REF_LOGPS in objective_of(config).batch_keys:
-        _check_pairs(data, config.data.path)
+
+    def frozen_reference() -> torch.nn.Module:
+        """The objective's reference: built as the policy, its weights loaded, frozen."""
         reference = build_model_on_mesh(config, runtime, loss_fn)[0]
         load_reference_weights(reference, checkpointer, config.checkpoint)
+        return freeze_reference(reference)
+
+    if REF_LOGPS in objective_of(config).batch_keys:
+        _check_pairs(data, config.data.path)
         autocast = functools.partial(training_autocast, tc, runtime.device)
-        add_logps = ReferenceLogps(freeze_reference(reference), runtime.device, autocast)
+        add_logps = ReferenceLogps(frozen_reference(), runtime.device, autocast)
         session.use_batches(BatchStream(data, add_keys=add_logps))
     if (tier := build_memory_tier(config.checkpoint, config.checkpoint_dir, runtime)) is not None:
         session.use_memory_tier(tier)
     if OLD_LOGPS in objective_of(config).batch_keys:
-        reference = None
-        if config.grpo.kl_beta > 0:
-            reference = build_model_on_mesh(config, runtime, loss_fn)[0]
-            load_reference_weights(reference, checkpointer, config.checkpoint)
-            freeze_reference(reference)
+        reference = frozen_reference() if config.grpo.kl_beta > 0 else None
         rollouts = build_rollouts(tc, config.grpo, config.data, runtime, data, model, reference)
         session.use_batches(BatchStream(data, source=rollouts))
     return session
