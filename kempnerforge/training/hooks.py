@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kempnerforge.core.errors import ConfigError, closest_name
+from kempnerforge.config.imports import import_named
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.logging import get_logger
 
 if TYPE_CHECKING:
@@ -180,36 +178,9 @@ def hook_class(path: str) -> type[TrainingHook]:
     hook file next to where the run is launched imports with the installed command too.
     Raises the ConfigError load_hooks documents.
     """
-    module_name, _, attr_path = path.partition(":")
-    if not module_name or not attr_path:
-        raise ConfigError("train.hooks", path, _ALLOWED, "expected exactly one ':'")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        hint = f"cannot import {module_name!r}: {type(e).__name__}: {e}"
-        missing = e.name if isinstance(e, ModuleNotFoundError) else None
-        if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            hint += f"; is its directory the working directory ({cwd}) or on PYTHONPATH?"
-        raise ConfigError("train.hooks", path, _ALLOWED, hint) from e
-
-    obj: Any = module
-    owner = module_name
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            hint = f"no attribute {attr!r} in {owner!r}"
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            suggestion = closest_name(attr, names)
-            if suggestion:
-                hint += f"; did you mean {suggestion!r}?"
-            raise ConfigError("train.hooks", path, _ALLOWED, hint)
-        obj = getattr(obj, attr)
-        owner = f"{owner}.{attr}"
-
+    obj = import_named("train.hooks", path, _ALLOWED)
     if not (isinstance(obj, type) and issubclass(obj, TrainingHook)):
         what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
-        hint = f"{attr_path} is not a TrainingHook subclass (it is a {what})"
+        hint = f"{path.partition(':')[2]} is not a TrainingHook subclass (it is a {what})"
         raise ConfigError("train.hooks", path, _ALLOWED, hint)
     return obj

@@ -4,18 +4,16 @@ REWARDS or a user's 'module:function'."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
-import os
 import re
-import sys
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any, cast
 
+from kempnerforge.config.imports import import_named
 from kempnerforge.config.registry import Registry
-from kempnerforge.core.errors import ConfigError, closest_name
+from kempnerforge.core.errors import ConfigError
 
 RewardFn = Callable[[str, str, str], float]
 """``fn(completion, answer, prompt)``: the decoded completion (its end-of-turn token left
@@ -125,34 +123,10 @@ def load_reward(name: str, pattern: str) -> RewardFn:
 def _import_reward(spec: str) -> RewardFn:
     """The function 'module:function' names. Modules are looked up as train.hooks looks
     them up: sys.path, with the working directory first, as ``python -m`` has it."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr or ":" in attr:
-        raise ConfigError("grpo.reward", spec, _IMPORTABLE, "expected exactly one ':'")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        hint = f"cannot import {module_name!r}: {exc}"
-        missing = exc.name or ""
-        if module_name == missing or module_name.startswith(missing + "."):
-            hint += (
-                f"; put its directory on sys.path (the working directory, {cwd}, or "
-                "PYTHONPATH) or install it"
-            )
-        raise ConfigError("grpo.reward", spec, _IMPORTABLE, hint) from exc
-    if not hasattr(module, attr):
-        hint = f"no attribute {attr!r} in {module_name!r}"
-        names = [n for n in dir(module) if not n.startswith("_")]
-        suggestion = closest_name(attr, names)
-        if suggestion:
-            hint += f"; did you mean {suggestion!r}?"
-        raise ConfigError("grpo.reward", spec, _IMPORTABLE, hint)
-    fn: Any = getattr(module, attr)
+    fn: Any = import_named("grpo.reward", spec, _IMPORTABLE)
     if not callable(fn):
         hint = (
-            f"{module_name}.{attr} is a {type(fn).__name__}, not a function; define "
+            f"{spec.replace(':', '.')} is a {type(fn).__name__}, not a function; define "
             "def reward(completion: str, answer: str, prompt: str) -> float"
         )
         raise ConfigError("grpo.reward", spec, _IMPORTABLE, hint)
