@@ -15,8 +15,10 @@ the debug config's model (configs/train/debug.toml, FSDP over --nproc CPU ranks)
 - hang: one rank stopped with SIGSTOP, so the others wait in a collective until the hang
   watchdog (train.hang_timeout_s = --hang-timeout-s) ends the job.
 
-Then the job is launched again at once, as a requeue would (torchrun --max_restarts=0, as
-the SLURM scripts run it), and resumes from the newest state it finds. At the end the last
+Each launch is torchrun as scripts/slurm/train.sbatch starts it on a node
+(kempnerforge.launch.node_torchrun, --max_restarts=0): once a rank fails, the others get
+a few seconds to exit before SIGKILL. After a fault the job is launched again at once, as
+the script's requeue would, and resumes from the newest state it finds. At the end the last
 launch is stopped with SIGTERM (it saves and exits). Reported per arm: the goodput account
 of the run (`kempnerforge goodput`), and per fault the step reached before it, the step
 resumed from and the steps lost. With --check, one uninterrupted run to the longer arm's
@@ -75,7 +77,7 @@ def children(pid: int) -> list[int]:
 def launch(run_dir: Path, args: argparse.Namespace, memory_interval: int, max_steps: int):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "kempnerforge.launch.node_torchrun", "--standalone",
         f"--nproc_per_node={args.nproc}", "--max_restarts=0",
         "-m", "kempnerforge", "train", DEBUG,
         f"--train.run_dir={run_dir}", f"--train.max_steps={max_steps}",
