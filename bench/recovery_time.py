@@ -4,6 +4,7 @@ server, its own process on this host), for one model after one AdamW step; and w
 the memory copy costs the loop.
 
     python bench/recovery_time.py [--model 134M] [--rounds 3] [--connections 8]
+                                  [--no-peer]
 
 Per target, the median of --rounds:
 - copy s: the memory tier's blocking part (the snapshot into host memory the loop waits
@@ -12,6 +13,10 @@ Per target, the median of --rounds:
   scheduler: for the memory tier, the agreement on a step, a weights-only read of the
   rank's file and its copy into the live tensors; for a checkpoint, a fresh manager that
   finds, checks and loads the newest one (a store's: fetched into staging first).
+- the memory tier from a peer node: two gloo ranks on this host, each a "node" with a
+  folder of its own; rank 0's folder is removed (its node lost), and its resume is the
+  agreement, the transfer of its copy from the rank that kept it (over loopback TCP here:
+  a floor for a real network's time) and the copy into the live tensors.
 The rest of a relaunch (interpreter, imports, building the model) is the same whichever
 tier the state comes from, and is not in these figures.
 """
@@ -19,6 +24,7 @@ tier the state comes from, and is not in these figures.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -26,9 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from checkpoint_stall import MODELS, build_parts
 from store_checkpoints import free_port, run_target, start_moto
 
+from kempnerforge.checkpoint.memory_peer import build_peer_link
 from kempnerforge.checkpoint.memory_tier import MemoryTier, agreed_step, restore, snapshot
 
 
@@ -61,12 +70,58 @@ def memory_tier(root: Path, parts, rounds: int) -> tuple[float, float, float, in
     )
 
 
+def _peer_rank(rank: int, root: str, model: str, rounds: int) -> None:
+    """One rank of the peer measurement (see the module's docstring); rank 0 writes its
+    median resume seconds and its copy's bytes to <root>/peer.json."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
+    link = build_peer_link(rank, 2, local_world_size=1)
+    node = Path(root) / f"node{rank}"
+    tier = MemoryTier(node / "tier", rank, peer=link)
+    parts = build_parts(MODELS[model]) if rank == 0 else None  # rank 1 only keeps the copy
+    resumes = []
+    for step in range(1, rounds + 1):
+        state = snapshot(*parts, {"step": step}) if parts is not None else {"step": step}
+        tier.save(step, state)
+        tier.wait()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(node)  # node 0 lost: its copies and the ones it kept
+        dist.barrier()
+        started = time.perf_counter()
+        agreed = agreed_step(tier, dist.group.WORLD)
+        assert agreed is not None and agreed == step
+        tier.fetch(agreed)
+        if parts is not None:
+            restore(tier.load(agreed), *parts)
+        resumes.append(time.perf_counter() - started)
+    if rank == 0:
+        size = tier._file(rounds).stat().st_size
+        result = {"resume_s": statistics.median(resumes), "bytes": size}
+        (Path(root) / "peer.json").write_text(json.dumps(result))
+    tier.clear()
+    dist.destroy_process_group()
+
+
+def peer_copy(model: str, rounds: int) -> tuple[float, int]:
+    """(resume s, bytes) of rank 0 taking its copy back from its peer, median."""
+    root = tempfile.mkdtemp(prefix="recovery-peer-", dir="/dev/shm")
+    try:
+        mp.start_processes(_peer_rank, args=(root, model, rounds), nprocs=2, start_method="spawn")
+        result = json.loads((Path(root) / "peer.json").read_text())
+        return result["resume_s"], result["bytes"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="134M", choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--shm", default="/dev/shm", help="the tmpfs of the memory tier")
+    parser.add_argument("--no-peer", action="store_true", help="skip the peer node's copy")
     args = parser.parse_args()
     parts = build_parts(MODELS[args.model])
     tmp = Path(tempfile.mkdtemp(prefix="recovery-"))
@@ -76,6 +131,10 @@ def main() -> None:
     copy_s, write_s, memory_s, size = memory_tier(shm / "tier", parts, args.rounds)
     row = f"{size / 1e6:>7.0f} {copy_s:>7.3f} {write_s:>8.3f} {memory_s:>9.3f} {1.0:>9.1f}"
     print(f"{'memory tier (tmpfs)':>22} {row}")
+    if not args.no_peer:
+        peer_s, peer_size = peer_copy(args.model, args.rounds)
+        row = f"{peer_size / 1e6:>7.0f} {'-':>7} {'-':>8} {peer_s:>9.3f} {peer_s / memory_s:>9.1f}"
+        print(f"{'memory tier, from peer':>22} {row}")
     port = free_port()
     server = start_moto(port)
     os.environ.update(
