@@ -57,6 +57,10 @@ FLOOR_S = 300.0
 hiccup or a page-cache flush."""
 GRACE_MAX_S = 30.0
 """The most a rank whose watchdog fired waits before it exits (see HangWatchdog)."""
+GRACE_STEPS = 3.0
+"""Once steps have been timed, the grace is this many of the slowest step, ..."""
+GRACE_MIN_S = 3.0
+"""... and at least this long."""
 STEP, EVAL, CHECKPOINT = "step", "eval", "checkpoint"
 _UNCOUNTED = 1
 """Leading times of each kind left out of the slowest-seen rule (warm-up)."""
@@ -82,10 +86,10 @@ class HangWatchdog:
     the watchdog ``watch`` reports to; leaving stops it. When it fires it appends a
     one-line summary and every thread's stack to ``run_dir/hangs/rank<R>-<host>.txt``,
     logs the same line, calls ``on_exit(HANG)`` (the CLI records the exit code there),
-    flushes the logs and, after a grace period of its limit (at most GRACE_MAX_S), ends
-    the process with ``os._exit(HANG)``. The grace lets the other ranks' watchdogs, which
-    fire within about a step of each other, dump their stacks while their collectives
-    still wait, rather than fail first as the hung rank disappears. A rank that meanwhile
+    flushes the logs and, after a grace period (grace_s), ends the process with
+    ``os._exit(HANG)``. The grace lets the other ranks' watchdogs, which fire within about
+    a step of each other, dump their stacks while their collectives still wait, rather than
+    fail first as the hung rank disappears. A rank that meanwhile
     leaves the context with an error (its collective failed) waits there for that exit.
     """
 
@@ -124,6 +128,15 @@ class HangWatchdog:
         if self.timeout_s > 0:
             derived = self.timeout_s if kind == STEP else max(self.timeout_s, derived)
         return max(derived, self.at_least.get(kind, 0.0))
+
+    def grace_s(self, limit_s: float) -> float:
+        """How long a rank whose work of limit ``limit_s`` ran past it waits before exiting:
+        GRACE_STEPS of the slowest step seen (the ranks' steps start together, so their
+        watchdogs fire within about a step of each other), at least GRACE_MIN_S; before any
+        step was timed, the limit itself. Never more than the limit or GRACE_MAX_S."""
+        seen, slowest = self._seen.get(STEP, (0, 0.0))
+        grace = max(GRACE_MIN_S, GRACE_STEPS * slowest) if seen > _UNCOUNTED else limit_s
+        return min(grace, limit_s, GRACE_MAX_S)
 
     @contextlib.contextmanager
     def watch(self, kind: str, step: int) -> Iterator[None]:
@@ -220,7 +233,7 @@ class HangWatchdog:
             with contextlib.suppress(Exception):
                 self.on_exit(HANG)
         _flush_logs()
-        time.sleep(min(GRACE_MAX_S, frame.limit_s))
+        time.sleep(self.grace_s(frame.limit_s))
         _flush_logs()
         os._exit(HANG)
 

@@ -112,3 +112,17 @@ def test_a_watchdog_in_force_is_what_watch_reports_to(tmp_path):
 def test_a_hang_timeout_that_is_no_duration_is_refused(value):
     with pytest.raises(ConfigError, match=r"^train.hang_timeout_s = "):
         TrainConfig(hang_timeout_s=value)
+
+
+def test_the_grace_before_exiting_is_a_few_of_the_slowest_steps(tmp_path, clock):
+    watchdog = HangWatchdog(10.0, tmp_path)
+    # Before steps were timed: the limit itself, at most GRACE_MAX_S.
+    assert watchdog.grace_s(10.0) == 10.0
+    assert watchdog.grace_s(1000.0) == hang.GRACE_MAX_S
+    for seconds in (5.0, 0.25, 0.5, 0.25):  # the first is not counted (warm-up)
+        _run(watchdog, clock, STEP, seconds)
+    # GRACE_STEPS of the slowest counted step (0.5 s), at least GRACE_MIN_S.
+    assert watchdog.grace_s(10.0) == max(hang.GRACE_MIN_S, hang.GRACE_STEPS * 0.5)
+    _run(watchdog, clock, STEP, 2.0)
+    assert watchdog.grace_s(10.0) == hang.GRACE_STEPS * 2.0
+    assert watchdog.grace_s(4.0) == 4.0  # never past the limit
