@@ -3,7 +3,8 @@ and report the goodput and the steps each fault cost, with the memory tier and w
 
     python bench/fault_soak.py [--minutes 20] [--fault-every 120] [--memory-interval 2]
                                [--checkpoint-interval 50] [--nproc 2]
-                               [--hang-timeout-s 30] [--check]
+                               [--hang-timeout-s 30] [--check [--against RUN_DIR]]
+                               [--arms both|memory|disk]
 
 Each arm (memory tier on: checkpoint.memory_interval = --memory-interval; off: 0) trains
 the debug config's model (configs/train/debug.toml, FSDP over --nproc CPU ranks) for
@@ -184,6 +185,14 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--hang-timeout-s", type=float, default=30.0)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--arms", choices=("both", "memory", "disk"), default="both", help="which arms to run"
+    )
+    parser.add_argument(
+        "--against",
+        help="with --check, an earlier uninterrupted run's directory (a soak's reference/) "
+        "to compare with instead of training one; steps past its last are counted unchecked",
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fault-soak-"))
     # The memory tier's copies in a tmpfs of their own, removed at the end (a soak's last
@@ -192,12 +201,19 @@ def main() -> None:
         prefix="fault-soak-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
     )
     try:
-        results = [soak(root, args, interval) for interval in (args.memory_interval, 0)]
+        intervals = {"both": (args.memory_interval, 0), "memory": (args.memory_interval,)}
+        arms = intervals.get(args.arms, (0,))
+        results = [soak(root, args, interval) for interval in arms]
         if args.check:  # one uninterrupted run serves both arms
-            want = reference_losses(root, args, max(r["steps"] for r in results))
+            if args.against:
+                want = losses(Path(args.against))
+            else:
+                want = reference_losses(root, args, max(r["steps"] for r in results))
             for result in results:
                 got = losses(Path(result["run_dir"]))
-                result["steps_differing"] = sum(1 for k, v in got.items() if want.get(k) != v)
+                checked = {k: v for k, v in got.items() if k in want}
+                result["steps_differing"] = sum(1 for k, v in checked.items() if want[k] != v)
+                result["steps_unchecked"] = len(got) - len(checked)
         for result in results:
             print(json.dumps(result), flush=True)
     finally:
