@@ -201,11 +201,9 @@ class MemoryTier:
             except BaseException as error:  # noqa: BLE001 - reported by wait()
                 self._error = self._error or error
         try:
-            for old in self.steps()[: -self.keep]:
-                self._drop(old)
-            if self.peer is not None:
-                for old in self.steps(self.peer.source)[: -self.keep]:
-                    self._drop(old, self.peer.source)
+            for owner in self._owners():
+                for old in self.steps(owner)[: -self.keep]:
+                    self._drop(old, owner)
         except OSError as error:
             self._error = self._error or error
 
@@ -225,6 +223,10 @@ class MemoryTier:
         if received is not None:
             del received  # the mapping, written through into the file
             os.replace(tmp, kept)
+
+    def _owners(self) -> list[int | None]:
+        """Whose copies this rank holds: its own (None), and its source's when it keeps them."""
+        return [None] if self.peer is None else [None, self.peer.source]
 
     def _drop(self, step: int, owner: int | None = None) -> None:
         self._file(step, owner).unlink(missing_ok=True)
@@ -306,11 +308,9 @@ class MemoryTier:
         """Remove this rank's copies, and the run's folders once no rank's are left in
         them (each rank clears its own: no rank waits for another)."""
         self.wait()
-        for step in self.steps():
-            self._drop(step)
-        if self.peer is not None:
-            for step in self.steps(self.peer.source):
-                self._drop(step, self.peer.source)
+        for owner in self._owners():
+            for step in self.steps(owner):
+                self._drop(step, owner)
         with contextlib.suppress(OSError):
             self.root.rmdir()
 
