@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kempnerforge.core.metrics_file import METRICS_FILE, iter_rows
 from kempnerforge.metrics.goodput import account_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,16 +52,9 @@ MAX_STEPS = 1_000_000
 
 
 def rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text().splitlines():
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a row torn by a kill
-    return found
+    """The run's metrics rows (a row torn by a kill skipped), none before it has any."""
+    path = run_dir / METRICS_FILE
+    return list(iter_rows(path)) if path.exists() else []
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from kempnerforge.core.metrics_file import METRICS_FILE, iter_rows
+
 REPO = pathlib.Path(__file__).parents[1]
 
 
@@ -37,18 +39,10 @@ def _free_port() -> int:
 
 
 def _events(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
-        if row.get("event") == "replica_step":
-            rows.append(row)
-    return rows
+    return [row for row in iter_rows(path) if row.get("event") == "replica_step"]
 
 
 def _first_commit_after(
