@@ -27,28 +27,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 REPO = Path(__file__).parents[2]
 DEBUG = REPO / "configs" / "train" / "debug.toml"
-KILLER = """
-import os
-import signal
-
-from kempnerforge.training.hooks import TrainingHook
-
-
-class KillRank1AtStep7(TrainingHook):
-    def on_step_end(self, ctx):
-        if ctx.step == 7 and os.environ.get("RANK") == "1" and os.path.exists("kill_once"):
-            os.remove("kill_once")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class KillNode1AtStep7(TrainingHook):
-    # The node of rank 1 lost: its torchrun and its rank killed at once.
-    def on_step_end(self, ctx):
-        if ctx.step == 7 and os.environ.get("RANK") == "1" and os.path.exists("kill_once"):
-            os.remove("kill_once")
-            os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
-"""
+KILL_AT_STEP_7 = {"KF_TEST_KILL_AT": "7", "KF_TEST_KILL_RANK": "1"}
+"""The fault hooks' settings (tests/support/faults.py): rank 1, at the end of step 7."""
 
 
 def _args(tmp_path: Path, name: str, shm: Path, *extra: str) -> list[str]:
@@ -62,7 +42,13 @@ def _args(tmp_path: Path, name: str, shm: Path, *extra: str) -> list[str]:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{tmp_path}"}
+    return {
+        **os.environ,
+        **KILL_AT_STEP_7,
+        "KF_TEST_KILL_ARMED": str(tmp_path / "kill_once"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 def _torchrun(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
@@ -106,9 +92,8 @@ def uninterrupted(tmp_path_factory) -> dict[int, dict]:
 
 
 def test_a_killed_worker_restarts_from_the_memory_tier(tmp_path, uninterrupted):
-    (tmp_path / "killer_hook.py").write_text(KILLER)
     (tmp_path / "kill_once").write_text("")
-    hook = "--train.hooks=['killer_hook:KillRank1AtStep7']"
+    hook = "--train.hooks=['tests.support.faults:KillOnceAt']"
     killed = _torchrun(tmp_path, "killed", hook)
     assert killed.returncode != 0 and not (tmp_path / "kill_once").exists()
     relaunched = _torchrun(tmp_path, "killed", hook)
@@ -127,9 +112,8 @@ def test_a_killed_worker_restarts_from_the_memory_tier(tmp_path, uninterrupted):
 
 
 def test_a_lost_node_restarts_from_the_copy_its_peer_node_kept(tmp_path, uninterrupted):
-    (tmp_path / "killer_hook.py").write_text(KILLER)
     (tmp_path / "kill_once").write_text("")
-    hook = "--train.hooks=['killer_hook:KillNode1AtStep7']"
+    hook = "--train.hooks=['tests.support.faults:KillNodeOnceAt']"
     killed = _two_nodes(tmp_path, "lost", hook)
     assert all(code != 0 for code, _ in killed) and not (tmp_path / "kill_once").exists()
     # Each node kept its own copies of steps 4 and 6 and its peer's.

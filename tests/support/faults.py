@@ -101,6 +101,16 @@ class KillOnceAt(TrainingHook):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillNodeOnceAt(KillOnceAt):
+    """KillOnceAt, the rank's node lost with it: its torchrun (the rank's parent) and the
+    rank SIGKILLed at once."""
+
+    def kill(self) -> None:
+        os.remove(self.armed)
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class KillEveryLaunchAt(KillOnceAt):
     """KillOnceAt, the file left in place: every launch that reaches the step dies there."""
 
