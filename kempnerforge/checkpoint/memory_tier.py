@@ -193,19 +193,20 @@ class MemoryTier:
             torch.save(state, tmp)
             os.replace(tmp, target)
             written = target
+            self._drop_beyond_keep(None)  # at once: never more than keep of its own
         except BaseException as error:  # noqa: BLE001 - reported by wait()
             self._error = error
         if self.peer is not None:  # even without a copy: the peer waits to hear so
             try:
                 self._swap_with_peers(step, written)
+                self._drop_beyond_keep(self.peer.source)
             except BaseException as error:  # noqa: BLE001 - reported by wait()
                 self._error = self._error or error
-        try:
-            for owner in self._owners():
-                for old in self.steps(owner)[: -self.keep]:
-                    self._drop(old, owner)
-        except OSError as error:
-            self._error = self._error or error
+
+    def _drop_beyond_keep(self, owner: int | None) -> None:
+        """Remove all but the newest ``keep`` copies of this rank's (of ``owner``'s)."""
+        for old in self.steps(owner)[: -self.keep]:
+            self._drop(old, owner)
 
     def _swap_with_peers(self, step: int, written: Path | None) -> None:
         """Send this rank's copy of ``step`` to its peer; keep its source's copy."""
