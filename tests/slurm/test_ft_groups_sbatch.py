@@ -21,7 +21,7 @@ import pytest
 
 from kempnerforge.config.loader import load_config
 from tests.support.metrics_rows import read_rows, train_rows
-from tests.support.replica_groups import PAUSE_ENV, SLOW_WHILE_ENV
+from tests.support.replica_groups import HOLD_START_ENV, PAUSE_ENV, SLOW_WHILE_ENV
 from tests.support.slurm_cluster import SlurmCluster
 from tests.support.tiny import tiny_run
 from tests.support.tolerance import layout_atol
@@ -68,11 +68,11 @@ def _overrides(run_dir: pathlib.Path, token_dirs: tuple[str, str]) -> list[str]:
     )
 
 
-def _participants(run_dir: pathlib.Path) -> dict[int, int]:
+def _participants(run_dir: pathlib.Path, *, live: bool = False) -> dict[int, int]:
     """Each committed data step's number of groups, from the group's replica_step events."""
     return {
         r["data_step"]: r["participants"]
-        for r in read_rows(run_dir)
+        for r in read_rows(run_dir, live=live)
         if r.get("event") == "replica_step"
     }
 
@@ -92,15 +92,15 @@ def _tail(log: pathlib.Path) -> str:
 
 def test_a_cancelled_group_step_is_relaunched_and_rejoins(slurm, token_dirs, tmp_path):
     whole_dir, faulted_dir = tmp_path / "whole", tmp_path / "faulted"
-    slow = tmp_path / "slow_steps"
+    slow, hold = tmp_path / "slow_steps", tmp_path / "hold_start"
     slow.touch()
     whole = _submit(slurm, tmp_path, _overrides(whole_dir, token_dirs), **{PAUSE_ENV: "0"})
     job = _submit(
         slurm, tmp_path, _overrides(faulted_dir, token_dirs),
-        **{PAUSE_ENV: "0.5", SLOW_WHILE_ENV: str(slow)},
+        **{PAUSE_ENV: "0.5", SLOW_WHILE_ENV: str(slow), HOLD_START_ENV: str(hold)},
     )  # fmt: skip
     try:
-        _cancel_group_1_midway(slurm, job, tmp_path / f"job-{job}.out", faulted_dir, slow)
+        _cancel_group_1_midway(slurm, job, tmp_path / f"job-{job}.out", faulted_dir, slow, hold)
         done = slurm.wait_for(job, END, JOB_TIMEOUT_S)
         reference = slurm.wait_for(whole, END, JOB_TIMEOUT_S)
     finally:
@@ -113,17 +113,28 @@ def test_a_cancelled_group_step_is_relaunched_and_rejoins(slurm, token_dirs, tmp
 
 
 def _cancel_group_1_midway(
-    slurm: SlurmCluster, job: int, log: pathlib.Path, run_dir: pathlib.Path, slow: pathlib.Path
+    slurm: SlurmCluster,
+    job: int,
+    log: pathlib.Path,
+    run_dir: pathlib.Path,
+    slow: pathlib.Path,
+    hold: pathlib.Path,
 ) -> None:
     """At group 1's third step, scancel its job step; wait for the script to relaunch it
-    (a new step of the job, the same name) and for it to rejoin; then let the groups
-    finish at full speed."""
+    (a new step of the job, the same name), held at its start until group 0 has committed
+    a step alone (else a fast relaunch could rejoin before group 0's next quorum, and
+    nothing here would show that group 0 trained on without it); let it rejoin, then let
+    the groups finish at full speed."""
     _wait(lambda: len(train_rows(run_dir / "replica_1", live=True)) >= 3, "step 3", slurm, job, log)
     first = slurm.steps(job)
     assert set(first) == {"group0", "group1"}, first  # both groups share the one node
+    hold.touch()
     assert slurm.run("scancel", first["group1"]).returncode == 0
     relaunch = "group 1: exit 137: relaunching"
     _wait(lambda: relaunch in log.read_text(), "relaunch", slurm, job, log)
+    _wait(lambda: 1 in _participants(run_dir / "replica_0", live=True).values(),
+          "a step of group 0 alone", slurm, job, log)  # fmt: skip
+    hold.unlink()
     rejoined = "replica group 1 joined at step"  # "... with a peer's live state"
     _wait(lambda: rejoined in log.read_text().split(relaunch)[1], "rejoin", slurm, job, log)
     relaunched = slurm.steps(job).get("group1", "")

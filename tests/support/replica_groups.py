@@ -28,10 +28,19 @@ relaunches then land mid-run on a loaded 2-core machine too."""
 SLOW_WHILE_ENV = "KF_TEST_SLOW_WHILE"
 """A file: SlowSteps pauses only while it exists (always when the variable is unset), so a
 test that has done its kills and relaunches lets the groups finish at full speed."""
+HOLD_START_ENV = "KF_TEST_HOLD_START_WHILE"
+"""A file: a group starting while it exists waits (in SlowSteps' constructor, before its
+first quorum) until it is gone, so a test decides when a relaunched group comes back."""
 
 
 class SlowSteps(TrainingHook):
-    """Pause after each step, so a run lasts long enough to be killed and rejoined."""
+    """Pause after each step, so a run lasts long enough to be killed and rejoined; at
+    start-up, wait while the HOLD_START_ENV file exists."""
+
+    def __init__(self) -> None:
+        hold = os.environ.get(HOLD_START_ENV)
+        while hold is not None and os.path.exists(hold):
+            time.sleep(0.1)
 
     def on_step_end(self, ctx: StepContext) -> None:
         slow_while = os.environ.get(SLOW_WHILE_ENV)
