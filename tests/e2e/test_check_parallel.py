@@ -83,23 +83,61 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 def assert_every_layout_passes(proc, worlds: dict[str, str]) -> None:
     """Exit 0 and one row per layout of ``worlds``, each PASS on its number of processes
     with the loss and gradient-norm differences within 1e-4."""
+    assert sorted(table_rows(proc.stdout)) == sorted(worlds)
+    assert_layouts_pass(proc, worlds)
+
+
+def assert_layouts_pass(proc, worlds: dict[str, str]) -> None:
+    """Exit 0, and the rows of the layouts of ``worlds`` (among others the check ran) each
+    PASS on its number of processes with the loss and gradient-norm differences within
+    1e-4."""
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = table_rows(proc.stdout)
-    assert sorted(rows) == sorted(worlds)
-    for layout, world, loss_diff, norm_diff, result in rows.values():
+    for layout in worlds:
+        _, world, loss_diff, norm_diff, result = rows[layout]
         assert (world, result) == (worlds[layout], "PASS"), layout
         assert float(loss_diff) <= 1e-4 and float(norm_diff) <= 1e-4
 
 
-def test_fsdp_tp_and_pp_layouts_match_one_process(tmp_path, builtin_cache):
+DENSE_LAYOUTS = {
+    **{"dp_shard=2": "2", "tp=2": "2", "pp=2,schedule=1f1b": "2", "pp=2,tp=2": "4"},
+    **{"cp=2": "2", "cp=2,dp_shard=2": "4"},
+}
+"""The debug config's layouts two tests below read from one check (one reference run and
+one launch per world size for all of them)."""
+
+
+@pytest.fixture(scope="module")
+def dense_check(tmp_path_factory, builtin_cache):
+    """check-parallel of the tiny debug config under DENSE_LAYOUTS for 3 steps, run in an
+    empty directory: (the finished process, that directory)."""
+    cwd = tmp_path_factory.mktemp("dense-check")
+    proc = check_parallel("--layouts", *DENSE_LAYOUTS, "--steps", "3", cwd=cwd, cache=builtin_cache)
+    assert sorted(table_rows(proc.stdout)) == sorted(DENSE_LAYOUTS), proc.stdout
+    return proc, cwd
+
+
+MOE_LAYOUTS = {"dp_shard=2,ep=2": "2", "dp_shard=2": "2", "pp=2": "2", "pp=2,dp_shard=2,ep=2": "4"}
+"""The debug MoE config's layouts two tests below read from one check."""
+
+
+@pytest.fixture(scope="module")
+def moe_check(tmp_path_factory, builtin_cache):
+    """check_moe_layouts under MOE_LAYOUTS, run in an empty directory."""
+    proc = check_moe_layouts(list(MOE_LAYOUTS), tmp_path_factory.mktemp("moe-check"), builtin_cache)
+    assert sorted(table_rows(proc.stdout)) == sorted(MOE_LAYOUTS), proc.stdout
+    return proc
+
+
+def test_fsdp_tp_and_pp_layouts_match_one_process(dense_check):
+    proc, cwd = dense_check
     worlds = {"dp_shard=2": "2", "tp=2": "2", "pp=2,schedule=1f1b": "2", "pp=2,tp=2": "4"}
-    proc = check_parallel("--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
-    assert_every_layout_passes(proc, worlds)
+    assert_layouts_pass(proc, worlds)
     assert "max rel dloss" in proc.stdout and "|x - x_ref| / |x_ref|" in proc.stdout
     # The pipeline layout changes every run, the reference included, and says so; document
     # masking stays on (the debug config packs documents): the stages carry the ids.
     assert "uses 2" in proc.stdout and "document_masking" not in proc.stdout
-    assert not list(tmp_path.iterdir())  # the runs lived in a temporary directory
+    assert not list(cwd.iterdir())  # the runs lived in a temporary directory
 
 
 CRASHING_HOOK = """
@@ -142,23 +180,19 @@ def test_a_layout_that_crashes_in_a_batch_is_rerun_alone_and_the_rest_still_chec
     assert "rank 1 ended with signal SIGKILL (torchrun)" in out
 
 
-def test_expert_parallel_moe_layouts_match_one_process(tmp_path, builtin_cache):
-    worlds = {"dp_shard=2,ep=2": "2", "dp_shard=2": "2"}
-    assert_every_layout_passes(check_moe_layouts(list(worlds), tmp_path, builtin_cache), worlds)
+def test_expert_parallel_moe_layouts_match_one_process(moe_check):
+    assert_layouts_pass(moe_check, {"dp_shard=2,ep=2": "2", "dp_shard=2": "2"})
 
 
-def test_moe_pipeline_layouts_match_one_process(tmp_path, builtin_cache):
+def test_moe_pipeline_layouts_match_one_process(moe_check):
     """MoE split into pipeline stages, alone and with the experts of each stage split over
     its 2 shard ranks (4 processes)."""
-    worlds = {"pp=2": "2", "pp=2,dp_shard=2,ep=2": "4"}
-    assert_every_layout_passes(check_moe_layouts(list(worlds), tmp_path, builtin_cache), worlds)
+    assert_layouts_pass(moe_check, {"pp=2": "2", "pp=2,dp_shard=2,ep=2": "4"})
 
 
-def test_context_parallel_layouts_match_one_process(tmp_path, builtin_cache):
+def test_context_parallel_layouts_match_one_process(dense_check):
     """The debug config packs documents (document masking on): cp 2 alone and beside FSDP."""
-    worlds = {"cp=2": "2", "cp=2,dp_shard=2": "4"}
-    proc = check_parallel("--layouts", *worlds, "--steps", "3", cwd=tmp_path, cache=builtin_cache)
-    assert_every_layout_passes(proc, worlds)
+    assert_layouts_pass(dense_check[0], {"cp=2": "2", "cp=2,dp_shard=2": "4"})
 
 
 def test_rings_windows_and_pipelines_over_packed_documents_match_one_process(

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from tests.support import warm_process
 from tests.support.doc_commands import REPO, SHELL_VARIABLES, DocCommand, doc_commands
 from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import TINY_MODEL
@@ -67,7 +68,9 @@ def to_run() -> dict[str, list[DocCommand]]:
 
 
 def argv_of(command: DocCommand) -> list[str]:
-    program = [str(pathlib.Path(sys.executable).parent / "kempnerforge")]
+    """The line's command: `python -m kempnerforge` (the console script's own entry point,
+    which the working directory's first run goes through), torchrun for several ranks."""
+    program = [sys.executable, "-m", "kempnerforge"]
     if command.world_size > 1:
         program = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         program += [f"--nproc_per_node={command.world_size}", "-m", "kempnerforge"]
@@ -141,7 +144,7 @@ def test_the_unmarked_command_lines_of_each_doc_run(file, workdir, request):
     root, env = workdir
     env = {**env, **store_environment(request, RUNS[file], root)}
     for command in RUNS[file]:
-        done = subprocess.run(
+        done = warm_process.run(
             argv_of(command), cwd=root, env=env, capture_output=True, text=True, timeout=900
         )
         assert done.returncode == 0, f"{command.where}: {command.text}\n{done.stderr[-3000:]}"

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.support import warm_process
 from tests.support.metrics_rows import events, train_rows
 from tests.support.threads import PROCESS_THREADS
 
@@ -29,11 +30,19 @@ def readme_commands() -> list[str]:
     return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def run(line: str, cwd: pathlib.Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def run(
+    line: str, cwd: pathlib.Path, env: dict[str, str], *, script: bool = False
+) -> subprocess.CompletedProcess:
+    """The README line in a process of its own: through the venv's console script when
+    ``script``, else as `python -m kempnerforge` (the script's own entry point, cli.main)
+    forked from the warm server."""
     argv = shlex.split(line)
     assert argv[0] == COMMAND, f"README command does not start with {COMMAND}: {line}"
-    argv[0] = str(pathlib.Path(sys.executable).parent / "kempnerforge")
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    if script:
+        argv[0] = str(pathlib.Path(sys.executable).parent / "kempnerforge")
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    argv[:1] = [sys.executable, "-m", "kempnerforge"]
+    return warm_process.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
 
 
 def train_steps(run_dir: pathlib.Path) -> list[int]:
@@ -62,7 +71,10 @@ def test_the_readme_commands_do_what_their_comments_say(tmp_path, builtin_cache)
     common = " --metrics.progress=off --train.sample_tokens=8"
     # What `make train` leaves: a finished runs/debug (shortened here to 2 steps).
     made = run(
-        f"{COMMAND} train configs/train/debug.toml --train.max_steps=2{common}", tmp_path, env
+        f"{COMMAND} train configs/train/debug.toml --train.max_steps=2{common}",
+        tmp_path,
+        env,
+        script=True,
     )
     assert made.returncode == 0, made.stderr[-3000:]
     debug_metrics = (tmp_path / "runs" / "debug" / "metrics.jsonl").read_text()

@@ -1,16 +1,17 @@
 """Running a worked recipe (a config under configs/train/ whose header lists its commands) in
-a test: its commands as subprocesses in a scratch directory, on a tiny model, and the check
-that docs/training.md shows the same commands."""
+a test: its commands as processes of their own in a scratch directory (`kempnerforge`
+commands forked from the warm server, tests.support.warm_process), on a tiny model, and
+the check that docs/training.md shows the same commands."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import config_header
+from tests.support import config_header, warm_process
+from tests.support.threads import PROCESS_THREADS
 
 REPO = Path(__file__).parents[2]
 SEQ = 96
@@ -41,11 +42,12 @@ def assert_docs_show_header(config: str, count: int) -> None:
 
 
 def run_python(tmp_path: Path, *args: str, expect: int = 0) -> None:
-    """``python *args`` in ``tmp_path`` (the repository importable, a cache of its own, two
-    threads); its exit code must be ``expect`` (a negative signal number for a kill)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "KEMPNERFORGE_CACHE": str(tmp_path / "cache")}
-    env["PYTHONPATH"] = str(REPO)
-    result = subprocess.run(
+    """``python *args`` in ``tmp_path`` (the repository importable, a cache of its own, this
+    worker's share of the cores); its exit code must be ``expect`` (a negative signal
+    number for a kill)."""
+    env = {**os.environ, "KEMPNERFORGE_CACHE": str(tmp_path / "cache")}
+    env.update(OMP_NUM_THREADS=PROCESS_THREADS, PYTHONPATH=str(REPO))
+    result = warm_process.run(
         [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == expect, result.stderr[-3000:]
