@@ -4,7 +4,9 @@ heads exchanged around attention (--attention ulysses, model/attention/sequence_
 or key/value blocks passed around a ring (--attention ring, model/attention/ring.py).
 
 Each cp degree runs in fresh processes (gloo on CPU, one per cp rank, one intra-op thread
-each), so no allocator cache or earlier peak carries over. Every rank builds the same
+each), so no allocator cache or earlier peak carries over; they are forked from a server
+that has only imported torch and the model code, which a rank would otherwise import again
+for each degree. Every rank builds the same
 model (seeded) and keeps its positions of the sequence (a slice, or a ring's zigzag
 chunks). --part model runs forward + backward of the summed cross-entropy, and the
 gradients are then summed over the ranks, as FSDP's reduction would; --part attention runs
@@ -55,6 +57,8 @@ from kempnerforge.model.attention.sequence_split import (
     set_sequence_split,
 )
 
+PRELOADED = ["torch", "torch.distributed", "kempnerforge.model"]
+"""Imported once by the server the ranks are forked from."""
 WARM_UP_POSITIONS = 64
 """Positions per rank of the short pass before the measured ones."""
 DEBUG_SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 259}
@@ -170,7 +174,8 @@ def measure(cp: int, seq: int, attention: str = "ulysses", part: str = "model") 
     """One cp degree in fresh processes: the slowest rank's time, the largest peak."""
     with tempfile.TemporaryDirectory() as workdir:
         args = (cp, seq, workdir, attention, part)
-        mp.start_processes(_rank, args=args, nprocs=cp, start_method="spawn")
+        mp.set_forkserver_preload(PRELOADED)  # no effect once the server runs
+        mp.start_processes(_rank, args=args, nprocs=cp, start_method="forkserver")
         ranks = []
         for rank in range(cp):
             with open(os.path.join(workdir, f"rank{rank}.json")) as f:
