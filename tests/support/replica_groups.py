@@ -69,13 +69,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(port: int, join_timeout_ms: int = 200) -> Process:
+def start_lighthouse(port: int, join_timeout_ms: int = 200, *, fresh: bool = False) -> Process:
     """`kempnerforge lighthouse` on ``port``: quorums form ``join_timeout_ms`` after the
-    first group asks (0.2 s by default), and a group silent for 1 s is left out."""
-    # A fresh interpreter, not the warm launcher: test_a_lighthouse_restarted_mid_run_costs_no_step
-    # relies on a restarted lighthouse being away for its start-up, long enough for the
-    # groups' next quorum to fail; a forked one is back before they notice.
-    process = subprocess.Popen(
+    first group asks (0.2 s by default), and a group silent for 1 s is left out. Forked
+    from the warm server, or a fresh interpreter when ``fresh``: a restarted lighthouse is
+    then away for its start-up, long enough for the groups' next quorum to fail (a forked
+    one is back before they notice), as test_a_lighthouse_restarted_mid_run_costs_no_step
+    needs."""
+    launch = subprocess.Popen if fresh else popen
+    process = launch(
         [
             sys.executable, "-m", "kempnerforge", "lighthouse", f"--port={port}",
             "--min-replicas=1", f"--join-timeout-ms={join_timeout_ms}",
@@ -241,7 +243,7 @@ class ReplicaJob:
     def restart_lighthouse(self) -> None:
         """Kill the lighthouse and start a new one on the same port."""
         kill(self.lighthouse)
-        self.lighthouse = start_lighthouse(self.port, self.join_timeout_ms)
+        self.lighthouse = start_lighthouse(self.port, self.join_timeout_ms, fresh=True)
 
     def finish(self) -> None:
         """Wait for every running group to exit 0 (fail with its log's tail otherwise).
