@@ -28,11 +28,14 @@ pytestmark = [
 REPO = pathlib.Path(__file__).parents[2]
 SCRIPT = REPO / "scripts" / "slurm" / "ft_groups.sbatch"
 FAKE_SRUN = """#!/bin/bash
+exec 9>> "$SRUN_LOG.lock"
+flock 9
 printf '%q ' srun "$@" >> "$SRUN_LOG"
 echo >> "$SRUN_LOG"
 """
-"""srun for one node: records its command line (one line, quoted) and ends the group at
-once, as a finished run does (exit 0)."""
+"""srun for one node: records its command line (one line, quoted; the groups' sruns run
+side by side, so each holds a lock while it writes, else their lines interleave) and ends
+the group at once, as a finished run does (exit 0)."""
 
 
 def header_example() -> tuple[dict[str, str], list[str], list[str]]:
