@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.support import warm_process
+from tests.support.cli import run_kempnerforge
 from tests.support.metrics_rows import events, train_rows
 from tests.support.threads import PROCESS_THREADS
 
@@ -41,8 +41,7 @@ def run(
     if script:
         argv[0] = str(pathlib.Path(sys.executable).parent / "kempnerforge")
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
-    argv[:1] = [sys.executable, "-m", "kempnerforge"]
-    return warm_process.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    return run_kempnerforge(*argv[1:], cwd=cwd, env_extra=env, timeout=1200)
 
 
 def train_steps(run_dir: pathlib.Path) -> list[int]:
