@@ -15,9 +15,8 @@ from kempnerforge.data.tokenizer import ByteTokenizer
 from tests.support.threads import PROCESS_THREADS
 from tests.support.tiny import tiny_run
 
-# Tests that share a class, module or package fixture run on one pytest-xdist worker; the
-# in-process tests are dealt out among the others.
-pytest_plugins = ["tests.support.worker_groups", "tests.support.work_order"]
+# Tests that share a class, module or package fixture run on one pytest-xdist worker.
+pytest_plugins = ["tests.support.worker_groups"]
 
 if PROCESS_THREADS == "1":
     # As many workers as cores: every process a test starts inherits one intra-op thread
