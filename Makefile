@@ -48,7 +48,11 @@ typecheck: install-dev
 # (--dist loadgroup, in pyproject.toml's addopts). 0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
+# The suite starts a few hundred fresh interpreters (torchrun's ranks, SLURM's jobs, the
+# reference runs): compiling the checkout's modules once spares each of them compiling its
+# imports again where PYTHONDONTWRITEBYTECODE is set (a clean clone has no bytecode).
 test: lint typecheck
+	$(BIN)/python -m compileall -q -j 0 kempnerforge tests bench examples >/dev/null
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Every parallel layout of 2 to 4 processes that validation accepts, for the dense, MoE and

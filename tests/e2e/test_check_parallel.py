@@ -15,6 +15,7 @@ from kempnerforge.config.loader import load_config
 from tests.layouts.run_sweep import passed_layouts
 from tests.layouts.test_layout_sweep import recorded_layouts
 from tests.layouts.variants import sweep_argv
+from tests.support import warm_process
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +34,13 @@ TINY = [
 
 def run_check_parallel(argv: list[str], cwd: pathlib.Path, cache: pathlib.Path):
     """`kempnerforge check-parallel` with ``argv``, run in ``cwd`` on the built-in corpus of
-    ``cache``."""
+    ``cache``; the command itself forked from the warm server (it only plans, launches and
+    compares: its runs are fresh processes, the reference and each torchrun launch)."""
     env = {**os.environ, "KEMPNERFORGE_CACHE": str(cache)}
     # One thread per process, the reference's too: the layouts' ranks share the cores with
     # each other and with the other test worker (tests/support/threads.py says what more costs).
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(
+    return warm_process.run(
         [sys.executable, "-m", "kempnerforge", "check-parallel", *argv],
         cwd=cwd,
         env=env,
@@ -305,7 +307,7 @@ def test_dpo_under_fsdp_and_tensor_parallelism_matches_one_process(tmp_path, bui
     example = [sys.executable, "-m", "examples.chat_conversations", "--preference"]
     subprocess.run([*example, "--count", "16", "--output", "prefs.jsonl"], **run)
     prepare = [sys.executable, "-m", "kempnerforge", "prepare-data", "--format", "preference"]
-    subprocess.run(
+    warm_process.run(
         [*prepare, "--seq-len", "96", "--input", "prefs.jsonl", "--output", "prefs"], **run
     )
     worlds = {"dp_shard=2": "2", "tp=2": "2"}
@@ -336,7 +338,7 @@ def test_grpo_under_fsdp_and_tensor_parallelism_matches_one_process(tmp_path, bu
     example = [sys.executable, "-m", "examples.chat_conversations", "--prompts"]
     subprocess.run([*example, "--count", "32", "--output", "prompts.jsonl"], **run)
     prepare = [sys.executable, "-m", "kempnerforge", "prepare-data", "--format", "prompts"]
-    subprocess.run(
+    warm_process.run(
         [*prepare, "--seq-len", "64", "--input", "prompts.jsonl", "--output", "prompts"], **run
     )
     worlds = {"dp_shard=2": "2", "tp=2": "2"}

@@ -108,9 +108,12 @@ def fault_jobs(slurm, token_dirs, tmp_path_factory) -> dict[str, tuple[int, path
         return _submit(slurm, where[name], *overrides, options=options, env=env), where[name]
 
     submitted = {
-        # Runs until stopped: the time limit's warning stops it, twice, and MAX_RESTARTS=1
-        # lets the script requeue the first stop only.
-        "limit": submit("limit", "", {"MAX_RESTARTS": "1"}, "--train.max_steps=1000000"),
+        # Runs until stopped (pausing after each step, not to spend the wait training): the
+        # time limit's warning stops it, twice, and MAX_RESTARTS=1 lets the script requeue
+        # the first stop only.
+        "limit": submit(
+            "limit", "PauseAfterEachStep", {"MAX_RESTARTS": "1"}, "--train.max_steps=1000000"
+        ),
         "nan": submit(
             "nan",
             "NaNWeightsAt",

@@ -77,6 +77,18 @@ class SleepOnOneRank(TrainingHook):
             sleep_through_the_collective(3600)
 
 
+PAUSE_S = 0.05
+
+
+class PauseAfterEachStep(TrainingHook):
+    """Sleep PAUSE_S after each step: a run that only waits to be stopped (by a time
+    limit's warning, a signal) then spends its wait asleep instead of training thousands
+    of steps, leaving the cores to the rest of the suite."""
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        time.sleep(PAUSE_S)
+
+
 KILL_AT_ENV = "KF_TEST_KILL_AT"
 KILL_ARMED_ENV = "KF_TEST_KILL_ARMED"
 KILL_RANK_ENV = "KF_TEST_KILL_RANK"
