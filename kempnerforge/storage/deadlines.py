@@ -117,9 +117,11 @@ def run_parallel(
     all are done.
 
     The first error is raised (the other threads take no new item), and DeadlinePassed
-    (with the count of unfinished items) when the deadline passes first. A thread still in
-    a call then is left to it: its calls are bounded by the same deadline, and it takes no
-    new item, so nothing starts after the batch has failed.
+    (with the count of unfinished items) when the deadline passes first. An error raised
+    at or past the deadline is the deadline passing too: a call's own bound is the same
+    deadline, and which of the two a loaded machine notices first must not change what is
+    reported. A thread still in a call then is left to it: its calls are bounded by the
+    same deadline, and it takes no new item, so nothing starts after the batch has failed.
     """
     pending = list(items)
     if not pending:
@@ -127,7 +129,7 @@ def run_parallel(
     lock = threading.Lock()
     queue = iter(pending)
     finished = threading.Event()
-    state: dict[str, Any] = {"left": len(pending), "error": None, "stop": False}
+    state: dict[str, Any] = {"left": len(pending), "error": None, "late": False, "stop": False}
 
     def worker() -> None:
         while True:
@@ -139,7 +141,8 @@ def run_parallel(
                 action(item)
             except BaseException as exc:  # handed to the caller
                 with lock:
-                    state["error"] = state["error"] or exc
+                    if state["error"] is None:
+                        state["error"], state["late"] = exc, deadline.passed()
                     state["stop"] = True
                 finished.set()
                 return
@@ -153,8 +156,8 @@ def run_parallel(
     in_time = finished.wait(deadline.remaining())
     with lock:
         state["stop"] = True
-        error, left = state["error"], state["left"]
-    if error is not None:
+        error, late, left = state["error"], state["late"], state["left"]
+    if error is not None and not late:
         raise error
-    if not in_time:
-        raise DeadlinePassed(deadline, unfinished=left, total=len(pending))
+    if late or not in_time:
+        raise DeadlinePassed(deadline, unfinished=left, total=len(pending)) from error

@@ -236,3 +236,23 @@ def test_a_batch_stops_at_its_first_failure_and_at_its_deadline():
         run_parallel(lambda _: hold.wait(30), range(5), workers=2, deadline=Deadline(0.2, "x"))
     assert (late.value.unfinished, late.value.total) == (5, 5)
     hold.set()
+
+
+def test_a_call_ended_by_its_own_bound_at_the_deadline_reports_the_batch_deadline():
+    """Each call of a batch is bounded by the batch's deadline, so at a stall the call's
+    own timeout and the batch's wait end together: whichever the machine notices first,
+    the batch reports its deadline, not the call's own timeout."""
+    import time
+
+    from kempnerforge.storage.deadlines import Deadline, DeadlinePassed, run_parallel
+
+    deadline = Deadline(0.2, "x")
+
+    def action(item: int) -> None:
+        if item == 1:
+            time.sleep(deadline.remaining())  # the stalled call, ended by its bound
+            raise TimeoutError("the call's own timeout")
+
+    with pytest.raises(DeadlinePassed) as late:
+        run_parallel(action, range(3), workers=3, deadline=deadline)
+    assert (late.value.unfinished, late.value.total) == (1, 3)
