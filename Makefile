@@ -52,7 +52,7 @@ TEST_WORKERS ?= 2
 # reference runs): compiling the checkout's modules once spares each of them compiling its
 # imports again where PYTHONDONTWRITEBYTECODE is set (a clean clone has no bytecode).
 test: lint typecheck
-	$(BIN)/python -m compileall -q -j 0 kempnerforge tests bench examples >/dev/null
+	$(BIN)/python -m compileall -q -j 0 kempnerforge tests bench examples
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Every parallel layout of 2 to 4 processes that validation accepts, for the dense, MoE and

@@ -16,6 +16,7 @@ from tests.layouts.run_sweep import passed_layouts
 from tests.layouts.test_layout_sweep import recorded_layouts
 from tests.layouts.variants import sweep_argv
 from tests.support import warm_process
+from tests.support.cli import run_kempnerforge
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +37,10 @@ def run_check_parallel(argv: list[str], cwd: pathlib.Path, cache: pathlib.Path):
     """`kempnerforge check-parallel` with ``argv``, run in ``cwd`` on the built-in corpus of
     ``cache``; the command itself forked from the warm server (it only plans, launches and
     compares: its runs are fresh processes, the reference and each torchrun launch)."""
-    env = {**os.environ, "KEMPNERFORGE_CACHE": str(cache)}
     # One thread per process, the reference's too: the layouts' ranks share the cores with
     # each other and with the other test worker (tests/support/threads.py says what more costs).
-    env["OMP_NUM_THREADS"] = "1"
-    return warm_process.run(
-        [sys.executable, "-m", "kempnerforge", "check-parallel", *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    env = {"KEMPNERFORGE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    return run_kempnerforge("check-parallel", *argv, cwd=cwd, env_extra=env, timeout=600)
 
 
 def check_parallel(*args: str, cwd: pathlib.Path, cache: pathlib.Path, config: str = DEBUG):
