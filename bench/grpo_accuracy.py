@@ -24,7 +24,8 @@ from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.training.inference.loading import load_for_inference, open_for_inference
 from kempnerforge.training.objectives.rewards import checked_reward, load_reward
-from kempnerforge.training.objectives.rollouts import Decoding, decode_completions, prompts_of
+from kempnerforge.training.objectives.rollouts import prompts_of
+from kempnerforge.training.objectives.sampling import Decoding, decode_completions
 
 
 def accuracy(checkpoint: str, prompts_dir: str, count: int, reward_name: str) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -11,6 +10,8 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import (
     Attention,
+    CachedKeys,
+    DecodeStep,
     LatentAttention,
     LayerMask,
     MaskRule,
@@ -29,7 +30,7 @@ from kempnerforge.model.moe import MoEFeedForward, Router
 from kempnerforge.model.mtp import MTPModule, MTPModules
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.weight_init import copy_full_tensor as copy_full_tensor  # re-exported
-from kempnerforge.model.weight_init import fill_parameter, parameter_seed
+from kempnerforge.model.weight_init import fill_parameter, init_std, parameter_seed
 
 
 class TransformerBlock(nn.Module):
@@ -68,7 +69,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: LayerMask = None,
+        mask: LayerMask | CachedKeys = None,
     ) -> torch.Tensor:
         return self.residuals(x, lambda y: self.attention(y, cos, sin, mask), self.feed_forward)
 
@@ -263,6 +264,7 @@ class Transformer(FamilyModel):
         labels: torch.Tensor | None = None,
         loss_spec: HeadLossSpec | None = None,
         mtp_targets: torch.Tensor | None = None,
+        decode: DecodeStep | None = None,
     ) -> torch.Tensor | HeadLoss:
         """Logits (batch, seq, vocab_size) for input_ids (batch, seq), seq <= max_seq_len.
 
@@ -286,15 +288,23 @@ class Transformer(FamilyModel):
         With ``mtp_targets`` (model.mtp_depth, batch, seq; model/mtp.py's mtp_targets) the
         multi-token-prediction modules run too and leave their losses on ``self.mtp``;
         without, they cost nothing (eval, generation).
+
+        With ``decode`` input_ids are the new tokens of a decoding step through a key/value
+        cache (model/attention/decode_cache.py: each row at its own positions).
         """
         batch, seq_len = input_ids.shape[:2]
-        cos, sin = self.rope(seq_len)
-        masks = self.attention_masks(doc_ids, batch, seq_len, input_ids.device)
+        if decode is None:
+            cos, sin = self.rope(seq_len)
+            masks = self.attention_masks(doc_ids, batch, seq_len, input_ids.device)
+        else:
+            cos, sin = decode.rope_rows(self.rope_cos, self.rope_sin)
+            masks = {i: decode.layer(i, self.cfg.layer_window(int(i))) for i in self.layers}
         h = self.run_layers(self.embed(input_ids), cos, sin, masks)
         if self.norm is None or self.output is None:
             return h
         if self.mtp is not None and mtp_targets is not None:
             mask = masks[str(self.cfg.n_layers - 1)]  # each block is built as the last one
+            assert not isinstance(mask, CachedKeys), "multi-token prediction does not decode"
             spec = loss_spec or HeadLossSpec()
             normed = self.norm(h)  # what the head reads is what depth 1 reads (model/mtp.py)
             self.mtp.run(
@@ -347,7 +357,7 @@ class Transformer(FamilyModel):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        masks: Mapping[str, LayerMask] | None = None,
+        masks: Mapping[str, LayerMask | CachedKeys] | None = None,
         after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the blocks in index order over the residual stream ``h``.
@@ -419,25 +429,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n += cfg.mtp_depth * cfg.vocab_size * cfg.dim
     widths = cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     return 6.0 * n + 6.0 * (cfg.n_layers + cfg.mtp_depth) * widths * seq_len
-
-
-def init_std(cfg: ModelConfig, name: str) -> float | None:
-    """The normal std a block-style parameter ``name`` is drawn with; None for a norm gain.
-
-    init_std for the embedding and every projection, init_std / sqrt(2 * n_layers) for the
-    projections that write the residual stream, ones for norm gains, 0 (zeros) for
-    biases and attention sinks (a sink of 0 starts as one more key of logit 0). Shared by
-    the decoder and by any block built like its blocks (gated cross-attention).
-    """
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith((".bias", "attention.sinks", "experts.b1", "experts.b3", "experts.b2")):
-        return 0.0
-    if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
-        # The projections that write the residual stream (dense, shared and routed
-        # experts' down projections): its variance at init must not grow with depth.
-        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    return cfg.init_std
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

@@ -20,6 +20,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from kempnerforge.config.model import ModelConfig
+
 TILE_ELEMENTS = 1 << 20
 """Elements per draw tile (4 MiB in fp32), rounded to whole rows; part of what the values
 are, so changing it changes every initial weight."""
@@ -225,3 +227,22 @@ def copy_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
         else:
             shard = shard.index_select(dim, index.to(full.device))
     local.copy_(shard.to(device=local.device, dtype=local.dtype))
+
+
+def init_std(cfg: ModelConfig, name: str) -> float | None:
+    """The normal std a block-style parameter ``name`` is drawn with; None for a norm gain.
+
+    init_std for the embedding and every projection, init_std / sqrt(2 * n_layers) for the
+    projections that write the residual stream, ones for norm gains, 0 (zeros) for
+    biases and attention sinks (a sink of 0 starts as one more key of logit 0). Shared by
+    the decoder and by any block built like its blocks (gated cross-attention).
+    """
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith((".bias", "attention.sinks", "experts.b1", "experts.b3", "experts.b2")):
+        return 0.0
+    if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
+        # The projections that write the residual stream (dense, shared and routed
+        # experts' down projections): its variance at init must not grow with depth.
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std

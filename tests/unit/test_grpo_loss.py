@@ -26,14 +26,13 @@ from kempnerforge.training.objectives.grpo import (
     grpo_metrics_row,
 )
 from kempnerforge.training.objectives.rollouts import (
-    Decoding,
     Rollouts,
     completion_seed,
-    decode_completions,
     group_advantages,
     prompts_of,
     rollout_rows,
 )
+from kempnerforge.training.objectives.sampling import Decoding, decode_completions
 
 
 def _hand_loss(logits, labels, old, adv, ref, cfg: GRPOConfig):

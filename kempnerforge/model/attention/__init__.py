@@ -4,13 +4,15 @@ latent attention (`latent_attention.py`, DeepSeek's MLA), the mask rules
 and the kernels that apply them (`kernels.py`: SDPA's causal kernels, FlexAttention block
 masks, the CPU's per-document `segments.py`, a dense mask), rotary positions, and context
 parallelism's exchange of sequence slices (heads, and past the head count a ring of
-key/value blocks under the same rules: `ring.py`, `ring_blocks.py`).
+key/value blocks under the same rules: `ring.py`, `ring_blocks.py`), and decoding with a
+key/value cache through the training forward (`decode_cache.py`).
 
 Modules outside this folder import these names from here, never from its modules.
 """
 
 from __future__ import annotations
 
+from kempnerforge.model.attention.decode_cache import CachedKeys, DecodeCache, DecodeStep
 from kempnerforge.model.attention.kernels import (
     LayerMask,
     attend,
@@ -56,6 +58,9 @@ __all__ = [
     "BLOCK_SIZE",
     "Attention",
     "LatentAttention",
+    "CachedKeys",
+    "DecodeCache",
+    "DecodeStep",
     "LayerMask",
     "MaskRule",
     "RingMask",

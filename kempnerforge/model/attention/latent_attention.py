@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.attention.decode_cache import CachedKeys
 from kempnerforge.model.attention.kernels import LayerMask
 from kempnerforge.model.attention.rope import apply_rope
 from kempnerforge.model.attention.self_attention import attend_heads
@@ -153,12 +154,14 @@ class LatentAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: LayerMask = None,
+        mask: LayerMask | CachedKeys = None,
     ) -> torch.Tensor:
         """Attend causally over x (batch, seq, dim) under ``mask`` (as Attention.forward,
-        context parallelism included)."""
+        context parallelism and a decoding step's cache included)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, cos, sin)
+        if isinstance(mask, CachedKeys):
+            return self.wo(mask.attend(q, k, v).reshape(batch, seq_len, -1))
         split = active_split(self)
         out = attend_heads(q, k, padded_values(v, q.shape[-1], mask, split), mask, split)
         return self.wo(out[..., : self.value_dim].reshape(batch, seq_len, -1))

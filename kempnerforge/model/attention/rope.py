@@ -116,7 +116,8 @@ def yarn_frequencies(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (batch, seq, heads, head_dim) by the first seq rows of the tables.
+    """Rotate x of shape (batch, seq, heads, head_dim) by the first seq rows of the tables,
+    or by tables of each row's own positions (batch, seq, head_dim // 2).
 
     Half-split convention (as in Hugging Face Llama checkpoints): channel i is paired with
     channel i + head_dim / 2, not with its neighbour. The rotation runs in fp32 even if x
@@ -127,8 +128,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    c = cos[: x.shape[1]].float()[None, :, None, :]
-    s = sin[: x.shape[1]].float()[None, :, None, :]
+    if cos.dim() == 3:  # each row's own positions (batch, seq, half): a cached decoding step
+        c, s = cos.float()[:, :, None, :], sin.float()[:, :, None, :]
+    else:
+        c = cos[: x.shape[1]].float()[None, :, None, :]
+        s = sin[: x.shape[1]].float()[None, :, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 

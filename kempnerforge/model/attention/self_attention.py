@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.attention.decode_cache import CachedKeys
 from kempnerforge.model.attention.kernels import LayerMask, attend
 from kempnerforge.model.attention.masks import MaskRule, dense_mask
 from kempnerforge.model.attention.ring import ring_attention
@@ -147,10 +148,12 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: LayerMask = None,
+        mask: LayerMask | CachedKeys = None,
     ) -> torch.Tensor:
         """Attend causally over x (batch, seq, dim) under ``mask``, this layer's mask from
         prepare_masks (kernels.py): None for causality alone (SDPA's is_causal kernels).
+        A decoding step's CachedKeys instead stores x's keys and values and attends over
+        the cache (decode_cache.py).
 
         Under context parallelism x holds this rank's positions, cos and sin their rows,
         and the mask covers the whole sequence, which attention sees after the exchange;
@@ -159,7 +162,10 @@ class Attention(nn.Module):
         """
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        out = attend_heads(q, k, v, mask, active_split(self), self.local_sinks())
+        if isinstance(mask, CachedKeys):
+            out = mask.attend(q, k, v, self.local_sinks())
+        else:
+            out = attend_heads(q, k, v, mask, active_split(self), self.local_sinks())
         return self.wo(out.reshape(batch, seq_len, -1))
 
 

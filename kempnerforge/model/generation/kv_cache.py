@@ -14,7 +14,9 @@ decompressed from every stored position.
 This is a separate path through the same modules; Transformer.forward, the training
 forward, is not involved and keeps its numerics, its compiled blocks and its FSDP hooks.
 The path calls the blocks' submodules directly, so it takes a model held whole on one
-device: not FSDP-sharded, tensor-parallel or expert-parallel, not a pipeline stage.
+device: not FSDP-sharded, tensor-parallel or expert-parallel, not a pipeline stage. A
+sharded model decodes through its training forward with model/attention/decode_cache.py
+(GRPO's rollouts).
 """
 
 from __future__ import annotations

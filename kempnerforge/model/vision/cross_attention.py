@@ -10,8 +10,7 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.mlp import SwiGLU
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.transformer import init_std
-from kempnerforge.model.weight_init import fill_parameter, parameter_seed, zero_parameter
+from kempnerforge.model.weight_init import fill_parameter, init_std, parameter_seed, zero_parameter
 
 
 class CrossAttention(nn.Module):

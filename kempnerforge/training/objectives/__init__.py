@@ -44,7 +44,8 @@ from kempnerforge.training.objectives.rewards import (
     exact_answer,
     load_reward,
 )
-from kempnerforge.training.objectives.rollouts import Decoding, Rollouts
+from kempnerforge.training.objectives.rollouts import Rollouts
+from kempnerforge.training.objectives.sampling import Decoding
 
 __all__ = [
     "DPO_METRIC_KEYS",

@@ -6,8 +6,9 @@ train.grad_accum_steps / grpo.group_size prompts (one batch of the prompt corpus
 prepare-data --format prompts) and samples grpo.group_size completions of each with the
 weights being trained, through the training forward itself: any layout that runs that
 forward (FSDP, tensor, expert parallelism) samples without copying the weights anywhere.
-Each decoding step re-runs the rows' windows (no key/value cache: the cache's path takes a
-model whole on one device), only as long as the longest row so far; every rank of the job
+The forward decodes with a key/value cache (model/attention/decode_cache.py): the prompts
+run through it once, then each decoding step runs one new token per row (padded to the
+tensor-parallel degree, which sequence parallelism splits evenly); every rank of the job
 runs the same number of decoding steps (one all-reduce a step says whether any row is
 still open), since a sharded forward is collective.
 
@@ -38,13 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.grpo import GRPOConfig
 from kempnerforge.core.errors import DataError
 from kempnerforge.core.logging import get_logger
 from kempnerforge.data.tokenizer import Tokenizer
-from kempnerforge.model.generation import eval_mode, sample_token, seeded_generator
+from kempnerforge.model.attention import DecodeStep
+from kempnerforge.model.generation import eval_mode
 from kempnerforge.model.heads import IGNORE_INDEX, token_losses
 from kempnerforge.training.objectives.grpo import (
     ADVANTAGES,
@@ -54,11 +55,15 @@ from kempnerforge.training.objectives.grpo import (
 )
 from kempnerforge.training.objectives.objective import Batch
 from kempnerforge.training.objectives.rewards import RewardFn, checked_reward
+from kempnerforge.training.objectives.sampling import (
+    Decoding,
+    Logits,
+    decode_completions,
+    decoding_span,
+)
 
 logger = get_logger(__name__)
 
-Logits = Callable[[torch.Tensor], torch.Tensor]
-"""Token ids (rows, length) -> logits (rows, length, vocab): the training forward."""
 
 ADVANTAGE_EPS = 1e-4
 """Added to a group's reward standard deviation before dividing by it, as TRL does."""
@@ -94,94 +99,6 @@ def completion_seed(seed: int, rollout: int, prompt_ids: list[int], index: int) 
     hash of all four, so it does not depend on the rank or the batch that samples it."""
     text = f"grpo:{seed}:{rollout}:{index}:" + ",".join(map(str, prompt_ids))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """How completions are drawn: grpo's sampling fields and where a completion stops."""
-
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    stop_ids: frozenset[int]
-    pad_id: int
-    width: int
-    """Positions a row may fill: train.seq_len (prompt and completion together)."""
-    rows_per_forward: int
-    """Rows per forward call (train.batch_size)."""
-    length_multiple: int = 1
-    """Forwards run windows of a multiple of this many positions (the tensor-parallel
-    degree: sequence parallelism splits the positions evenly)."""
-
-
-def any_rank(open_rows: bool, group: dist.ProcessGroup | None) -> bool:
-    """Whether any rank of ``group`` (None: this process alone) still has an open row."""
-    if group is None:
-        return open_rows
-    flag = torch.tensor([int(open_rows)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
-
-
-@torch.no_grad()
-def decode_completions(
-    logits_of: Logits,
-    prompts: list[list[int]],
-    seeds: list[int],
-    decoding: Decoding,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-) -> list[list[int]]:
-    """Each prompt's sampled completion: tokens drawn one at a time from the logits of its
-    last position, until a stop token (kept, as the completion's last target), the
-    completion's max_new_tokens, or the window's end. Every rank calls the forward the same
-    number of times (``group``: the ranks whose forwards are collective together)."""
-    rows = len(prompts)
-    window = torch.full((rows, decoding.width), decoding.pad_id, dtype=torch.long)
-    lengths = []
-    for row, prompt in enumerate(prompts):
-        window[row, : len(prompt)] = torch.tensor(prompt)
-        lengths.append(len(prompt))
-    completions: list[list[int]] = [[] for _ in prompts]
-    open_rows = [length < decoding.width for length in lengths]
-    generators = [seeded_generator(seed) for seed in seeds]
-    for _ in range(decoding.max_new_tokens):
-        if not any_rank(any(open_rows), group):
-            break
-        span = _span(max(lengths), decoding)
-        for first in range(0, rows, decoding.rows_per_forward):
-            chunk = window[first : first + decoding.rows_per_forward, :span].to(device)
-            logits = logits_of(chunk)
-            if isinstance(logits, DTensor):
-                logits = logits.full_tensor()
-            for offset in range(chunk.shape[0]):
-                row = first + offset
-                if not open_rows[row]:
-                    continue
-                token = sample_token(
-                    logits[offset, lengths[row] - 1],
-                    temperature=decoding.temperature,
-                    top_k=decoding.top_k,
-                    top_p=decoding.top_p,
-                    generator=generators[row],
-                )
-                completions[row].append(token)
-                window[row, lengths[row]] = token
-                lengths[row] += 1
-                open_rows[row] = not (
-                    token in decoding.stop_ids
-                    or len(completions[row]) >= decoding.max_new_tokens
-                    or lengths[row] >= decoding.width
-                )
-    return completions
-
-
-def _span(longest: int, decoding: Decoding) -> int:
-    """The positions a decoding step's forward runs: the longest row, rounded up to the
-    length multiple, at most the window."""
-    multiple = decoding.length_multiple
-    return min(decoding.width, -(-longest // multiple) * multiple)
 
 
 def rollout_rows(
@@ -312,9 +229,9 @@ class Rollouts:
     # --- sampling ------------------------------------------------------------------------
 
     def _forward(self, model: nn.Module) -> Logits:
-        def logits_of(ids: torch.Tensor) -> torch.Tensor:
+        def logits_of(ids: torch.Tensor, decode: DecodeStep | None = None) -> torch.Tensor:
             with self._autocast():
-                output = model(ids)
+                output = model(ids) if decode is None else model(ids, decode=decode)
             assert isinstance(output, torch.Tensor)
             return output
 
@@ -339,7 +256,7 @@ class Rollouts:
             # Rows as wide as the longest needs (rounded up as decoding's forwards are), not
             # the whole window: the steps' forwards skip the padding.
             longest = max(len(p) + len(c) for p, c in zip(rows, completions, strict=True))
-            width = _span(longest, decoding)
+            width = decoding_span(longest, decoding)
             input_ids, labels = rollout_rows(rows, completions, width, decoding.pad_id)
             old = self._per_micro_batch(policy, input_ids, labels)
         rewards = self._rewards(prompts, completions, number)
