@@ -41,7 +41,9 @@ def sequences(vocab: int) -> list[list[int]]:
     ]
 
 
-def decoded_logits(model: Transformer, rows: list[list[int]], multiple: int, width: int):
+def decoded_logits(
+    model: Transformer, rows: list[list[int]], multiple: int, width: int, device: str = "cpu"
+):
     """Each row's logits at every position it reached, through the cache: the prompts at
     once, then one token per row and step (padded to ``multiple`` positions), the last row
     stopping half-way (padding only from then on, in the slots past ``width``)."""
@@ -50,7 +52,7 @@ def decoded_logits(model: Transformer, rows: list[list[int]], multiple: int, wid
     ids = torch.full((len(rows), prefill), PAD)
     for row, length in enumerate(PROMPTS):
         ids[row, :length] = torch.tensor(rows[row][:length])
-    logits = model(ids, decode=DecodeStep.prefill(cache, prefill, ids.device))
+    logits = model(ids.to(device), decode=DecodeStep.prefill(cache, prefill, torch.device(device)))
     got = [[logits[row, i] for i in range(length)] for row, length in enumerate(PROMPTS)]
     for step in range(STEPS - 1):
         ids = torch.full((len(rows), multiple), PAD)
@@ -62,7 +64,8 @@ def decoded_logits(model: Transformer, rows: list[list[int]], multiple: int, wid
             ids[row, 0] = rows[row][position]
             positions[row], slots[row, 0] = position, position
         read = 1 + max(PROMPTS[row] + step for row in open_rows)
-        logits = model(ids, decode=DecodeStep(cache, positions, slots, read))
+        step_ = DecodeStep(cache, positions.to(device), slots.to(device), read)
+        logits = model(ids.to(device), decode=step_)
         for row in open_rows:
             got[row].append(logits[row, 0])
     return [torch.stack(row) for row in got]
@@ -71,12 +74,24 @@ def decoded_logits(model: Transformer, rows: list[list[int]], multiple: int, wid
 @pytest.mark.parametrize("multiple", [1, 2])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decoding_gives_the_full_forwards_logits(family, multiple):
-    model = family_model(family)
+    assert_cached_logits(family, multiple, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decoding_on_a_gpu_gives_the_full_forwards_logits(family):
+    """The same on CUDA (fp32): the full forward there takes SDPA's fused causal kernels."""
+    assert_cached_logits(family, 2, "cuda")
+
+
+def assert_cached_logits(family: str, multiple: int, device: str) -> None:
+    model = family_model(family).to(device)
     rows = sequences(model.cfg.vocab_size)
     with torch.no_grad():
-        got = decoded_logits(model, rows, multiple, width=48)
+        got = decoded_logits(model, rows, multiple, 48, device)
         for row, logits in zip(rows, got, strict=True):
-            full = model(torch.tensor([row[: logits.shape[0]]]))
+            full = model(torch.tensor([row[: logits.shape[0]]], device=device))
             terms = transformer_terms(model.cfg, logits.shape[0], backward=False)
             assert_reordered_close(logits, full[0], terms=terms)
 
