@@ -17,9 +17,10 @@ DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
 label_smoothing > 0 conservative DPO), robust (rDPO), ipo (IPO, length-normalised as TRL
 does), hinge (SLiC's hinge)."""
 
-REFERENCES = ("live",)
+REFERENCES = ("live", "stored")
 """Where the reference log-probabilities come from: "live", a frozen copy of the
-policy's starting weights run forward on every micro-batch."""
+policy's starting weights run forward on every micro-batch; "stored", computed once by that
+copy for every window of the corpus and read with the data."""
 
 
 @dataclass
@@ -37,7 +38,13 @@ class DPOConfig:
     """"live": a frozen copy of the starting weights (the model checkpoint.resume_from names,
     or the seed's initialisation without one) gives the reference log-probabilities: one
     more forward per micro-batch and one more copy of the weights (sharded as the policy's)
-    on every rank."""
+    on every rank. "stored": the same copy computes every window's once, before the first
+    step, into a file under dpo.reference_dir that later launches read back (nothing more
+    per step; the copy is freed before training)."""
+    reference_dir: str = ""
+    """Where dpo.reference = "stored" keeps its values: a directory every rank reads (a
+    shared file system on several nodes); "" is a `reference` folder inside data.path. One
+    file per corpus, reference weights, model and compute dtype, named by their hash."""
 
     def __post_init__(self) -> None:
         check_positive("dpo.beta", self.beta, 1000.0)
@@ -51,6 +58,13 @@ class DPOConfig:
                 "label smoothing applies to the sigmoid (cDPO) and robust losses only",
             )
         check_choice("dpo.reference", self.reference, REFERENCES)
+        if "://" in self.reference_dir:
+            raise ConfigError(
+                "dpo.reference_dir",
+                self.reference_dir,
+                "a directory on a file system every rank mounts",
+                "stored reference log-probabilities are written and mapped as local files",
+            )
 
 
 def check_dpo_job(config: JobConfig) -> None:
@@ -71,6 +85,10 @@ def check_dpo_job(config: JobConfig) -> None:
         (train.batch_size % 2 == 1, "train.batch_size", train.batch_size,
          "an even number with train.loss_fn = 'dpo'",
          "a micro-batch holds batch_size / 2 pairs, chosen rows first, then rejected"),
+        (config.dpo.reference == "stored" and not config.dpo.reference_dir
+         and "://" in config.data.path, "dpo.reference_dir", "",
+         "a local directory when data.path is in a store",
+         "stored reference log-probabilities are written and mapped as local files"),
         (config.fault_tolerance.enabled, "fault_tolerance.enabled", True,
          "false with train.loss_fn = 'dpo'",
          "replica groups read their own batch stream, which carries no reference"),

@@ -27,6 +27,7 @@ from kempnerforge.data.tokens import (
     read_parts,
     token_at_error,
 )
+from kempnerforge.data.window_values import WindowValues
 from kempnerforge.storage.location import join
 
 __all__ = ["IGNORE_INDEX", "MemoryMappedDataset", "SampleDataset"]
@@ -122,13 +123,18 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
                 f"{path}: {self.num_tokens} tokens, fewer than one window of seq_len + 1 = "
                 f"{seq_len + 1}; prepare more text or lower train.seq_len"
             )
+        self.content_hashes = [str(part_meta["content_sha256"]) for _, part_meta in parts]
+        """Each part's tokens.bin hash, in stream order: what the corpus holds."""
         self._stream = TokenStream(
             [join(part_dir, TOKENS_FILE) for part_dir, _ in parts],
             [int(part_meta["num_tokens"]) for _, part_meta in parts],
             DTYPES[self.meta["dtype"]],
             store,
-            [str(part_meta["content_sha256"]) for _, part_meta in parts],
+            self.content_hashes,
         )
+        self.window_values: dict[str, WindowValues] = {}
+        """Values stored per window, each sample's under its key (0-d float32): a preference
+        corpus's stored reference log-probabilities (window_values.py)."""
         self._flags: TokenStream | None = None
         if is_masked(self.meta):  # every shard is, or none (shards.AGREED_KEYS)
             self._flags = TokenStream(
@@ -170,11 +176,14 @@ class MemoryMappedDataset(BadWindowSkipping, Dataset[dict[str, torch.Tensor]]):
             labels, doc_ids = masked_targets(window, flags, self.document_masking)
         else:
             labels, doc_ids = self._eos_targets(window)
-        return {
+        sample = {
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
             "doc_ids": torch.from_numpy(doc_ids),
         }
+        for key, values in self.window_values.items():
+            sample[key] = torch.tensor(values[start // self.seq_len], dtype=torch.float32)
+        return sample
 
     def _eos_targets(self, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(labels, doc_ids) of an unmasked corpus's window: every label counts, and with

@@ -31,7 +31,6 @@ from kempnerforge.data.dataloader import build_train_loader
 from kempnerforge.data.dataset import MemoryMappedDataset
 from kempnerforge.data.pipeline import DataPipeline
 from kempnerforge.data.pipeline_build import is_prompts
-from kempnerforge.data.sampling import PairSampler
 from kempnerforge.distributed.fsdp import refresh_sharded_trainable
 from kempnerforge.distributed.parallelize import ParallelPlan, parallelize_model
 from kempnerforge.distributed.pipeline_parallel import PipelineBundle
@@ -60,11 +59,12 @@ from kempnerforge.training.objectives import (
     OLD_LOGPS,
     REF_LOGPS,
     Decoding,
-    ReferenceLogps,
     Rollouts,
     freeze_reference,
+    load_reference_weights,
     load_reward,
     objective_of,
+    preference_reference,
 )
 from kempnerforge.training.phases import PhaseState, TrainingPhase
 from kempnerforge.training.preflight import check_model_fits
@@ -203,9 +203,9 @@ def build_session(
 
     Writes nothing into the run directory but metrics.jsonl (the tracker opens it) and the
     files of the metrics.backends; the CLI records config.toml once the build has
-    succeeded. ``checkpointer`` and
-    ``shutdown_handler`` are the CLI's when it made them before the build (to plan the
-    resume, and to catch a stop signal during the build); fresh ones otherwise.
+    succeeded. ``checkpointer`` and ``shutdown_handler`` are the CLI's when it made them
+    before the build (to plan the resume, and to catch a stop signal during the build);
+    fresh ones otherwise.
     """
     tc = config.train
     # Our own invariant: the runtime's ring is the one the job's heads resolve to.
@@ -245,10 +245,7 @@ def build_session(
         checkpointer=checkpointer,
         tracker=tracker,
         hooks=HookRunner(load_hooks(tc.hooks)),
-        nan_detector=NaNDetector(
-            tc.nan_consecutive_max,
-            LossSpikeRule(tc.spike_window, tc.spike_sigmas, tc.spike_min_history),
-        ),
+        nan_detector=build_nan_detector(tc),
         shutdown_handler=shutdown_handler or ShutdownHandler(),
         pipeline=pipeline,
         profiler=build_profiler(config.profiling, config.run_dir, first_step=0, rank=runtime.rank),
@@ -261,9 +258,11 @@ def build_session(
         return freeze_reference(reference)
 
     if REF_LOGPS in objective_of(config).batch_keys:
-        _check_pairs(data, config.data.path)
         autocast = functools.partial(training_autocast, tc, runtime.device)
-        add_logps = ReferenceLogps(frozen_reference(), runtime.device, autocast)
+        add_logps = preference_reference(
+            data, config.dpo, tc, config.model, config.data.path, runtime, frozen_reference,
+            checkpointer, config.checkpoint.resume_from, autocast,
+        )  # fmt: skip
         session.use_batches(BatchStream(data, add_keys=add_logps))
     if (tier := build_memory_tier(config.checkpoint, config.checkpoint_dir, runtime)) is not None:
         session.use_memory_tier(tier)
@@ -272,6 +271,14 @@ def build_session(
         rollouts = build_rollouts(tc, config.grpo, config.data, runtime, data, model, reference)
         session.use_batches(BatchStream(data, source=rollouts))
     return session
+
+
+def build_nan_detector(tc: TrainConfig) -> NaNDetector:
+    """The run's NaNDetector: train.nan_consecutive_max and the loss-spike rule."""
+    return NaNDetector(
+        tc.nan_consecutive_max,
+        LossSpikeRule(tc.spike_window, tc.spike_sigmas, tc.spike_min_history),
+    )
 
 
 def build_memory_tier(
@@ -362,35 +369,6 @@ def _check_prompts(data: DataPipeline, path: str) -> None:
             "--seq-len N` and set data.path to its directory (data.datasets mixtures are not "
             "read as prompts)",
         )
-
-
-def _check_pairs(data: DataPipeline, path: str) -> None:
-    """A preference objective reads pairs: refuse training data that is not a preference
-    corpus (its sampler lays out pairs), before the reference is built."""
-    if not isinstance(data.sampler, PairSampler):
-        raise ConfigError(
-            "data.path",
-            path,
-            "a preference corpus with train.loss_fn = 'dpo'",
-            "prepare pairs with `kempnerforge prepare-data --format preference --seq-len N` "
-            "and set data.path to its directory (data.datasets mixtures are not read as pairs)",
-        )
-
-
-def load_reference_weights(
-    reference: torch.nn.Module, checkpointer: CheckpointManager, cfg: CheckpointConfig
-) -> None:
-    """Give a preference objective's reference (built as the policy is, from the seed) the
-    weights of the checkpoint checkpoint.resume_from names, or keep the seed's when it names
-    none ('auto' or 'none': a run that resumes its own checkpoints keeps the reference its
-    first launch had). Collective (the checkpoint's verdict and load)."""
-    if cfg.resume_from in ("auto", "none"):
-        logger.info("reference weights from the seed's initialisation (train.seed)")
-        return
-    path = checkpointer.find_resume_path()
-    assert path is not None, "an explicit checkpoint.resume_from resolves or raises"
-    checkpointer.load_weights(path, model=reference)
-    logger.info("reference weights from %s", checkpointer.location_of(path))
 
 
 def build_tracker(

@@ -2,24 +2,35 @@
 two pairs and runs the sharded reference on its own rows, under tensor parallelism both
 ranks hold the same pairs; the loss, the gradient norm and the rewards and log-probabilities
 logged (reduced over every data-parallel rank's pairs) match one process within fp32
-reordering."""
+reordering. The two ranks read stored reference log-probabilities (dpo.reference =
+"stored"), which they computed first, each data-parallel rank its share: the values equal
+those one process stores, and the run equals one process's with a live reference."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from examples.chat_conversations import preference_pair
 from kempnerforge.config.loader import load_config
 from kempnerforge.data.chat import load_chat_template
 from kempnerforge.data.prepare import write_preference_corpus
 from kempnerforge.data.tokenizer import load_tokenizer
+from kempnerforge.distributed.runtime import RuntimeContext
+from kempnerforge.training.build import build_session
 from tests.support.chat_files import write_conversations
 from tests.support.metrics_rows import train_rows
 from tests.support.tiny import layout_run
-from tests.support.tolerance import assert_layout_close, grad_norm_terms
+from tests.support.tolerance import (
+    assert_layout_close,
+    assert_reordered_close,
+    grad_norm_terms,
+    transformer_terms,
+)
 from tests.support.train_run import train_ranks
 
 pytestmark = pytest.mark.distributed
@@ -45,8 +56,17 @@ def test_dpo_trains_on_two_ranks_like_one_process(tmp_path, layout):
     )  # fmt: skip
     one = train_ranks(base, tmp_path / "one", 1, "--train.batch_size=4")[0]
     per_rank = "--train.batch_size=2" if "dp_shard" in layout[0] else "--train.batch_size=4"
-    two = train_ranks(base, tmp_path / "two", 2, *layout, per_rank)
+    stored = ["--dpo.reference=stored", f"--dpo.reference_dir={tmp_path / 'two_refs'}"]
+    two = train_ranks(base, tmp_path / "two", 2, *layout, per_rank, *stored)
     config = load_config(None, base)
+    one_refs = load_config(None, [*base, "--dpo.reference=stored", f"--train.run_dir={tmp_path}",
+                                  f"--dpo.reference_dir={tmp_path / 'one_refs'}"])  # fmt: skip
+    build_session(one_refs, RuntimeContext()).tracker.close()  # one process's values
+    (want_values,) = [np.load(p) for p in (tmp_path / "one_refs").glob("*.npy")]
+    (got_values,) = [np.load(p) for p in (tmp_path / "two_refs").glob("*.npy")]
+    assert got_values.shape == want_values.shape == (32,)
+    terms = transformer_terms(config.model, SEQ, backward=False) + SEQ
+    assert_reordered_close(torch.from_numpy(got_values), torch.from_numpy(want_values), terms=terms)
     # Each logged value sums whole responses' log-probabilities: the chain of a forward and
     # its response's tokens (SEQ at most), per pair of the step.
     bound: dict[str, Any] = dict(cfg=config.model, seq_len=SEQ, tokens=SEQ)

@@ -35,6 +35,7 @@ from kempnerforge.training.objectives.objective import (
 from kempnerforge.training.objectives.reference import (
     ReferenceLogps,
     freeze_reference,
+    load_reference_weights,
     reference_logps,
 )
 from kempnerforge.training.objectives.rewards import (
@@ -46,6 +47,12 @@ from kempnerforge.training.objectives.rewards import (
 )
 from kempnerforge.training.objectives.rollouts import Rollouts
 from kempnerforge.training.objectives.sampling import Decoding
+from kempnerforge.training.objectives.stored_reference import (
+    StoredReference,
+    attach_stored_reference,
+    preference_reference,
+    reference_source,
+)
 
 __all__ = [
     "DPO_METRIC_KEYS",
@@ -60,6 +67,11 @@ __all__ = [
     "REWARDS",
     "RewardFn",
     "ReferenceLogps",
+    "StoredReference",
+    "attach_stored_reference",
+    "load_reference_weights",
+    "preference_reference",
+    "reference_source",
     "Batch",
     "Objective",
     "add_mtp_loss",

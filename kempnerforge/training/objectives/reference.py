@@ -14,9 +14,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kempnerforge.checkpoint.manager import CheckpointManager
+from kempnerforge.config.checkpoint import CheckpointConfig
+from kempnerforge.core.logging import get_logger
 from kempnerforge.model.heads import logits_head_loss
 from kempnerforge.training.objectives.dpo import REF_LOGPS, response_logps
 from kempnerforge.training.objectives.objective import Batch
+
+logger = get_logger(__name__)
 
 
 @torch.no_grad()
@@ -65,3 +70,19 @@ class ReferenceLogps:
             return batch
         batch[REF_LOGPS] = reference_logps(self.reference, batch, self._device, self._autocast)
         return batch
+
+
+def load_reference_weights(
+    reference: torch.nn.Module, checkpointer: CheckpointManager, cfg: CheckpointConfig
+) -> None:
+    """Give a preference objective's reference (built as the policy is, from the seed) the
+    weights of the checkpoint checkpoint.resume_from names, or keep the seed's when it names
+    none ('auto' or 'none': a run that resumes its own checkpoints keeps the reference its
+    first launch had). Collective (the checkpoint's verdict and load)."""
+    if cfg.resume_from in ("auto", "none"):
+        logger.info("reference weights from the seed's initialisation (train.seed)")
+        return
+    path = checkpointer.find_resume_path()
+    assert path is not None, "an explicit checkpoint.resume_from resolves or raises"
+    checkpointer.load_weights(path, model=reference)
+    logger.info("reference weights from %s", checkpointer.location_of(path))
