@@ -117,7 +117,7 @@ def attach_stored_reference(
     assert isinstance(dataset, MemoryMappedDataset), "a preference corpus is one directory"
     manifest = manifest_of(stored, dataset, model)
     path = values_path(stored, manifest)
-    if read_manifest(path) is None:
+    if _missing_anywhere(path, group):
         started = time.perf_counter()
         reference = build_reference()
         values = share_values(reference, dataset, rows, share, device, autocast)
@@ -135,6 +135,15 @@ def attach_stored_reference(
         logger.info("dpo: reference log-probabilities read from %s", path)
     dataset.window_values[REF_LOGPS] = WindowValues(path, len(dataset))
     return path
+
+
+def _missing_anywhere(path: str, group: dist.ProcessGroup | None) -> bool:
+    """Whether any rank of ``group`` finds no whole file at ``path``: then every rank
+    computes (the computation is collective, so the ranks decide together)."""
+    missing = torch.tensor([int(read_manifest(path) is None)])
+    if group is not None:
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+    return bool(missing.item())
 
 
 def share_bounds(windows: int, rank: int, size: int) -> tuple[int, int]:
@@ -183,8 +192,8 @@ def gather_on_rank_zero(
     padded = torch.zeros(largest + 1, dtype=torch.float32)
     padded[0] = float(share[0])  # which data-parallel rank sent it
     padded[1 : 1 + values.shape[0]] = torch.from_numpy(values)
-    world = dist.get_world_size(group)
-    received = [torch.zeros_like(padded) for _ in range(world)] if dist.get_rank() == 0 else None
+    world, first_rank = dist.get_world_size(group), dist.get_rank(group) == 0
+    received = [torch.zeros_like(padded) for _ in range(world)] if first_rank else None
     dist.gather(padded, received, dst=0, group=group)
     if received is None:
         return None
