@@ -8,21 +8,16 @@ those one process stores, and the run equals one process's with a live reference
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from examples.chat_conversations import preference_pair
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.chat import load_chat_template
-from kempnerforge.data.prepare import write_preference_corpus
-from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.build import build_session
-from tests.support.chat_files import write_conversations
+from tests.support.chat_files import example_preference_corpus
 from tests.support.metrics_rows import train_rows
 from tests.support.tiny import layout_run
 from tests.support.tolerance import (
@@ -43,12 +38,7 @@ LOGGED = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen
 @pytest.mark.parametrize("layout", [["--distributed.dp_shard=2"], ["--distributed.tp=2"]],
                          ids=["fsdp", "tp"])  # fmt: skip
 def test_dpo_trains_on_two_ranks_like_one_process(tmp_path, layout):
-    rows = [preference_pair(random.Random(seed)) for seed in range(16)]
-    source = write_conversations(tmp_path / "pairs.jsonl", rows)
-    prefs = tmp_path / "prefs"
-    write_preference_corpus(
-        [str(source)], str(prefs), load_tokenizer("byte"), load_chat_template("byte"), SEQ
-    )
+    prefs = example_preference_corpus(tmp_path, 16, SEQ)
     base = layout_run(
         None, STEPS, f"--data.path={prefs}", "--data.eval_path=", f"--train.seq_len={SEQ}",
         f"--model.max_seq_len={SEQ}", "--train.loss_fn=dpo", "--optimizer.lr=1e-2",

@@ -4,6 +4,7 @@ conversation files, and loss-masked corpora written with TokenFileWriter."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,24 @@ def write_conversations(path: Path, records: Sequence[Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def example_preference_corpus(tmp_path: Path, pairs: int, seq_len: int) -> Path:
+    """``tmp_path``/prefs: the example preference pairs of seeds 0 .. pairs - 1
+    (examples.chat_conversations), prepared with the byte tokenizer and its chat template
+    into windows of ``seq_len`` tokens."""
+    from examples.chat_conversations import preference_pair
+    from kempnerforge.data.chat import load_chat_template
+    from kempnerforge.data.prepare import write_preference_corpus
+    from kempnerforge.data.tokenizer import load_tokenizer
+
+    rows = [preference_pair(random.Random(seed)) for seed in range(pairs)]
+    source = write_conversations(tmp_path / "pairs.jsonl", rows)
+    prefs = tmp_path / "prefs"
+    write_preference_corpus(
+        [str(source)], str(prefs), load_tokenizer("byte"), load_chat_template("byte"), seq_len
+    )
+    return prefs
 
 
 MaskedDocument = tuple[Sequence[int], Sequence[bool]]

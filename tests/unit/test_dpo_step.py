@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 
 import torch
 import torch.nn.functional as F
 
-from examples.chat_conversations import preference_pair
 from kempnerforge.config.loader import load_config
-from kempnerforge.data.chat import load_chat_template
-from kempnerforge.data.prepare import write_preference_corpus
-from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.heads import IGNORE_INDEX
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.objectives import REF_LOGPS
-from tests.support.chat_files import write_conversations
+from tests.support.chat_files import example_preference_corpus
 from tests.support.metrics_rows import train_rows
 from tests.support.tiny import tiny_run
 
@@ -41,12 +36,7 @@ def _logps(model, batch, with_doc_ids: bool) -> torch.Tensor:
 
 
 def test_a_dpo_step_logs_the_loss_and_rewards_of_its_pairs(tmp_path):
-    rows = [preference_pair(random.Random(seed)) for seed in range(8)]
-    source = write_conversations(tmp_path / "pairs.jsonl", rows)
-    write_preference_corpus(
-        [str(source)], str(tmp_path / "prefs"), load_tokenizer("byte"),
-        load_chat_template("byte"), SEQ,
-    )  # fmt: skip
+    example_preference_corpus(tmp_path, 8, SEQ)
     config = load_config(
         None,
         tiny_run(

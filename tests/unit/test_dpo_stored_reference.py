@@ -9,26 +9,21 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.chat_conversations import preference_pair
 from kempnerforge.config.loader import load_config
 from kempnerforge.core.errors import ConfigError
-from kempnerforge.data.chat import load_chat_template
-from kempnerforge.data.prepare import write_preference_corpus
-from kempnerforge.data.tokenizer import load_tokenizer
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.heads import IGNORE_INDEX
 from kempnerforge.training.build import build_session
 from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.objectives import REF_LOGPS
 from kempnerforge.training.objectives.stored_reference import share_bounds
-from tests.support.chat_files import write_conversations
+from tests.support.chat_files import example_preference_corpus
 from tests.support.metrics_rows import train_rows
 from tests.support.tiny import tiny_run
 
@@ -37,13 +32,7 @@ SEQ = 96
 
 @pytest.fixture
 def prefs(tmp_path):
-    rows = [preference_pair(random.Random(seed)) for seed in range(10)]
-    source = write_conversations(tmp_path / "pairs.jsonl", rows)
-    write_preference_corpus(
-        [str(source)], str(tmp_path / "prefs"), load_tokenizer("byte"),
-        load_chat_template("byte"), SEQ,
-    )  # fmt: skip
-    return tmp_path / "prefs"
+    return example_preference_corpus(tmp_path, 10, SEQ)
 
 
 def _config(run_dir, prefs, *extra: str):
