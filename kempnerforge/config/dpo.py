@@ -12,10 +12,11 @@ from kempnerforge.core.errors import ConfigError
 if TYPE_CHECKING:
     from kempnerforge.config.job import JobConfig
 
-DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
+DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
 """The preference losses offered, under TRL's loss_type names: sigmoid (DPO; with
 label_smoothing > 0 conservative DPO), robust (rDPO), ipo (IPO, length-normalised as TRL
-does), hinge (SLiC's hinge)."""
+does), hinge (SLiC's hinge), simpo (SimPO, reference-free, as TRL's CPOTrainer computes it
+with cpo_alpha = 0)."""
 
 REFERENCES = ("live", "stored")
 """Where the reference log-probabilities come from: "live", a frozen copy of the
@@ -30,10 +31,17 @@ class DPOConfig:
     Larger keeps the policy closer to the reference. In (0, 1000]."""
     loss_type: str = "sigmoid"
     """sigmoid (DPO), robust (rDPO), ipo (IPO, log-ratios per response token) or hinge
-    (SLiC), as TRL's DPOTrainer computes them."""
+    (SLiC), as TRL's DPOTrainer computes them; or simpo (SimPO: no reference, each
+    response's mean log-probability per token, a target margin dpo.simpo_gamma), as TRL's
+    CPOTrainer computes it."""
     label_smoothing: float = 0.0
     """The assumed share of pairs whose preference label is flipped, in [0, 0.5): with
-    sigmoid, conservative DPO (cDPO); with robust, rDPO's noise rate; 0 otherwise."""
+    sigmoid or simpo, the conservative loss (cDPO); with robust, rDPO's noise rate; 0
+    otherwise."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (gamma; TRL's simpo_gamma): the loss is -log
+    sigmoid(beta * (mean log-prob of chosen - of rejected) - gamma). In [0, 100]; read with
+    loss_type = "simpo" only."""
     reference: str = "live"
     """"live": a frozen copy of the starting weights (the model checkpoint.resume_from names,
     or the seed's initialisation without one) gives the reference log-probabilities: one
@@ -50,14 +58,22 @@ class DPOConfig:
         check_positive("dpo.beta", self.beta, 1000.0)
         check_choice("dpo.loss_type", self.loss_type, DPO_LOSS_TYPES)
         check_in_range("dpo.label_smoothing", self.label_smoothing, 0.0, 0.4999)
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
             raise ConfigError(
                 "dpo.label_smoothing",
                 self.label_smoothing,
                 f"0 with dpo.loss_type = {self.loss_type!r}",
-                "label smoothing applies to the sigmoid (cDPO) and robust losses only",
+                "label smoothing applies to the sigmoid (cDPO), simpo and robust losses only",
             )
+        check_in_range("dpo.simpo_gamma", self.simpo_gamma, 0.0, 100.0)
         check_choice("dpo.reference", self.reference, REFERENCES)
+        if self.loss_type == "simpo" and self.reference == "stored":
+            raise ConfigError(
+                "dpo.reference",
+                self.reference,
+                "'live' (unused) with dpo.loss_type = 'simpo'",
+                "SimPO has no reference model, so there is nothing to store",
+            )
         if "://" in self.reference_dir:
             raise ConfigError(
                 "dpo.reference_dir",

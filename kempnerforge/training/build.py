@@ -57,7 +57,6 @@ from kempnerforge.training.loop import TrainingSession, select_step_fn
 from kempnerforge.training.loss import LossFn, build_loss_fn
 from kempnerforge.training.objectives import (
     OLD_LOGPS,
-    REF_LOGPS,
     Decoding,
     Rollouts,
     freeze_reference,
@@ -257,7 +256,7 @@ def build_session(
         load_reference_weights(reference, checkpointer, config.checkpoint)
         return freeze_reference(reference)
 
-    if REF_LOGPS in objective_of(config).batch_keys:
+    if tc.loss_fn == "dpo":  # a preference objective: pairs, and a reference or none
         autocast = functools.partial(training_autocast, tc, runtime.device)
         add_logps = preference_reference(
             data, config.dpo, tc, config.model, config.data.path, runtime, frozen_reference,

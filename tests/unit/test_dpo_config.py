@@ -20,7 +20,7 @@ DPO = "--train.loss_fn=dpo"
         (["--dpo.loss_type=sigmod"], "dpo.loss_type", "did you mean 'sigmoid'"),
         (["--dpo.label_smoothing=0.5"], "dpo.label_smoothing", "[0.0, 0.4999]"),
         (["--dpo.loss_type=ipo", "--dpo.label_smoothing=0.1"], "dpo.label_smoothing",
-         "sigmoid (cDPO) and robust"),
+         "sigmoid (cDPO), simpo and robust"),
         ([DPO, "--train.batch_size=3"], "train.batch_size", "chosen rows first"),
         ([DPO, "--train.z_loss_weight=0.001"], "train.z_loss_weight", "log-probabilities"),
         ([DPO, "--distributed.pp=2", "--train.grad_accum_steps=2"], "distributed.pp",

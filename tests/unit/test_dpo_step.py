@@ -6,12 +6,15 @@ reference of their own."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from kempnerforge.config.loader import load_config
+from kempnerforge.core.errors import ConfigError
 from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.model.heads import IGNORE_INDEX
 from kempnerforge.training.build import build_session
@@ -91,3 +94,30 @@ def test_a_dpo_step_logs_the_loss_and_rewards_of_its_pairs(tmp_path):
     assert row["rewards/accuracies"] == accurate / pairs
     assert abs(row["loss"] - math.log(2)) > 1e-3  # the policy is not its reference
     assert math.isclose(row["grad_norm"], float(norm), rel_tol=1e-4)
+
+
+def test_simpo_trains_on_pairs_without_a_reference(tmp_path, caplog):
+    """dpo.loss_type = "simpo" builds no reference (SimPO has none) and trains on the pairs;
+    its rewards are beta times the responses' mean log-probabilities per token."""
+    caplog.set_level(logging.INFO)
+    example_preference_corpus(tmp_path, 8, SEQ)
+    config = load_config(
+        None,
+        tiny_run(
+            tmp_path / "run", None, f"--data.path={tmp_path / 'prefs'}", "--data.eval_path=",
+            f"--train.seq_len={SEQ}", f"--model.max_seq_len={SEQ}", "--train.loss_fn=dpo",
+            "--dpo.loss_type=simpo", "--dpo.beta=2.0", "--train.max_steps=2",
+            "--eval.interval=0",
+        ),
+    )  # fmt: skip
+    session = build_session(config, RuntimeContext())
+    run_training_loop(session)
+    session.tracker.close()
+    assert "reference weights from" not in caplog.text
+    rows = train_rows(config.run_dir)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    for row in rows:  # a mean log-probability per token of a byte-level response
+        assert -20 < row["logps/chosen"] < 0
+        assert math.isclose(row["rewards/chosen"], 2.0 * row["logps/chosen"], rel_tol=1e-9)
+    with pytest.raises(ConfigError, match="dpo.reference"):
+        load_config(None, ["--dpo.loss_type=simpo", "--dpo.reference=stored"])

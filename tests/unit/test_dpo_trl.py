@@ -200,3 +200,96 @@ def test_dpo_loss_rewards_and_gradients_equal_trl(models, cfg, trl_loss, extra, 
         assert got_grad is not None and want_grad is not None
         assert want_grad.abs().max() > 0, our_name
         assert_reordered_close(got_grad, want_grad, terms=grad_terms)
+
+
+def _cpo_trainer(policy, cfg: DPOConfig, tmp_path: Path):
+    """TRL's CPOTrainer computing SimPO (cpo_alpha 0: no NLL term), offline, on CPU."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    vocab = {f"t{i}": i for i in range(HF_TINY["vocab_size"])}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")),
+        bos_token="t256",
+        eos_token="t257",
+        pad_token="t258",
+    )
+    args = CPOConfig(
+        output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+        beta=cfg.beta, loss_type="simpo", simpo_gamma=cfg.simpo_gamma, cpo_alpha=0.0,
+        label_smoothing=cfg.label_smoothing,
+    )  # fmt: skip
+    rows = [{"prompt": "t1 t2", "chosen": " t3", "rejected": " t4"}] * 2
+    return CPOTrainer(
+        model=policy, args=args, train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )  # fmt: skip
+
+
+def _cpo_batch(trl_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same pairs in CPO's layout: chosen and rejected rows apart, labels the row's
+    tokens where they are response tokens (-100 elsewhere), unshifted."""
+    rows = trl_batch["input_ids"].shape[0] // 2
+    labels = torch.where(trl_batch["completion_mask"].bool(), trl_batch["input_ids"], -100)
+    out = {}
+    for side, part in (("chosen", slice(0, rows)), ("rejected", slice(rows, 2 * rows))):
+        out[f"{side}_input_ids"] = trl_batch["input_ids"][part]
+        out[f"{side}_attention_mask"] = trl_batch["attention_mask"][part]
+        out[f"{side}_labels"] = labels[part]
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [DPOConfig(beta=2.0, loss_type="simpo", simpo_gamma=0.5),
+     DPOConfig(beta=2.5, loss_type="simpo", simpo_gamma=1.2, label_smoothing=0.1)],
+    ids=["simpo", "simpo-smoothed"],
+)  # fmt: skip
+def test_simpo_loss_rewards_and_gradients_equal_trl_cpo(models, cfg, tmp_path):
+    """SimPO (dpo.loss_type = "simpo") equals TRL's CPOTrainer with loss_type "simpo" and
+    cpo_alpha 0: each response's mean log-probability per token, no reference."""
+    hf_policy, _, ours_policy, _ = (copy.deepcopy(m) for m in models)
+    trl_batch = _pair_batch(PAIRS)
+    trainer = _cpo_trainer(hf_policy, cfg, tmp_path)
+    trainer.model.train()
+    trainer.model.zero_grad()
+    want, logged = trainer.get_batch_loss_metrics(trainer.model, _cpo_batch(trl_batch))
+    want.backward()
+    want = want.detach()
+    hf_params = dict(trainer.model.named_parameters())
+
+    job = JobConfig()
+    job.train.loss_fn, job.dpo = "dpo", cfg
+    objective = objective_of(job)
+    assert REF_LOGPS not in objective.batch_keys  # no reference is built or read
+    labels = _our_labels(trl_batch)
+    batch = {"input_ids": trl_batch["input_ids"], "labels": labels}
+    ours_policy.train()
+    ours_policy.zero_grad()
+    head = logits_head_loss(ours_policy(batch["input_ids"]), labels, 0.0, per_token_grad=True)
+    got = objective.loss(head, batch) / objective.count(batch)
+    got.backward()
+    assert objective.metrics_row is not None and objective.metric_sums is not None
+    row = objective.metrics_row(objective.metric_sums(head, batch).tolist())
+
+    # A mean log-probability: a sum of at most SEQ log-softmaxes divided by the token count,
+    # so its error is the sum's bound over at least one token; the loss is beta-Lipschitz in
+    # each of the pair's two means.
+    terms = transformer_terms(ours_policy.cfg, SEQ, backward=False) + SEQ + 2 * PAIRS
+    magnitude = 2 * float(response_logps(head.token_losses).detach().abs().max())
+    logp_atol = reorder_atol(torch.float32, terms, magnitude)
+    assert float(want) > 1e-3
+    assert abs(float(got) - float(want)) <= 2 * cfg.beta * logp_atol
+    for key in ("logps/chosen", "logps/rejected"):
+        assert abs(row[key] - logged[key]) <= logp_atol, key
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(row[key] - logged[key]) <= cfg.beta * 2 * logp_atol, key
+    assert abs(row["rewards/accuracies"] - logged["rewards/accuracies"]) <= 2**-24
+    assert abs(logged["rewards/margins"]) > 10 * cfg.beta * logp_atol, "rewards too close"
+
+    grad_terms = transformer_terms(ours_policy.cfg, SEQ) + SEQ + 2 * PAIRS
+    ours = dict(ours_policy.named_parameters())
+    for our_name, hf_name in GRADIENTS.items():
+        got_grad, want_grad = ours[our_name].grad, hf_params[hf_name].grad
+        assert got_grad is not None and want_grad is not None
+        assert want_grad.abs().max() > 0, our_name
+        assert_reordered_close(got_grad, want_grad, terms=grad_terms)

@@ -32,7 +32,8 @@ METRIC_KEYS = (
 )
 """Metrics (TRL's names), each a mean over the step's pairs: beta times the policy's minus the
 reference's log-probability of the chosen and of the rejected response, the share of pairs
-whose chosen reward is the larger, their difference, and the policy's log-probabilities."""
+whose chosen reward is the larger, their difference, and the policy's log-probabilities
+(SimPO's, as TRL's CPO logs them: the mean log-probabilities per token, times beta)."""
 
 
 def pair_count(batch: Batch) -> int:
@@ -46,10 +47,20 @@ def response_logps(token_losses: torch.Tensor) -> torch.Tensor:
     return -token_losses.float().sum(dim=1)
 
 
-def _log_ratios(head: HeadLoss, batch: Batch) -> tuple[torch.Tensor, ...]:
+def response_tokens(batch: Batch) -> torch.Tensor:
+    """Each row's response tokens (its labels that are not IGNORE_INDEX), at least 1."""
+    return (batch["labels"] != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+
+
+def _log_ratios(cfg: DPOConfig, head: HeadLoss, batch: Batch) -> tuple[torch.Tensor, ...]:
     """(policy logps, chosen log-ratios, rejected log-ratios): the log-ratios are the
-    policy's minus the reference's log-probabilities, per pair."""
+    policy's minus the reference's log-probabilities, per pair. SimPO has no reference: its
+    logps and "ratios" are each response's mean log-probability per token (TRL's CPO)."""
     logps = response_logps(head.token_losses)
+    if cfg.loss_type == "simpo":
+        logps = logps / response_tokens(batch).to(logps.dtype)
+        chosen, rejected = logps.chunk(2)
+        return logps, chosen, rejected
     ratios = logps - batch[REF_LOGPS].to(logps.dtype)
     chosen, rejected = ratios.chunk(2)
     return logps, chosen, rejected
@@ -57,22 +68,23 @@ def _log_ratios(head: HeadLoss, batch: Batch) -> tuple[torch.Tensor, ...]:
 
 def pair_losses(cfg: DPOConfig, head: HeadLoss, batch: Batch) -> torch.Tensor:
     """Each pair's loss, (B,), as cfg.loss_type defines it."""
-    _, chosen, rejected = _log_ratios(head, batch)
+    _, chosen, rejected = _log_ratios(cfg, head, batch)
     beta, smoothing = cfg.beta, cfg.label_smoothing
     if cfg.loss_type == "ipo":
         # IPO on log-ratios per response token (TRL's normalisation), towards 1 / (2 beta).
-        tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1).clamp(min=1).to(chosen.dtype)
-        chosen_tokens, rejected_tokens = tokens.chunk(2)
+        chosen_tokens, rejected_tokens = response_tokens(batch).to(chosen.dtype).chunk(2)
         delta = chosen / chosen_tokens - rejected / rejected_tokens
         return (delta - 1 / (2 * beta)) ** 2
     logits = beta * (chosen - rejected)
+    if cfg.loss_type == "simpo":  # a target margin of gamma between the mean log-probs
+        logits = logits - cfg.simpo_gamma
     if cfg.loss_type == "hinge":
         return torch.relu(1 - logits)
     clean = -F.logsigmoid(logits)
     flipped = -F.logsigmoid(-logits)
     if cfg.loss_type == "robust":  # rDPO: unbiased under a flip rate of label_smoothing
         return ((1 - smoothing) * clean - smoothing * flipped) / (1 - 2 * smoothing)
-    return (1 - smoothing) * clean + smoothing * flipped  # sigmoid; cDPO with smoothing > 0
+    return (1 - smoothing) * clean + smoothing * flipped  # sigmoid, simpo; smoothed: cDPO
 
 
 def dpo_loss(cfg: DPOConfig, head: HeadLoss, batch: Batch) -> torch.Tensor:
@@ -83,7 +95,7 @@ def dpo_loss(cfg: DPOConfig, head: HeadLoss, batch: Batch) -> torch.Tensor:
 def dpo_metric_sums(cfg: DPOConfig, head: HeadLoss, batch: Batch) -> torch.Tensor:
     """The micro-batch's sums of METRIC_KEYS' terms and its pairs, detached, in float64."""
     with torch.no_grad():
-        logps, chosen, rejected = _log_ratios(head, batch)
+        logps, chosen, rejected = _log_ratios(cfg, head, batch)
         chosen_rewards, rejected_rewards = cfg.beta * chosen, cfg.beta * rejected
         chosen_logps, rejected_logps = logps.chunk(2)
         terms = (
@@ -113,7 +125,7 @@ def configure_dpo(cfg: DPOConfig) -> Objective:
         per_token_grad=True,
         metric_sums=functools.partial(dpo_metric_sums, cfg),
         metrics_row=dpo_metrics_row,
-        batch_keys=(REF_LOGPS,),
+        batch_keys=() if cfg.loss_type == "simpo" else (REF_LOGPS,),
     )
 
 

@@ -224,8 +224,11 @@ def preference_reference(
     """Where a preference objective's reference log-probabilities come from: with a live
     reference, what adds them to every micro-batch (the batch stream's add_keys); with a
     stored one (dpo.reference = "stored"), the data's samples themselves, which carry their
-    stored values (computed first when no launch has), so None."""
+    stored values (computed first when no launch has), so None; SimPO has none. The data
+    must be pairs either way."""
     check_pairs(data, data_path)
+    if dpo.loss_type == "simpo":
+        return None
     if dpo.reference == "live":
         return ReferenceLogps(frozen_reference(), runtime.device, autocast)
     where = dpo.reference_dir or os.path.join(data_path, "reference")
