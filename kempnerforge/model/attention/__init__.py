@@ -12,7 +12,12 @@ Modules outside this folder import these names from here, never from its modules
 
 from __future__ import annotations
 
-from kempnerforge.model.attention.decode_cache import CachedKeys, DecodeCache, DecodeStep
+from kempnerforge.model.attention.decode_cache import (
+    CachedKeys,
+    DecodeCache,
+    DecodeStep,
+    attend_stored,
+)
 from kempnerforge.model.attention.kernels import (
     LayerMask,
     attend,
@@ -61,6 +66,7 @@ __all__ = [
     "CachedKeys",
     "DecodeCache",
     "DecodeStep",
+    "attend_stored",
     "LayerMask",
     "MaskRule",
     "RingMask",

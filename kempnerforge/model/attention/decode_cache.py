@@ -121,15 +121,32 @@ class CachedKeys:
         q = q.transpose(1, 2)
         k_all = keys[:, : step.read].transpose(1, 2).to(q.dtype)
         v_all = values[:, : step.read].transpose(1, 2).to(q.dtype)
-        seen = step.visible(self.window)
-        if sinks is not None:
-            return dense_sink_attention(q, k_all, v_all, sinks, seen).transpose(1, 2)
-        n_rep = q.shape[1] // k_all.shape[1]
-        if n_rep > 1:
-            k_all = k_all.repeat_interleave(n_rep, dim=1)
-            v_all = v_all.repeat_interleave(n_rep, dim=1)
-        width = v_all.shape[-1]
-        if width < q.shape[-1]:  # latent attention's narrower values: padded, then cut
-            v_all = F.pad(v_all, (0, q.shape[-1] - width))
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=seen)
-        return out[..., :width].transpose(1, 2)
+        out = attend_stored(q, k_all, v_all, step.visible(self.window), sinks)
+        return out.transpose(1, 2)
+
+
+def attend_stored(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention of q (batch, heads, new, width) over stored keys and values (batch,
+    kv_heads, keys, width): (batch, heads, new, v's width), under the boolean ``mask``
+    (True where seen) or SDPA's ``causal``. Grouped key/value heads are repeated to the
+    query heads; a model with sinks attends through their dense form (sinks.py); values
+    narrower than the queries (latent attention's) are padded for the kernel, then cut.
+    Both cached decoders' (this module's and generation/kv_cache.py's)."""
+    if sinks is not None:  # the sink joins each row's softmax
+        return dense_sink_attention(q, k, v, sinks, mask, causal)
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    width = v.shape[-1]
+    if width < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - width))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return out[..., :width]

@@ -32,8 +32,8 @@ from kempnerforge.model.attention import (
     Attention,
     LatentAttention,
     MaskRule,
+    attend_stored,
     dense_mask,
-    dense_sink_attention,
 )
 from kempnerforge.model.moe import MoEFeedForward
 from kempnerforge.model.transformer import Transformer, TransformerBlock
@@ -259,14 +259,7 @@ def _attend(
     q = q.transpose(1, 2)
     k_all = keys[:, :, first:end].to(q.dtype)
     v_all = values[:, :, first:end].to(q.dtype)
-    if attention.sinks is not None:  # the sink joins each row's softmax (sinks.py)
-        out = dense_sink_attention(q, k_all, v_all, attention.sinks, mask, causal)
-        return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))
-    n_rep = q.shape[1] // k_all.shape[1]
-    if n_rep > 1:
-        k_all = k_all.repeat_interleave(n_rep, dim=1)
-        v_all = v_all.repeat_interleave(n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal)
+    out = attend_stored(q, k_all, v_all, mask, attention.sinks, causal)
     return attention.wo(out.transpose(1, 2).reshape(batch, new, -1))
 
 

@@ -42,6 +42,7 @@ from kempnerforge.distributed.runtime import RuntimeContext
 from kempnerforge.training.objectives.dpo import REF_LOGPS
 from kempnerforge.training.objectives.objective import Batch
 from kempnerforge.training.objectives.reference import ReferenceLogps, reference_logps
+from kempnerforge.training.objectives.sampling import any_rank
 
 logger = get_logger(__name__)
 
@@ -117,7 +118,8 @@ def attach_stored_reference(
     assert isinstance(dataset, MemoryMappedDataset), "a preference corpus is one directory"
     manifest = manifest_of(stored, dataset, model)
     path = values_path(stored, manifest)
-    if _missing_anywhere(path, group):
+    # Computing is collective, so the ranks decide together: any rank without the file.
+    if any_rank(read_manifest(path) is None, group):
         started = time.perf_counter()
         reference = build_reference()
         values = share_values(reference, dataset, rows, share, device, autocast)
@@ -135,15 +137,6 @@ def attach_stored_reference(
         logger.info("dpo: reference log-probabilities read from %s", path)
     dataset.window_values[REF_LOGPS] = WindowValues(path, len(dataset))
     return path
-
-
-def _missing_anywhere(path: str, group: dist.ProcessGroup | None) -> bool:
-    """Whether any rank of ``group`` finds no whole file at ``path``: then every rank
-    computes (the computation is collective, so the ranks decide together)."""
-    missing = torch.tensor([int(read_manifest(path) is None)])
-    if group is not None:
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
-    return bool(missing.item())
 
 
 def share_bounds(windows: int, rank: int, size: int) -> tuple[int, int]:
