@@ -61,3 +61,14 @@ def layout_run(data: tuple[str, str] | None, steps: int, *extra: str) -> list[st
         "--scheduler.warmup_steps=1",
         *extra,
     )
+
+
+def preference_run(
+    run_dir: str | os.PathLike[str], prefs: str | os.PathLike[str], seq_len: int, *extra: str
+) -> list[str]:
+    """The tiny run training DPO (train.loss_fn = "dpo") on the preference corpus ``prefs``
+    in windows of ``seq_len``, no held-out set and no eval; ``extra`` comes last."""
+    return tiny_run(
+        run_dir, None, f"--data.path={prefs}", "--data.eval_path=", f"--train.seq_len={seq_len}",
+        f"--model.max_seq_len={seq_len}", "--train.loss_fn=dpo", "--eval.interval=0", *extra,
+    )  # fmt: skip

@@ -22,7 +22,7 @@ from kempnerforge.training.loop import run_training_loop
 from kempnerforge.training.objectives import REF_LOGPS
 from tests.support.chat_files import example_preference_corpus
 from tests.support.metrics_rows import train_rows
-from tests.support.tiny import tiny_run
+from tests.support.tiny import preference_run
 
 SEQ = 96
 BETA = 0.5
@@ -42,11 +42,9 @@ def test_a_dpo_step_logs_the_loss_and_rewards_of_its_pairs(tmp_path):
     example_preference_corpus(tmp_path, 8, SEQ)
     config = load_config(
         None,
-        tiny_run(
-            tmp_path / "run", None, f"--data.path={tmp_path / 'prefs'}", "--data.eval_path=",
-            f"--train.seq_len={SEQ}", f"--model.max_seq_len={SEQ}", "--train.loss_fn=dpo",
-            f"--dpo.beta={BETA}", "--train.max_steps=1", "--train.grad_accum_steps=2",
-            "--train.grad_clip_norm=0", "--eval.interval=0",
+        preference_run(
+            tmp_path / "run", tmp_path / "prefs", SEQ, f"--dpo.beta={BETA}",
+            "--train.max_steps=1", "--train.grad_accum_steps=2", "--train.grad_clip_norm=0",
         ),
     )  # fmt: skip
     session = build_session(config, RuntimeContext())
@@ -103,11 +101,9 @@ def test_simpo_trains_on_pairs_without_a_reference(tmp_path, caplog):
     example_preference_corpus(tmp_path, 8, SEQ)
     config = load_config(
         None,
-        tiny_run(
-            tmp_path / "run", None, f"--data.path={tmp_path / 'prefs'}", "--data.eval_path=",
-            f"--train.seq_len={SEQ}", f"--model.max_seq_len={SEQ}", "--train.loss_fn=dpo",
-            "--dpo.loss_type=simpo", "--dpo.beta=2.0", "--train.max_steps=2",
-            "--eval.interval=0",
+        preference_run(
+            tmp_path / "run", tmp_path / "prefs", SEQ, "--dpo.loss_type=simpo",
+            "--dpo.beta=2.0", "--train.max_steps=2",
         ),
     )  # fmt: skip
     session = build_session(config, RuntimeContext())

@@ -25,7 +25,7 @@ from kempnerforge.training.objectives import REF_LOGPS
 from kempnerforge.training.objectives.stored_reference import share_bounds
 from tests.support.chat_files import example_preference_corpus
 from tests.support.metrics_rows import train_rows
-from tests.support.tiny import tiny_run
+from tests.support.tiny import preference_run
 
 SEQ = 96
 
@@ -38,11 +38,9 @@ def prefs(tmp_path):
 def _config(run_dir, prefs, *extra: str):
     return load_config(
         None,
-        tiny_run(
-            run_dir, None, f"--data.path={prefs}", "--data.eval_path=",
-            f"--train.seq_len={SEQ}", f"--model.max_seq_len={SEQ}", "--train.loss_fn=dpo",
-            "--dpo.beta=0.5", "--train.max_steps=3", "--train.batch_size=4", "--eval.interval=0",
-            "--checkpoint.interval=0", *extra,
+        preference_run(
+            run_dir, prefs, SEQ, "--dpo.beta=0.5", "--train.max_steps=3",
+            "--train.batch_size=4", "--checkpoint.interval=0", *extra,
         ),
     )  # fmt: skip
 

@@ -86,16 +86,24 @@ def _our_labels(trl_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return labels
 
 
-def _trainer(policy, reference, cfg: DPOConfig, loss_type: str, extra: dict, tmp_path: Path):
-    """DPOTrainer over the HF policy and reference, offline, on CPU, logging nowhere."""
+def _word_tokenizer():
+    """An in-memory word-level tokenizer over the tiny model's ids (t0 .. t258)."""
     vocab = {f"t{i}": i for i in range(HF_TINY["vocab_size"])}
-    tokenizer = transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")),
         bos_token="t256",
         eos_token="t257",
         pad_token="t258",
     )
-    rows = [{"prompt": "t1 t2", "chosen": " t3", "rejected": " t4"}] * 2
+
+
+def _placeholder_pairs():
+    """The train_dataset a trainer is built with; the tests pass their batch directly."""
+    return datasets.Dataset.from_list([{"prompt": "t1 t2", "chosen": " t3", "rejected": " t4"}] * 2)
+
+
+def _trainer(policy, reference, cfg: DPOConfig, loss_type: str, extra: dict, tmp_path: Path):
+    """DPOTrainer over the HF policy and reference, offline, on CPU, logging nowhere."""
     args = trl.DPOConfig(
         output_dir=str(tmp_path / "trl"),
         report_to=[],
@@ -109,8 +117,8 @@ def _trainer(policy, reference, cfg: DPOConfig, loss_type: str, extra: dict, tmp
         model=policy,
         ref_model=reference,
         args=args,
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
+        train_dataset=_placeholder_pairs(),
+        processing_class=_word_tokenizer(),
     )
 
 
@@ -194,34 +202,21 @@ def test_dpo_loss_rewards_and_gradients_equal_trl(models, cfg, trl_loss, extra, 
 
     # Gradients: the same chain forward and back, then the sums over pairs and tokens.
     grad_terms = transformer_terms(cfg_model, SEQ) + SEQ + 2 * pairs
-    ours = dict(ours_policy.named_parameters())
-    for our_name, hf_name in GRADIENTS.items():
-        got_grad, want_grad = ours[our_name].grad, hf_params[hf_name].grad
-        assert got_grad is not None and want_grad is not None
-        assert want_grad.abs().max() > 0, our_name
-        assert_reordered_close(got_grad, want_grad, terms=grad_terms)
+    _assert_gradients_equal(ours_policy, hf_params, grad_terms)
 
 
 def _cpo_trainer(policy, cfg: DPOConfig, tmp_path: Path):
     """TRL's CPOTrainer computing SimPO (cpo_alpha 0: no NLL term), offline, on CPU."""
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    vocab = {f"t{i}": i for i in range(HF_TINY["vocab_size"])}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")),
-        bos_token="t256",
-        eos_token="t257",
-        pad_token="t258",
-    )
     args = CPOConfig(
         output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
         beta=cfg.beta, loss_type="simpo", simpo_gamma=cfg.simpo_gamma, cpo_alpha=0.0,
         label_smoothing=cfg.label_smoothing,
     )  # fmt: skip
-    rows = [{"prompt": "t1 t2", "chosen": " t3", "rejected": " t4"}] * 2
     return CPOTrainer(
-        model=policy, args=args, train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
+        model=policy, args=args, train_dataset=_placeholder_pairs(),
+        processing_class=_word_tokenizer(),
     )  # fmt: skip
 
 
@@ -287,6 +282,12 @@ def test_simpo_loss_rewards_and_gradients_equal_trl_cpo(models, cfg, tmp_path):
     assert abs(logged["rewards/margins"]) > 10 * cfg.beta * logp_atol, "rewards too close"
 
     grad_terms = transformer_terms(ours_policy.cfg, SEQ) + SEQ + 2 * PAIRS
+    _assert_gradients_equal(ours_policy, hf_params, grad_terms)
+
+
+def _assert_gradients_equal(ours_policy, hf_params: dict, grad_terms: int) -> None:
+    """GRADIENTS' weights: ours equal transformers' within ``grad_terms`` reordered sums,
+    and TRL's are not zero."""
     ours = dict(ours_policy.named_parameters())
     for our_name, hf_name in GRADIENTS.items():
         got_grad, want_grad = ours[our_name].grad, hf_params[hf_name].grad
