@@ -114,9 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fresh-processes",
         action="store_true",
-        help="one launch per layout; by default the layouts of one world size train one "
-        "after another in one launch (each run still builds everything from the config and "
-        "the seed; a failed run is rerun in a launch of its own)",
+        help="one launch per layout, each launcher and the reference a fresh interpreter; "
+        "by default the layouts of one world size train one after another in one launch "
+        "(each run still builds everything from the config and the seed; a failed run is "
+        "rerun in a launch of its own), and the reference and each launcher are forked "
+        "from this process, which has imported torch already",
     )
     parser.add_argument(
         "--runs-dir",
@@ -259,7 +261,9 @@ def _check(args: argparse.Namespace, overrides: list[str], layouts: list[Layout]
     # A layout named on the command line that cannot run as asked fails the check.
     comparisons = [] if plan.sweep else [_refused(r.layout) for r in refusals]
     if len(refused) < len(layouts):  # else nothing to run, not even the reference
-        outcome = run_one(train_command(args.config, REFERENCE, run_args(REFERENCE)), REFERENCE)
+        fork = not args.fresh_processes
+        reference = train_command(args.config, REFERENCE, run_args(REFERENCE))
+        outcome = run_one(reference, REFERENCE, fork=fork)
         if outcome.returncode != 0:
             print(
                 f"the single-process reference run failed; its last lines:\n{outcome.output_tail}"
@@ -268,10 +272,10 @@ def _check(args: argparse.Namespace, overrides: list[str], layouts: list[Layout]
         accepted = [layout for layout in layouts if layout not in refused]
         batched: dict[Layout, RunOutcome] = {}
         for batch in [] if args.fresh_processes else batches(accepted):
-            batched |= run_batch(args.config, batch, run_args, dirs, root)
+            batched |= run_batch(args.config, batch, run_args, dirs, root, fork=fork)
         for layout in accepted:
             outcome = batched.get(layout) or run_one(
-                train_command(args.config, layout, run_args(layout)), layout
+                train_command(args.config, layout, run_args(layout)), layout, fork=fork
             )
             comparisons.append(_compare(layout, outcome, dirs[layout], dirs[REFERENCE], args))
     comparisons.sort(key=lambda c: layouts.index(c.layout))  # in the order they were named

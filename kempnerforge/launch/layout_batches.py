@@ -17,11 +17,11 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 
+from kempnerforge.launch.forked_command import run_captured
 from kempnerforge.launch.parallel_check import Layout, RunOutcome, output_tail, print_run_line
 
 BATCH_MODULE = "kempnerforge.commands.layout_batch"
@@ -50,10 +50,13 @@ def run_batch(
     run_args: Callable[[Layout], list[str]],
     run_dirs: dict[Layout, str],
     work_dir: str,
+    *,
+    fork: bool = True,
 ) -> dict[Layout, RunOutcome]:
     """Train ``layouts`` (one world size) in one launch; the outcome of each layout the
     launch finished. The run directories of the others are removed, ready for a launch of
-    their own."""
+    their own. ``fork``: the launcher in a child forked from this process where that is
+    safe (launch/forked_command.py); its ranks are fresh interpreters either way."""
     world_size = layouts[0].world_size
     plan_path = os.path.join(work_dir, f"batch_{world_size}.json")
     plan = [{"config": config, "overrides": run_args(layout)} for layout in layouts]
@@ -64,9 +67,7 @@ def run_batch(
     names = ", ".join(layout.text for layout in layouts)
     print(f"  one launch of {world_size} processes for {len(layouts)} layouts: {names}", flush=True)
     started = time.perf_counter()
-    proc = subprocess.run(
-        batch_command(plan_path, world_size), capture_output=True, text=True, check=False
-    )
+    proc = run_captured(batch_command(plan_path, world_size), fork=fork)
     done = _finished_runs(plan_path + DONE_SUFFIX)
     outcomes: dict[Layout, RunOutcome] = {}
     for index, layout in enumerate(layouts):

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from kempnerforge.config.distributed import MESH_DIMS, PP_SCHEDULES
 from kempnerforge.core.errors import ConfigError
 from kempnerforge.core.metrics_file import METRICS_FILE, iter_rows
+from kempnerforge.launch.forked_command import run_captured
 
 PROG = "kempnerforge check-parallel"
 DEGREES = (*MESH_DIMS, "ep", "ring")
@@ -354,11 +354,12 @@ def print_run_line(layout: Layout, status: str, seconds: float) -> None:
     print(f"  {layout.text} ({processes}): {status}, {seconds:.1f} s", flush=True)
 
 
-def run_one(command: list[str], layout: Layout) -> RunOutcome:
+def run_one(command: list[str], layout: Layout, *, fork: bool = True) -> RunOutcome:
     """Run one training command to its end, report it in one line, and keep the tail of
-    what it printed."""
+    what it printed. ``fork``: in a child forked from this process where that is safe
+    (launch/forked_command.py), else in a fresh interpreter."""
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    proc = run_captured(command, fork=fork)
     seconds = time.perf_counter() - started
     status = "ok" if proc.returncode == 0 else f"exit code {proc.returncode}"
     print_run_line(layout, status, seconds)
