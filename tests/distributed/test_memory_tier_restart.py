@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import warm_process
 from tests.support.metrics_rows import events, train_rows
 from tests.support.tiny import tiny_run
 
@@ -56,7 +57,7 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedPro
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "--max_restarts=0", *_args(tmp_path, name, tmp_path / "shm", *extra),
     ]  # fmt: skip
-    return subprocess.run(
+    return warm_process.run(
         command, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600
     )
 
@@ -75,7 +76,7 @@ def _two_nodes(tmp_path: Path, name: str, *extra: str) -> list[tuple[int, str]]:
             "--max_restarts=0", *_args(tmp_path, name, tmp_path / f"shm-{node}", *extra),
         ]  # fmt: skip
         nodes.append(
-            subprocess.Popen(
+            warm_process.popen(
                 command, cwd=tmp_path, env=_env(tmp_path), stderr=subprocess.PIPE, text=True
             )
         )

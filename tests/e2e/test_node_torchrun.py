@@ -6,13 +6,13 @@ finish their part of the save."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kempnerforge.launch.node_torchrun import FAILURE_GRACE_S
+from tests.support import warm_process
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _launch(tmp_path: Path, code: int) -> tuple[int, bool]:
         "--nproc_per_node=2", "--max_restarts=0", str(script), str(out), str(code),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    done = warm_process.run(command, env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, (out / "finished").exists()
 
 

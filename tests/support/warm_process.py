@@ -72,6 +72,10 @@ from tests.support.warm_server import HEADER, STATUS
 
 REPO = pathlib.Path(__file__).parents[2]
 KEMPNERFORGE = [sys.executable, "-m", "kempnerforge"]
+WARM_MODULES = ("kempnerforge", "torch.distributed.run", "kempnerforge.launch.node_torchrun")
+"""The modules a command may run (`python -m MODULE ...`) in a child of the warm server:
+the command line, and the launchers that start its ranks (each rank a fresh interpreter
+that the launcher starts, as ever; only the launcher's own imports are spared)."""
 FRESH_ENV = "KF_TEST_FRESH_PROCESSES"
 SERVE = "from tests.support.warm_server import serve"
 
@@ -89,12 +93,15 @@ _SUPPORTED = {"cwd", "env", "stdin", "stdout", "stderr", "text", "universal_newl
 
 def popen(args: Sequence[str], **kwargs: Any) -> Process:
     """subprocess.Popen(args, **kwargs), forked from the warm server when ``args`` is
-    `python -m kempnerforge ...` and nothing about the launch needs a fresh interpreter."""
+    `python -m MODULE ...` of a module in WARM_MODULES and nothing about the launch needs a
+    fresh interpreter."""
     args = list(args)
     given_env = kwargs.get("env")
     env = dict(os.environ if given_env is None else given_env)
     if (
-        args[:3] != KEMPNERFORGE
+        args[:2] != KEMPNERFORGE[:2]
+        or len(args) < 3
+        or args[2] not in WARM_MODULES
         or set(kwargs) - _SUPPORTED
         or os.environ.get(FRESH_ENV) == "1"
         or needs_fresh_interpreter(env, _server().env)
@@ -174,6 +181,7 @@ class WarmProcess:
         else:
             child_err, self.stderr = self._stream(stderr, 2, "rb", bufsize, ours, theirs)
         request = {
+            "module": args[2],
             "args": args[3:],
             "cwd": os.path.abspath(os.getcwd() if cwd is None else cwd),
             "env": env,

@@ -1,8 +1,9 @@
 """The fork server behind tests.support.warm_process: a process that has imported torch and
-the package once, and forks one child per `python -m kempnerforge` command a test starts.
+the package once, and forks one child per `python -m MODULE` command a test starts (the
+command line, or torchrun's launcher: warm_process.WARM_MODULES).
 
 Started by warm_process as `python -c "...serve(fd)"` with one end of a socket pair. Each
-request on that socket carries the command's arguments, working directory, environment and
+request on that socket carries the command's module and arguments, working directory, environment and
 whether it leads a new session, plus four descriptors: a status socket for this command and
 the stdin, stdout and stderr the child is to have. On the status socket the child says
 ("P", pid) once it is set up, and the server says ("X", pid, exit code) when it has reaped
@@ -50,8 +51,11 @@ PRELOADED = [
     "kempnerforge.training.inference.eval_checkpoint",
     "kempnerforge.checkpoint.manager",
     "kempnerforge.data.pipeline_build",
+    "torch.distributed.run",
+    "kempnerforge.launch.node_torchrun",
 ]
-"""What a training or evaluation command imports (about 3 s of CPU in a fresh interpreter).
+"""What a training or evaluation command, or a torchrun launcher, imports (about 3 s of CPU
+in a fresh interpreter).
 None of it reads the environment at import; the libraries that do (Hugging Face's, read
 for their cache and offline switches) are left for the child to import after its
 environment is in place."""
@@ -181,13 +185,13 @@ def _child(
         if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed()  # else every child draws the server's numbers
         sys.argv = ["-m", *request["args"]]  # runpy puts the module's path in sys.argv[0]
-        sys.orig_argv = [sys.executable, "-m", "kempnerforge", *request["args"]]
+        sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
         status.sendall(STATUS.pack(b"P", os.getpid(), 0))
         status.close()
     except BaseException:
         traceback.print_exc()
         return 70
-    return _run_as_main()
+    return _run_as_main(request["module"])
 
 
 def _set_path(cwd: str, base_path: list[str]) -> None:
@@ -209,13 +213,13 @@ def _set_threads(default_threads: int) -> None:
     torch.set_num_threads(int(first) if first.isdigit() and int(first) > 0 else default_threads)
 
 
-def _run_as_main() -> int:
-    """Run `python -m kempnerforge` and finalise as the interpreter does at exit: join the
+def _run_as_main(module: str) -> int:
+    """Run `python -m MODULE` and finalise as the interpreter does at exit: join the
     non-daemon threads, run the atexit handlers, flush the standard streams. An uncaught
     KeyboardInterrupt ends the process by SIGINT, as it ends a fresh interpreter."""
     interrupted = False
     try:
-        runpy.run_module("kempnerforge", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as stop:
         code = _exit_code(stop.code)
