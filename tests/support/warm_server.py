@@ -3,12 +3,12 @@ the package once, and forks one child per `python -m MODULE` command a test star
 command line, or torchrun's launcher: warm_process.WARM_MODULES).
 
 Started by warm_process as `python -c "...serve(fd)"` with one end of a socket pair. Each
-request on that socket carries the command's module and arguments, working directory, environment and
-whether it leads a new session, plus four descriptors: a status socket for this command and
-the stdin, stdout and stderr the child is to have. On the status socket the child says
-("P", pid) once it is set up, and the server says ("X", pid, exit code) when it has reaped
-it. The server forks from its own state only, never from a child, so no command sees what
-another did; it ends when the socket pair's other end closes.
+request on that socket carries the command's module and arguments, working directory,
+environment and whether it leads a new session, plus four descriptors: a status socket for
+this command and the stdin, stdout and stderr the child is to have. On the status socket
+the child says ("P", pid) once it is set up, and the server says ("X", pid, exit code) when
+it has reaped it. The server forks from its own state only, never from a child, so no
+command sees what another did; it ends when the socket pair's other end closes.
 """
 
 from __future__ import annotations
