@@ -118,7 +118,9 @@ def _leave_finalizers_to_the_parent() -> None:
     inherited one is kept from running at exit (weakref.finalize's documented atexit
     flag). The command's own, made after the fork, still run."""
     for obj in gc.get_objects():
-        if isinstance(obj, weakref.finalize):
+        # type(), not isinstance(): the latter also asks some objects for __class__, which
+        # a deprecated torch attribute answers with a warning.
+        if issubclass(type(obj), weakref.finalize):
             obj.atexit = False
 
 

@@ -83,9 +83,14 @@ APPLIED_BY_CHILD = ("OMP_NUM_THREADS", "PYTHONPATH")
 READ_AT_START = (
     "PYTHON", "TORCH", "PYTORCH", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_",
     "MALLOC_", "LC_", "LANG", "HOME", "TZ", "CUDA", "NCCL_", "GLOO_", "KINETO", "DNNL_",
+    # torch._dynamo's and inductor's configs and sympy's, read when they are imported
+    "AOT", "INDUCTOR_", "CUTLASS_", "CUTEDSL_", "CXX", "CC", "SYMPY_", "MPMATH_", "SAGE_",
+    "PARTITIONER_", "ENABLE_", "FAKE_", "LOG_", "DUMP_", "PT2_", "UNSAFE_", "CI", "USER",
+    "LOGNAME", "LNAME",
 )  # fmt: skip
-"""Prefixes of variables read when an interpreter or torch starts: a command whose value
-differs from the server's runs in a fresh interpreter (APPLIED_BY_CHILD excepted)."""
+"""Prefixes of variables read when an interpreter or torch starts (or when the server
+preloads torch._dynamo): a command whose value differs from the server's runs in a fresh
+interpreter (APPLIED_BY_CHILD excepted)."""
 
 _SUPPORTED = {"cwd", "env", "stdin", "stdout", "stderr", "text", "universal_newlines",
               "encoding", "errors", "start_new_session", "bufsize"}  # fmt: skip
