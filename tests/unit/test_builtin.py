@@ -75,6 +75,24 @@ def test_listing_the_stdlib_never_walks_into_site_packages(fake_stdlib, monkeypa
     assert opened and not any("site-packages" in p or "dist-packages" in p for p in opened)
 
 
+def test_the_listing_is_what_os_walk_lists(fake_stdlib, tmp_path):
+    """Links as os.walk takes them: a linked directory is not entered (a loop back to the
+    root would never end), a link to a file counts; the same list as os.walk's, in order."""
+    (fake_stdlib / "loop").symlink_to(fake_stdlib, target_is_directory=True)
+    (fake_stdlib / "linked.py").symlink_to(fake_stdlib / "os.py")
+    (fake_stdlib / "dangling.py").symlink_to(tmp_path / "missing.py")
+    walked = []
+    for parent, dirs, names in os.walk(fake_stdlib):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        paths = [Path(parent, n) for n in names if n.endswith(".py")]
+        walked += [path for path in paths if path.is_file()]
+    listed = stdlib_files(str(fake_stdlib))
+    assert listed == sorted(walked, key=lambda p: p.relative_to(fake_stdlib).as_posix())
+    names = [p.relative_to(fake_stdlib).as_posix() for p in listed]
+    assert "linked.py" in names and "dangling.py" not in names
+    assert not any(n.startswith("loop/") for n in names)
+
+
 def test_builtin_corpus_is_prepared_once_then_reused(fake_stdlib, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     train, held = builtin_corpus(str(cache), ByteTokenizer(), 0.2)
