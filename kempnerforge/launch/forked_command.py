@@ -92,7 +92,7 @@ def _become(command: list[str], out_fd: int, err_fd: int) -> None:
         tempfile.tempdir = None  # TMPDIR read afresh, as at a fresh start
         sys.argv = ["-m", *command[3:]]  # runpy puts the module's path in sys.argv[0]
         sys.orig_argv = list(command)
-        code = _run_module(command[2])
+        code = run_module_as_main(command[2])
     except BaseException:
         traceback.print_exc()
     finally:
@@ -124,10 +124,12 @@ def _leave_finalizers_to_the_parent() -> None:
             obj.atexit = False
 
 
-def _run_module(module: str) -> int:
-    """Run ``module`` as __main__ and finalise as the interpreter does at exit; its exit
-    code. An uncaught KeyboardInterrupt ends the process by SIGINT, as it ends a fresh
-    interpreter."""
+def run_module_as_main(module: str) -> int:
+    """Run ``module`` as `python -m` runs it (runpy, as ``__main__``, with this process's
+    sys.argv) and finalise as the interpreter does at exit: join the non-daemon threads,
+    run the atexit handlers, flush the standard streams. Returns the exit code; an uncaught
+    KeyboardInterrupt ends the process by SIGINT, as it ends a fresh interpreter. For a
+    process forked to become the command, which then leaves with os._exit(code)."""
     interrupted = False
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -142,10 +144,10 @@ def _run_module(module: str) -> int:
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     if interrupted:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code

@@ -13,22 +13,21 @@ command sees what another did; it ends when the socket pair's other end closes.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import importlib
 import os
 import pickle
-import runpy
 import selectors
 import signal
 import socket
 import struct
 import sys
 import tempfile
-import threading
 import traceback
 from typing import Any, NoReturn
+
+from kempnerforge.launch.forked_command import run_module_as_main
 
 HEADER = struct.Struct("!Q")
 """Length of the pickled request that follows; the descriptors ride on these bytes."""
@@ -192,7 +191,7 @@ def _child(
     except BaseException:
         traceback.print_exc()
         return 70
-    return _run_as_main(request["module"])
+    return run_module_as_main(request["module"])
 
 
 def _set_path(cwd: str, base_path: list[str]) -> None:
@@ -212,39 +211,3 @@ def _set_threads(default_threads: int) -> None:
 
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     torch.set_num_threads(int(first) if first.isdigit() and int(first) > 0 else default_threads)
-
-
-def _run_as_main(module: str) -> int:
-    """Run `python -m MODULE` and finalise as the interpreter does at exit: join the
-    non-daemon threads, run the atexit handlers, flush the standard streams. An uncaught
-    KeyboardInterrupt ends the process by SIGINT, as it ends a fresh interpreter."""
-    interrupted = False
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as stop:
-        code = _exit_code(stop.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code, interrupted = 1, True
-    except BaseException as error:
-        sys.excepthook(type(error), error, error.__traceback__)
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    if interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return code
-
-
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
