@@ -99,8 +99,11 @@ def test_a_layout_that_does_not_fit_stops_every_rank_with_one_line(tmp_path, bui
     errors = [x for x in stderr.splitlines() if x.startswith("kempnerforge: error:")]
     assert len(errors) == 2 and errors[0] == errors[1], stderr[-3000:]
     assert "distributed.dp_shard = -1: expected dp_replicate * dp_shard * cp * tp * pp" in errors[0]
-    # No rank printed a traceback (torchrun prints its own, about the ranks' exit codes).
-    assert f'File "{REPO / "kempnerforge"}' not in stderr
+    # No rank printed a traceback (torchrun prints its own, about the ranks' exit codes,
+    # through the runner that ran its module when it was forked from the warm server).
+    runner = f'File "{REPO / "kempnerforge" / "launch" / "forked_command.py"}'
+    frames = [x for x in stderr.splitlines() if f'File "{REPO / "kempnerforge"}' in x]
+    assert all(x.strip().startswith(runner) for x in frames), stderr[-3000:]
 
 
 def test_sigterm_to_the_torchrun_group_saves_once_on_every_rank_and_resumes_bitwise(
